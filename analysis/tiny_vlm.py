@@ -1,0 +1,99 @@
+"""Tokenizer, processor and config of the tiny LLaVA trained on synthetic scenes.
+
+Everything is built offline from code: a word-level tokenizer (``tokenizers``), a
+``LlavaProcessor`` with a PIL CLIP image processor, and a ``LlavaConfig`` (CLIP vision tower,
+MLP projector, Llama decoder).
+
+Prompt format (the chat template)::
+
+    USER: <image>\\n<question> ASSISTANT:
+
+The tokenizer lowercases, splits on whitespace and punctuation, prepends ``<s>`` and maps
+words outside the vocabulary to ``<unk>``. The ``<image>`` placeholder expands to 144 image
+tokens in the processor. The model answers with one word followed by ``</s>``.
+"""
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                          LlavaProcessor, PreTrainedTokenizerFast)
+
+from analysis.scenes import COLORS, IMAGE_SIZE, PATCH, SHAPES
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<image>"]
+TEMPLATE_WORDS = ["user", "assistant", ":"]
+TASK_WORDS = ["what", "color", "colour", "shape", "is", "the", "object", "there", "a", "an",
+              "?", "yes", "no", "of", "which", "how", "many", "are", "in", "image", "this",
+              ".", ",", "circles", "squares", "triangles", "objects", "any"]
+VOCAB: list[str] = SPECIAL_TOKENS + TEMPLATE_WORDS + TASK_WORDS + list(COLORS) + list(SHAPES)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image>\n{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %} {% else %}</s>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+IMAGE_MEAN = [0.5, 0.5, 0.5]
+IMAGE_STD = [0.25, 0.25, 0.25]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over ``VOCAB``; ``<s>`` is prepended to every encoding."""
+    vocab = {w: i for i, w in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                 pre_tokenizers.Punctuation()])
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])])
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", extra_special_tokens={"image_token": "<image>"},
+        padding_side="left", model_max_length=512)
+
+
+def build_processor() -> LlavaProcessor:
+    """LlavaProcessor: 168-px CLIP-style image processing, 144 image tokens, chat template."""
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        do_center_crop=True, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
+    return LlavaProcessor(
+        image_processor=image_processor, tokenizer=build_tokenizer(), patch_size=PATCH,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE)
+
+
+def build_config(processor: LlavaProcessor, *, text_layers: int = 6, text_heads: int = 4,
+                 text_kv_heads: int | None = None, text_hidden: int = 128, text_mlp: int = 384,
+                 vision_hidden: int = 128, vision_layers: int = 3, vision_heads: int = 4,
+                 image_size: int = IMAGE_SIZE, patch_size: int = PATCH) -> LlavaConfig:
+    """LlavaConfig for the tiny model; ids come from ``processor.tokenizer``.
+
+    The vision tower yields (image_size / patch_size)^2 visual tokens (CLS dropped by the
+    "default" strategy, last layer's features). Word embeddings are tied.
+    """
+    tok = processor.tokenizer
+    vision = CLIPVisionConfig(
+        hidden_size=vision_hidden, intermediate_size=4 * vision_hidden,
+        num_hidden_layers=vision_layers, num_attention_heads=vision_heads,
+        image_size=image_size, patch_size=patch_size, projection_dim=vision_hidden)
+    text = LlamaConfig(
+        vocab_size=len(tok), hidden_size=text_hidden, intermediate_size=text_mlp,
+        num_hidden_layers=text_layers, num_attention_heads=text_heads,
+        num_key_value_heads=text_kv_heads or text_heads, max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    return LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
+        image_seq_length=(image_size // patch_size) ** 2, vision_feature_layer=-1,
+        vision_feature_select_strategy="default", tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)
