@@ -1,0 +1,79 @@
+"""Greedy question-answering accuracy of a LLaVA-style model on synthetic scene questions.
+
+CLI (reproduces the model card's held-out figures)::
+
+    python -m analysis.evaluate --model assets/tiny-llava --seeds 500000:500300 --per-scene 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+
+import torch
+
+from analysis.scenes import QTYPES, Question, Scene, heldout_items
+
+
+def chat_prompt(processor, question: str) -> str:
+    """The single-turn chat prompt ``USER: <image>\\n<question> ASSISTANT:``."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True)
+
+
+@torch.no_grad()
+def answer(model, processor, images: list, questions: list[str], max_new_tokens: int = 4) -> list[str]:
+    """Greedy answers (decoded, special tokens skipped, stripped) for a batch of image/questions."""
+    inputs = processor(images=images, text=[chat_prompt(processor, q) for q in questions],
+                       padding=True, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[:, inputs["input_ids"].shape[1]:]
+    return [s.strip() for s in processor.batch_decode(new, skip_special_tokens=True)]
+
+
+def evaluate(model, processor, items: Iterable[tuple[Scene, Question]],
+             batch_size: int = 32) -> dict:
+    """Exact-match accuracy of greedy one-word answers.
+
+    Returns ``{"color": acc, "shape": acc, "exist": acc, "overall": acc, "n": {qtype: count,
+    "overall": count}}``; a question type with no items gets accuracy ``nan``.
+    """
+    was_training = model.training
+    model.eval()
+    correct = {t: 0 for t in QTYPES}
+    count = {t: 0 for t in QTYPES}
+    items = list(items)
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        preds = answer(model, processor, [s.image for s, _ in chunk], [q.text for _, q in chunk])
+        for (_, q), pred in zip(chunk, preds):
+            count[q.qtype] += 1
+            correct[q.qtype] += int(pred == q.answer)
+    model.train(was_training)
+    result: dict = {t: correct[t] / count[t] if count[t] else float("nan") for t in QTYPES}
+    total = sum(count.values())
+    result["overall"] = sum(correct.values()) / total if total else float("nan")
+    result["n"] = {**count, "overall": total}
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="assets/tiny-llava")
+    parser.add_argument("--seeds", default="500000:500300", help="held-out seed range start:stop")
+    parser.add_argument("--per-scene", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start, stop = (int(v) for v in args.seeds.split(":"))
+    processor = AutoProcessor.from_pretrained(args.model)
+    model = LlavaForConditionalGeneration.from_pretrained(args.model)
+    result = evaluate(model, processor, heldout_items(range(start, stop), args.per_scene))
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,476 @@
+"""Train the tiny LLaVA on synthetic scenes (two-stage recipe, CPU, one thread).
+
+    python -m analysis.train_model --out assets/tiny-llava [--smoke] [--resume]
+
+Stage 1: dense per-patch supervision of the CLIP tower. A linear head on the last hidden
+state (CLS dropped) predicts each patch's colour (5 + background) and shape (3 + background);
+a patch is labelled with the object covering most of it if that covers > 30%. Early stop when
+per-object accuracy (majority vote over the object's labelled patches) reaches the targets.
+
+Stage 2: answer-only training of the whole ``LlavaForConditionalGeneration`` with
+shared-prefix packing: one sequence = ``<s> user : <image>x144`` followed by K question
+blocks ``<question> assistant : <answer>``; a 4D mask lets each block see only the prefix and
+itself, and each block gets the position ids of a single-question prompt. The loss is on the
+answer word (predicted from the last prompt token) and on ``</s>`` (predicted from the answer).
+Curriculum: first part of the time on 2-object scenes. The vision tower is frozen first, then
+trained at 0.1x lr. Time-based warmup + cosine schedule for each stage.
+
+Training seeds start at ``scenes.TRAIN_SEED_START``; held-out evaluation uses seeds below it.
+Checkpoints (model safetensors, head, optimizer, ``state.json``) go to ``--run-dir``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import LlavaForConditionalGeneration, LlavaProcessor
+from transformers.utils import logging as hf_logging
+
+from analysis.evaluate import chat_prompt, evaluate
+from analysis.scenes import (COLORS, N_PATCHES, QTYPES, SHAPES, TRAIN_SEED_START, Scene,
+                             heldout_items, make_questions, make_scene)
+from analysis.tiny_vlm import build_config, build_processor
+
+STAGE1_EVAL_START = 900_000  # held-out scenes for the stage-1 probe start here
+STAGE2_EVAL_START = 0  # held-out scenes for periodic stage-2 evaluation start here
+
+
+@dataclass
+class Settings:
+    """Hyper-parameters; ``--smoke`` swaps in a tiny configuration."""
+
+    model: dict
+    s1_batch: int = 32
+    s1_lr: float = 2e-3
+    s1_warmup: int = 50
+    s1_minutes: float = 16.0
+    s1_min_steps: int = 800  # earliest step for the early-stop check
+    s1_check_every: int = 200
+    s1_target_color: float = 0.98
+    s1_target_shape: float = 0.97
+    s2_images: int = 16
+    s2_questions: int = 16
+    s2_lr: float = 1.5e-3
+    s2_warmup: int = 60
+    s2_minutes: float = 65.0
+    s2_final_lr: float = 0.05  # cosine floor, fraction of the peak
+    s2_curriculum: float = 0.15  # fraction of stage-2 time on 2-object scenes
+    s2_frozen: float = 0.30  # fraction of stage-2 time with the vision tower frozen
+    s2_vision_lr: float = 0.1  # vision lr multiplier once unfrozen
+    s2_target: float = 0.99  # early stop when every type reaches this
+    s1_probe_scenes: int = 128
+    s1_max_steps: int | None = None
+    s2_max_steps: int | None = None
+    eval_minutes: float = 4.0
+    eval_scenes: int = 100
+    eval_per_scene: int = 3
+    ckpt_minutes: float = 3.0
+    log_every: int = 20
+
+
+FULL_MODEL = dict(text_layers=6, text_heads=4, text_hidden=128, text_mlp=384,
+                  vision_hidden=128, vision_layers=3, vision_heads=4)
+SMOKE_MODEL = dict(text_layers=2, text_heads=2, text_hidden=32, text_mlp=64,
+                   vision_hidden=32, vision_layers=1, vision_heads=2)
+
+
+def smoke_settings() -> Settings:
+    return Settings(model=SMOKE_MODEL, s1_batch=4, s1_warmup=2, s1_minutes=0.2, s1_min_steps=2,
+                    s1_check_every=2, s1_max_steps=6, s2_images=2, s2_questions=4, s2_warmup=2,
+                    s2_minutes=0.3, s2_max_steps=8, s1_probe_scenes=4, eval_minutes=0.0,
+                    eval_scenes=4, ckpt_minutes=0.0, log_every=2)
+
+
+@dataclass
+class State:
+    """Resumable progress; ``elapsed`` is training time (s) in the current stage."""
+
+    stage: int = 1
+    step: int = 0
+    elapsed: float = 0.0
+    next_seed: int = TRAIN_SEED_START
+    last_eval: float = 0.0
+    best: float = -1.0  # best min-over-types held-out accuracy in stage 2
+
+
+def lr_factor(step: int, elapsed: float, warmup: int, budget_s: float, floor: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine over the time budget down to ``floor``."""
+    warm = min(1.0, (step + 1) / warmup)
+    progress = min(1.0, elapsed / budget_s)
+    return warm * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def pixel_values(processor: LlavaProcessor, scenes: list[Scene]) -> torch.Tensor:
+    """Float [B, 3, 168, 168] as the processor would produce them."""
+    return processor.image_processor([s.image for s in scenes], return_tensors="pt")["pixel_values"]
+
+
+def next_scenes(state: State, n: int, max_objects: int | None = None) -> list[Scene]:
+    """The next ``n`` training scenes (seed stream in ``state``), optionally size-filtered."""
+    out: list[Scene] = []
+    while len(out) < n:
+        scene = make_scene(state.next_seed)
+        state.next_seed += 1
+        if max_objects is None or len(scene.objects) <= max_objects:
+            out.append(scene)
+    return out
+
+
+# ----------------------------------------------------------------------------- stage 1
+
+class PatchHead(torch.nn.Module):
+    """Linear per-patch classifier: hidden -> colour logits [6] + shape logits [4]."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, 1 + len(COLORS) + 1 + len(SHAPES))
+
+    def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """feats [B, 144, D] -> (colour logits [B, 144, 6], shape logits [B, 144, 4])."""
+        logits = self.proj(feats)
+        return logits[..., :1 + len(COLORS)], logits[..., 1 + len(COLORS):]
+
+
+def patch_features(model: LlavaForConditionalGeneration, pixels: torch.Tensor) -> torch.Tensor:
+    """Last vision layer's hidden states without CLS: [B, 144, D] (what LLaVA projects)."""
+    return model.model.vision_tower(pixels).last_hidden_state[:, 1:]
+
+
+def patch_labels(scenes: list[Scene]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(colour ids [B, 144], shape ids [B, 144]); 0 = background."""
+    labels = [s.patch_labels() for s in scenes]
+    return (torch.from_numpy(np.stack([c for c, _ in labels])),
+            torch.from_numpy(np.stack([s for _, s in labels])))
+
+
+@torch.no_grad()
+def probe_objects(model, head: PatchHead, processor, seeds: range) -> dict[str, float]:
+    """Per-object colour/shape accuracy (majority vote over its labelled patches), bg accuracy."""
+    scenes = [make_scene(s) for s in seeds]
+    hits = {"color": 0, "shape": 0, "objects": 0, "bg_hit": 0, "bg": 0}
+    for start in range(0, len(scenes), 32):
+        chunk = scenes[start:start + 32]
+        c_logits, s_logits = head(patch_features(model, pixel_values(processor, chunk)))
+        c_pred, s_pred = c_logits.argmax(-1).numpy(), s_logits.argmax(-1).numpy()
+        for i, scene in enumerate(chunk):
+            c_lab, _ = scene.patch_labels()
+            hits["bg_hit"] += int((c_pred[i][c_lab == 0] == 0).sum())
+            hits["bg"] += int((c_lab == 0).sum())
+            owner = scene.coverage.argmax(0)
+            for j, obj in enumerate(scene.objects):
+                patches = (owner == j) & (c_lab > 0)
+                if not patches.any():
+                    continue
+                hits["objects"] += 1
+                hits["color"] += int(np.bincount(c_pred[i][patches], minlength=6).argmax()
+                                     == list(COLORS).index(obj.color) + 1)
+                hits["shape"] += int(np.bincount(s_pred[i][patches], minlength=4).argmax()
+                                     == SHAPES.index(obj.shape) + 1)
+    return {"color": hits["color"] / hits["objects"], "shape": hits["shape"] / hits["objects"],
+            "background": hits["bg_hit"] / hits["bg"]}
+
+
+# ----------------------------------------------------------------------------- stage 2
+
+@dataclass
+class PackedBatch:
+    """Shared-prefix packed batch.
+
+    input_ids, position_ids: [B, T]; attention_mask: float [B, 1, T, T] (0 = attend,
+    dtype-min = masked); pixel_values: [B, 3, H, W]; loss_rows: [N] flat indices into B*T
+    whose next-token prediction is supervised; loss_targets: [N]; answer_rows: [K_total]
+    the subset of loss_rows predicting the answer word (for train accuracy).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    pixel_values: torch.Tensor
+    loss_rows: torch.Tensor
+    loss_targets: torch.Tensor
+    answer_rows: torch.Tensor
+
+
+class Packer:
+    """Builds packed batches; prompt pieces come from the real chat template + tokenizer."""
+
+    def __init__(self, processor: LlavaProcessor, n_image_tokens: int = N_PATCHES):
+        self.processor = processor
+        self.tok = processor.tokenizer
+        self.image_id = self.tok.image_token_id
+        self.n_image_tokens = n_image_tokens
+        self._blocks: dict[str, list[int]] = {}
+        self.prefix = self._split("x")[0]
+
+    def _split(self, question: str) -> tuple[list[int], list[int]]:
+        """(prefix ids with the image expanded, question-block ids) of the chat prompt."""
+        ids = self.tok(chat_prompt(self.processor, question))["input_ids"]
+        cut = ids.index(self.image_id)
+        return ids[:cut] + [self.image_id] * self.n_image_tokens, ids[cut + 1:]
+
+    def block(self, question: str) -> list[int]:
+        if question not in self._blocks:
+            self._blocks[question] = self._split(question)[1]
+        return self._blocks[question]
+
+    def pack(self, scenes: list[Scene], questions: list[list]) -> tuple[list[list[int]], ...]:
+        """Token ids, positions, block ids (0 prefix, j>0 block, -1 pad) and loss pairs."""
+        eos = self.tok.eos_token_id
+        seqs, poss, blks, losses = [], [], [], []
+        for qs in questions:
+            ids, pos, blk = list(self.prefix), list(range(len(self.prefix))), [0] * len(self.prefix)
+            loss = []  # (row, target, is_answer)
+            for j, q in enumerate(qs, start=1):
+                body = self.block(q.text) + [self.tok.convert_tokens_to_ids(q.answer)]
+                start = len(ids)
+                ids += body
+                pos += range(len(self.prefix), len(self.prefix) + len(body))
+                blk += [j] * len(body)
+                loss += [(start + len(body) - 2, body[-1], True), (start + len(body) - 1, eos, False)]
+            seqs.append(ids), poss.append(pos), blks.append(blk), losses.append(loss)
+        return seqs, poss, blks, losses
+
+    def batch(self, scenes: list[Scene], questions: list[list]) -> PackedBatch:
+        seqs, poss, blks, losses = self.pack(scenes, questions)
+        B, T = len(seqs), max(len(s) for s in seqs)
+        input_ids = torch.full((B, T), self.tok.pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros((B, T), dtype=torch.long)
+        block = torch.full((B, T), -1, dtype=torch.long)
+        rows, targets, is_answer = [], [], []
+        for b in range(B):
+            n = len(seqs[b])
+            input_ids[b, :n] = torch.tensor(seqs[b])
+            position_ids[b, :n] = torch.tensor(poss[b])
+            block[b, :n] = torch.tensor(blks[b])
+            for row, target, ans in losses[b]:
+                rows.append(b * T + row), targets.append(target), is_answer.append(ans)
+        q_blk, k_blk = block[:, :, None], block[:, None, :]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        allowed = causal & (q_blk >= 0) & ((k_blk == 0) | (k_blk == q_blk))
+        allowed |= torch.eye(T, dtype=torch.bool)  # padding rows attend to themselves
+        mask = torch.zeros((B, 1, T, T)).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+        rows_t = torch.tensor(rows)
+        return PackedBatch(input_ids, position_ids, mask, pixel_values(self.processor, scenes),
+                           rows_t, torch.tensor(targets), rows_t[torch.tensor(is_answer)])
+
+
+def packed_loss(model: LlavaForConditionalGeneration, batch: PackedBatch) -> tuple[torch.Tensor, float]:
+    """(mean cross-entropy over supervised rows, train accuracy on the answer words)."""
+    hidden = model.model(input_ids=batch.input_ids, pixel_values=batch.pixel_values,
+                         attention_mask=batch.attention_mask,
+                         position_ids=batch.position_ids).last_hidden_state
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logits = model.lm_head(flat[batch.loss_rows])
+    loss = F.cross_entropy(logits, batch.loss_targets)
+    is_answer = torch.isin(batch.loss_rows, batch.answer_rows)
+    acc = (logits[is_answer].argmax(-1) == batch.loss_targets[is_answer]).float().mean().item()
+    return loss, acc
+
+
+# ----------------------------------------------------------------------------- driver
+
+class Trainer:
+    """Runs both stages with time budgets, periodic evaluation and resumable checkpoints."""
+
+    def __init__(self, out: Path, run_dir: Path, settings: Settings, resume: bool):
+        self.out, self.run_dir, self.cfg = out, run_dir, settings
+        self.processor = build_processor()
+        self.model = LlavaForConditionalGeneration(build_config(self.processor, **settings.model))
+        self.head = PatchHead(self.model.config.vision_config.hidden_size)
+        self.packer = Packer(self.processor)
+        self.state = State()
+        self.optimizer = self._make_optimizer()
+        self._probe_seeds = range(STAGE1_EVAL_START, STAGE1_EVAL_START + settings.s1_probe_scenes)
+        if resume and (run_dir / "state.json").exists():
+            self._load()
+        print(f"parameters: {sum(p.numel() for p in self.model.parameters()):,}", flush=True)
+
+    # -- optimisation set-up
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        if self.state.stage == 1:
+            groups = [{"params": list(self.model.model.vision_tower.parameters())
+                       + list(self.head.parameters()), "lr_mult": 1.0}]
+            lr = self.cfg.s1_lr
+        else:
+            vision = list(self.model.model.vision_tower.parameters())
+            ids = {id(p) for p in vision}
+            rest = [p for p in self.model.parameters() if id(p) not in ids]
+            groups = [{"params": rest, "lr_mult": 1.0},
+                      {"params": vision, "lr_mult": self.cfg.s2_vision_lr}]
+            lr = self.cfg.s2_lr
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+
+    def _set_lr(self, base: float, factor: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = base * factor * group["lr_mult"]
+
+    # -- checkpoints
+    def _save(self) -> None:
+        tmp = self.run_dir / "tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.model.save_pretrained(tmp / "model")
+        save_file(self.head.state_dict(), str(tmp / "head.safetensors"))
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps(asdict(self.state)))
+        for name in ("model", "head.safetensors", "optimizer.pt", "state.json"):
+            dest = self.run_dir / name
+            if dest.is_dir():
+                shutil.rmtree(dest)
+            (tmp / name).replace(dest)
+        tmp.rmdir()
+
+    def _load(self) -> None:
+        self.state = State(**json.loads((self.run_dir / "state.json").read_text()))
+        loaded = LlavaForConditionalGeneration.from_pretrained(self.run_dir / "model")
+        self.model.load_state_dict(loaded.state_dict())
+        self.head.load_state_dict(load_file(str(self.run_dir / "head.safetensors")))
+        self.optimizer = self._make_optimizer()
+        self.optimizer.load_state_dict(torch.load(self.run_dir / "optimizer.pt", weights_only=True))
+        print(f"resumed: {self.state}", flush=True)
+
+    def export(self) -> None:
+        """Save the model and processor for ``from_pretrained`` into ``out``."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(self.out)
+        self.processor.save_pretrained(self.out)
+
+    # -- stages
+    def stage1(self) -> None:
+        cfg, st = self.cfg, self.state
+        budget = cfg.s1_minutes * 60
+        self.model.train()
+        last_ckpt = time.time()
+        while st.elapsed < budget and st.step < (cfg.s1_max_steps or math.inf):
+            t0 = time.time()
+            scenes = next_scenes(st, cfg.s1_batch)
+            colors, shapes = patch_labels(scenes)
+            c_logits, s_logits = self.head(patch_features(self.model, pixel_values(self.processor, scenes)))
+            loss = (F.cross_entropy(c_logits.reshape(-1, c_logits.shape[-1]), colors.reshape(-1))
+                    + F.cross_entropy(s_logits.reshape(-1, s_logits.shape[-1]), shapes.reshape(-1)))
+            self._set_lr(cfg.s1_lr, lr_factor(st.step, st.elapsed, cfg.s1_warmup, budget, 0.05))
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], 1.0)
+            self.optimizer.step()
+            st.step += 1
+            dt = time.time() - t0
+            st.elapsed += dt
+            if st.step % cfg.log_every == 0:
+                print(f"[s1] step {st.step} loss {loss.item():.4f} {dt:.2f}s/step "
+                      f"t={st.elapsed / 60:.1f}min", flush=True)
+            if st.step >= cfg.s1_min_steps and st.step % cfg.s1_check_every == 0:
+                acc = probe_objects(self.model, self.head, self.processor, self._probe_seeds)
+                print(f"[s1] step {st.step} probe {json.dumps(acc)}", flush=True)
+                if acc["color"] >= cfg.s1_target_color and acc["shape"] >= cfg.s1_target_shape:
+                    break
+            if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
+                self._save()
+                last_ckpt = time.time()
+        acc = probe_objects(self.model, self.head, self.processor, self._probe_seeds)
+        print(f"[s1] done: step {st.step}, {st.elapsed / 60:.1f} min, probe {json.dumps(acc)}", flush=True)
+        self.state = State(stage=2, next_seed=st.next_seed)
+        self.optimizer = self._make_optimizer()
+        self._save()
+
+    def _eval(self) -> dict:
+        seeds = range(STAGE2_EVAL_START, STAGE2_EVAL_START + self.cfg.eval_scenes)
+        return evaluate(self.model, self.processor, heldout_items(seeds, self.cfg.eval_per_scene))
+
+    def stage2(self) -> None:
+        cfg, st = self.cfg, self.state
+        budget = cfg.s2_minutes * 60
+        vision = self.model.model.vision_tower
+        last_ckpt = time.time()
+        self.model.train()
+        while st.elapsed < budget and st.step < (cfg.s2_max_steps or math.inf):
+            t0 = time.time()
+            frozen = st.elapsed < cfg.s2_frozen * budget
+            vision.requires_grad_(not frozen)
+            curriculum = st.elapsed < cfg.s2_curriculum * budget
+            scenes = next_scenes(st, cfg.s2_images, max_objects=2 if curriculum else None)
+            questions = [make_questions(s, s.seed, cfg.s2_questions) for s in scenes]
+            loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions))
+            self._set_lr(cfg.s2_lr, lr_factor(st.step, st.elapsed, cfg.s2_warmup, budget, cfg.s2_final_lr))
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            st.step += 1
+            dt = time.time() - t0
+            st.elapsed += dt
+            if st.step % cfg.log_every == 0:
+                phase = ("curriculum " if curriculum else "") + ("frozen" if frozen else "unfrozen")
+                print(f"[s2] step {st.step} loss {loss.item():.4f} train_acc {acc:.3f} {dt:.2f}s/step "
+                      f"t={st.elapsed / 60:.1f}min ({phase})", flush=True)
+            if st.elapsed - st.last_eval > cfg.eval_minutes * 60:
+                st.last_eval = st.elapsed
+                res = self._eval()
+                print(f"[s2] step {st.step} held-out {json.dumps(res)}", flush=True)
+                worst = min(res[t] for t in QTYPES)
+                if worst > st.best:
+                    st.best = worst
+                    self.export()
+                    print(f"[s2] exported (min type accuracy {worst:.3f}) to {self.out}", flush=True)
+                if worst >= cfg.s2_target:
+                    break
+            if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
+                self._save()
+                last_ckpt = time.time()
+        res = self._eval()
+        print(f"[s2] done: step {st.step}, {st.elapsed / 60:.1f} min, held-out {json.dumps(res)}", flush=True)
+        if min(res[t] for t in QTYPES) >= st.best:
+            self.export()
+            print(f"[s2] exported final model to {self.out}", flush=True)
+        st.stage = 3
+        self._save()
+
+
+def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
+    parser = argparse.ArgumentParser(description="Train the tiny LLaVA on synthetic scenes.")
+    parser.add_argument("--out", type=Path, help="export folder (default with --smoke: a temp dir)")
+    parser.add_argument("--run-dir", type=Path, help="checkpoint folder (default runs/train)")
+    parser.add_argument("--resume", action="store_true", help="continue from --run-dir")
+    parser.add_argument("--smoke", action="store_true", help="a few steps of a tiny config (< 60 s)")
+    parser.add_argument("--stage1-minutes", type=float, help="stage-1 time budget")
+    parser.add_argument("--stage2-minutes", type=float, help="stage-2 time budget")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    hf_logging.disable_progress_bar()
+    settings = smoke_settings() if args.smoke else Settings(model=FULL_MODEL)
+    if args.stage1_minutes is not None:
+        settings.s1_minutes = args.stage1_minutes
+    if args.stage2_minutes is not None:
+        settings.s2_minutes = args.stage2_minutes
+    if args.out is None and not args.smoke:
+        parser.error("--out is required")
+    out = args.out or Path(tempfile.mkdtemp(prefix="tiny-llava-smoke-"))
+    run_dir = args.run_dir or (out / "_run" if args.smoke else Path("runs/train"))
+    trainer = Trainer(out, run_dir, settings, args.resume)
+    started = time.time()
+    if trainer.state.stage == 1:
+        trainer.stage1()
+    if trainer.state.stage == 2:
+        trainer.stage2()
+    if not (out / "config.json").exists():
+        trainer.export()
+    if args.smoke and args.run_dir is None:
+        shutil.rmtree(run_dir)
+    print(f"finished in {(time.time() - started) / 60:.1f} min (this process); model in {out}", flush=True)
+    return trainer.model
+
+
+if __name__ == "__main__":
+    main()

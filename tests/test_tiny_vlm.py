@@ -1,0 +1,116 @@
+"""Tiny LLaVA: tokenizer/processor, packing, smoke training, the shipped model."""
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+from analysis.evaluate import chat_prompt, evaluate
+from analysis.scenes import TRAIN_SEED_START, heldout_items, make_questions, make_scene
+from analysis.tiny_vlm import build_config, build_processor
+
+SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "tiny-llava"
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return build_processor()
+
+
+def tiny_model(processor) -> LlavaForConditionalGeneration:
+    torch.manual_seed(0)
+    config = build_config(processor, text_layers=4, text_hidden=64, vision_hidden=32, vision_layers=1)
+    return LlavaForConditionalGeneration(config).eval()
+
+
+def test_chat_prompt_and_image_tokens(processor):
+    prompt = chat_prompt(processor, "What color is the circle?")
+    assert prompt == "USER: <image>\nWhat color is the circle? ASSISTANT:"
+    inputs = processor(images=make_scene(0).image, text=prompt, return_tensors="pt")
+    ids = inputs["input_ids"][0]
+    tok = processor.tokenizer
+    assert (ids == tok.image_token_id).sum() == 144
+    assert inputs["pixel_values"].shape == (1, 3, 168, 168)
+    words = tok.convert_ids_to_tokens(ids[ids != tok.image_token_id].tolist())
+    assert words == ["<s>", "user", ":", "what", "color", "is", "the", "circle", "?", "assistant", ":"]
+
+
+def test_tokenizer_unknown_words_and_decoding(processor):
+    tok = processor.tokenizer
+    ids = tok("Is there a zebra?", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["is", "there", "a", "<unk>", "?"]
+    answer = [tok.convert_tokens_to_ids("red"), tok.eos_token_id]
+    assert processor.batch_decode([answer], skip_special_tokens=True) == ["red"]
+
+
+def test_config_ids_and_small_sizes(processor):
+    config = build_config(processor, text_layers=4, text_hidden=64, vision_hidden=32,
+                          vision_layers=1, text_kv_heads=2)
+    tok = processor.tokenizer
+    assert config.image_token_index == tok.image_token_id < config.text_config.vocab_size
+    assert config.image_seq_length == 144 and config.vision_feature_layer == -1
+    assert config.text_config.num_key_value_heads == 2
+    model = LlavaForConditionalGeneration(config)
+    assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    default = build_config(processor)
+    assert (default.text_config.num_hidden_layers, default.text_config.hidden_size) == (6, 128)
+
+
+def test_packing_matches_single_prompts(processor):
+    """Shared-prefix packed logits equal those of separate single-question prompts."""
+    from analysis.train_model import Packer
+
+    model = tiny_model(processor)
+    scenes = [make_scene(TRAIN_SEED_START + i) for i in range(2)]
+    questions = [make_questions(s, s.seed, 3) for s in scenes]
+    batch = Packer(processor).batch(scenes, questions)
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch.input_ids, pixel_values=batch.pixel_values,
+                             attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids).last_hidden_state
+        packed = model.lm_head(hidden.reshape(-1, hidden.shape[-1])[batch.loss_rows])
+        row = 0
+        for scene, qs in zip(scenes, questions):
+            for q in qs:
+                text = chat_prompt(processor, q.text) + " " + q.answer
+                inputs = processor(images=scene.image, text=text, return_tensors="pt")
+                single = model(**inputs).logits[0]
+                assert batch.loss_targets[row] == inputs["input_ids"][0, -1]
+                assert batch.loss_targets[row + 1] == processor.tokenizer.eos_token_id
+                torch.testing.assert_close(packed[row], single[-2], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(packed[row + 1], single[-1], atol=1e-5, rtol=1e-4)
+                row += 2
+
+
+def test_smoke_training_saves_and_reloads(tmp_path):
+    from analysis.train_model import main
+
+    model = main(["--smoke", "--out", str(tmp_path)]).eval()
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    reloaded = LlavaForConditionalGeneration.from_pretrained(tmp_path).eval()
+    inputs = processor(images=make_scene(3).image, text=chat_prompt(processor, "is there a red circle ?"),
+                       return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, reloaded(**inputs).logits, atol=0, rtol=0)
+    assert (tmp_path / "model.safetensors").stat().st_size < 25e6
+
+
+def test_resume_restores_state(tmp_path):
+    from analysis.train_model import Trainer, smoke_settings
+
+    trainer = Trainer(tmp_path / "out", tmp_path / "run", smoke_settings(), resume=False)
+    trainer.stage1()  # ends with a checkpoint at the start of stage 2
+    resumed = Trainer(tmp_path / "out", tmp_path / "run", smoke_settings(), resume=True)
+    assert resumed.state == trainer.state and resumed.state.stage == 2
+    for (name, a), b in zip(trainer.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHIPPED / "config.json").exists(), reason="no shipped model")
+def test_shipped_model_answers_heldout_questions():
+    processor = AutoProcessor.from_pretrained(SHIPPED)
+    model = LlavaForConditionalGeneration.from_pretrained(SHIPPED)
+    result = evaluate(model, processor, heldout_items(range(700_000, 700_010), 3))
+    assert result["n"]["overall"] == 30
+    assert result["overall"] >= 0.9, result
