@@ -1,0 +1,32 @@
+"""HAP: Head-Adaptive visual token Pruning for vision-language models.
+
+    model, processor = hap.load_model("llava-hf/llava-1.5-7b-hf")
+    result = hap.run(model, processor, image, "What is in the image?", hap.HAPConfig(retain=0.056))
+
+or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
+"""
+
+from .budget import DecoderShape, Schedule, solve_schedule
+from .config import METHODS, HAPConfig
+from .load import ModelLoadError, load_model
+from .patch import apply as patch
+from .patch import patched
+from .patch import remove as unpatch
+from .run import Group, Maps, Result, run
+
+__all__ = [
+    "METHODS",
+    "DecoderShape",
+    "Group",
+    "HAPConfig",
+    "Maps",
+    "ModelLoadError",
+    "Result",
+    "Schedule",
+    "load_model",
+    "patch",
+    "patched",
+    "run",
+    "solve_schedule",
+    "unpatch",
+]

@@ -1,0 +1,172 @@
+"""FLOPs accounting, layer groups and per-group visual-token budgets (DESIGN.md 4.1-4.2 and 5).
+
+One convention for every method: per decoder layer and n tokens in the sequence, multiply-accumulates
+
+    q, o projections     2 n d^2
+    k, v projections     2 n d d_kv          (d_kv = kv_heads * head_dim; = d without GQA)
+    attention            2 n^2 d             (q k^T and attention @ v)
+    gated FFN            3 n d m
+
+which is 4nd^2 + 2n^2d + 3ndm for multi-head attention (the SparseVLM / AutoPrune / FitPrune
+convention). Prefill FLOPs are the sum over layers; the FLOPs ratio compares a schedule with the
+unpruned one on the same sequence. "Retained visual tokens" is the plain average over ALL decoder
+layers of the visual tokens present in each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FLOPS_CONVENTION = "MACs per layer: 2nd^2 + 2n*d*d_kv + 2n^2d + 3ndm (= 4nd^2+2n^2d+3ndm without GQA)"
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The decoder dimensions the accounting needs."""
+
+    layers: int
+    hidden: int  # d
+    intermediate: int  # m, gated FFN width
+    kv_dim: int  # d_kv = num_key_value_heads * head_dim
+
+    @classmethod
+    def mha(cls, layers: int, hidden: int, intermediate: int) -> "DecoderShape":
+        return cls(layers, hidden, intermediate, hidden)
+
+
+def layer_flops(n: int | float, shape: DecoderShape) -> int | float:
+    """Multiply-accumulates of one decoder layer over a sequence of n tokens (exact for integer n;
+    fractional n serves the continuous budget solve)."""
+    d, m = shape.hidden, shape.intermediate
+    return 2 * n * d * d + 2 * n * d * shape.kv_dim + 2 * n * n * d + 3 * n * d * m
+
+
+def prefill_flops(visual_per_layer: list[int], text_tokens: int, shape: DecoderShape) -> int:
+    """Prefill MACs when layer l holds `visual_per_layer[l]` visual tokens and every text token."""
+    return sum(layer_flops(text_tokens + v, shape) for v in visual_per_layer)
+
+
+@dataclass
+class Schedule:
+    """Which decoder layers run on how many visual tokens.
+
+    `cuts[g]` is the first layer of group g; group g spans layers [cuts[g], cuts[g+1]) (the last
+    one ends at the last layer) and keeps `kept[g]` of the visual tokens present before it.
+    """
+
+    num_visual: int
+    num_layers: int
+    cuts: list[int]
+    kept: list[int]
+    target_retain: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def visual_per_layer(self) -> list[int]:
+        """[layers] visual tokens present in each decoder layer."""
+        counts = [self.num_visual] * self.num_layers
+        for g, start in enumerate(self.cuts):
+            end = self.cuts[g + 1] if g + 1 < len(self.cuts) else self.num_layers
+            counts[start:end] = [self.kept[g]] * (end - start)
+        return counts
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """[(start, end)] decoder-layer range of each group."""
+        ends = self.cuts[1:] + [self.num_layers]
+        return list(zip(self.cuts, ends))
+
+    @property
+    def retained_tokens(self) -> float:
+        """Visual tokens present, averaged over all decoder layers."""
+        return sum(self.visual_per_layer) / self.num_layers
+
+    @property
+    def retain(self) -> float:
+        return self.retained_tokens / self.num_visual
+
+    def flops_ratio(self, text_tokens: int, shape: DecoderShape) -> float:
+        full = prefill_flops([self.num_visual] * self.num_layers, text_tokens, shape)
+        return prefill_flops(self.visual_per_layer, text_tokens, shape) / full
+
+
+def group_cuts(num_layers: int, first_layers: int, groups: int) -> list[int]:
+    """First layer of each of `groups` near-equal contiguous groups of layers [first_layers, num_layers)."""
+    span = num_layers - first_layers
+    if first_layers >= num_layers:
+        raise ValueError(f"first_layers={first_layers} must be < the decoder's {num_layers} layers")
+    if groups > span:
+        raise ValueError(
+            f"groups={groups} must be <= {span}: layers [{first_layers}, {num_layers}) cannot be split into more groups"
+        )
+    return [first_layers + (g * span) // groups for g in range(groups)]
+
+
+def _counts(k1: float, decay: float, groups: int, num_visual: int) -> list[float]:
+    return [min(float(num_visual), k1 * decay**g) for g in range(groups)]
+
+
+def _round_counts(counts: list[float], num_visual: int, notes: list[str]) -> list[int]:
+    kept = []
+    for g, c in enumerate(counts):
+        k = int(round(c))
+        if k < 1:
+            notes.append(f"group {g} budget rounds to {c:.2f} tokens; keeping 1 (at least one per group)")
+            k = 1
+        kept.append(min(k, num_visual if not kept else kept[-1]))
+    return kept
+
+
+def solve_schedule(
+    num_visual: int,
+    shape: DecoderShape,
+    *,
+    first_layers: int,
+    groups: int,
+    decay: float,
+    retain: float | None = None,
+    flops_ratio: float | None = None,
+    text_tokens: int = 0,
+) -> Schedule:
+    """Solve k_1 (then k_g = k_1 * decay^(g-1), capped at num_visual) so the schedule hits the target.
+
+    The target is the layer-averaged retained fraction `retain`, or the prefill FLOPs ratio
+    `flops_ratio` (which depends on `text_tokens`). k_1 is found by bisection on the continuous
+    schedule, then each k_g is rounded to an integer (at least 1, non-increasing); the rounding
+    shows in the returned schedule's achieved `retain` and `flops_ratio(...)`.
+    Raises ValueError when the target is below what the first `first_layers` full layers already cost.
+    """
+    if (retain is None) == (flops_ratio is None):
+        raise ValueError("solve_schedule needs exactly one of retain or flops_ratio")
+    L = shape.layers
+    cuts = group_cuts(L, first_layers, groups)
+    lengths = [e - s for s, e in zip(cuts, cuts[1:] + [L])]
+    full_flops = prefill_flops([num_visual] * L, text_tokens, shape)
+
+    def achieved(k1: float) -> float:
+        per_layer = [float(num_visual)] * first_layers
+        for length, c in zip(lengths, _counts(k1, decay, groups, num_visual)):
+            per_layer += [c] * length
+        if retain is not None:
+            return sum(per_layer) / (L * num_visual)
+        return sum(layer_flops(text_tokens + v, shape) for v in per_layer) / full_flops
+
+    target = retain if retain is not None else flops_ratio
+    name = "retain" if retain is not None else "flops_ratio"
+    if achieved(num_visual / decay ** (groups - 1)) <= target:  # every layer keeps everything
+        return Schedule(num_visual, L, cuts, [num_visual] * groups, retain)
+    floor = achieved(0.0)
+    if target < floor:
+        raise ValueError(
+            f"{name}={target:g} is unreachable: with first_layers={first_layers} of {L} decoder layers keeping all "
+            f"{num_visual} visual tokens, the minimum is {floor:.4f}; lower first_layers (0 prunes before the first "
+            f"layer) or raise {name}"
+        )
+    lo, hi = 0.0, num_visual / decay ** (groups - 1)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if achieved(mid) < target else (lo, mid)
+    notes: list[str] = []
+    kept = _round_counts(_counts(hi, decay, groups, num_visual), num_visual, notes)
+    return Schedule(num_visual, L, cuts, kept, retain, notes)
+

@@ -1,0 +1,39 @@
+"""Prompt-row attention recomputed from q and k, so the model itself keeps running on SDPA (DESIGN.md 4.6).
+
+For the layers whose maps are needed, only the prompt rows are recomputed:
+softmax(q_P k^T / sqrt(d_h)) with RoPE already applied to q and k, the causal mask, the padding
+mask, and grouped-query heads expanded. Cost O(|P| T d) per layer instead of O(T^2 d).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def prompt_attention(
+    q_rows: torch.Tensor,
+    keys: torch.Tensor,
+    row_pos: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention probabilities of the prompt rows over every key, in float32.
+
+    q_rows [batch, heads, P, d_h] (post-RoPE queries of the rows); keys [batch, kv_heads, T, d_h]
+    (post-RoPE); row_pos long [P] or [batch, P], each row's index in the T keys (causal: a row sees
+    keys at index <= its own); key_valid bool [batch, T] or None (False = padding).
+    Returns [batch, heads, P, T]; every row sums to 1 over the keys it may see.
+    """
+    heads, kv_heads = q_rows.shape[1], keys.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads")
+    k = keys.repeat_interleave(heads // kv_heads, dim=1)
+    logits = (q_rows.float() @ k.float().transpose(-1, -2)) * scaling  # [B, H, P, T]
+    T = keys.shape[2]
+    if row_pos.dim() == 1:
+        row_pos = row_pos.unsqueeze(0)
+    allowed = torch.arange(T, device=keys.device)[None, None, :] <= row_pos[:, :, None]  # [B|1, P, T]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, :]
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    return logits.softmax(-1).nan_to_num(0.0)

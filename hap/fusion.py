@@ -1,0 +1,56 @@
+"""PAQ-weighted fusion of attention maps, token scores and top-k selection (DESIGN.md 4.3-4.4).
+
+A group's maps are stacked as `attn [batch, layers, heads, prompt, visual]` with `paq [batch,
+layers, heads]`. The weights w = softmax(PAQ / T) run over all (layer, head) pairs of the group;
+T = inf gives uniform averaging. The group map M = sum w * A factors into head fusion per layer
+(softmax over that layer's heads) and layer fusion with beta_l = the layer's share of w.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fusion_weights(paq: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(PAQ / T) over every trailing dim: `paq [batch, ...]` -> same shape, summing to 1 per sample."""
+    flat = paq.float().flatten(1) / temperature
+    return flat.softmax(-1).view_as(paq)
+
+
+def fuse(attn: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of maps: `attn [batch, *w, prompt, visual]`, `weights [batch, *w]` -> `[batch, prompt, visual]`."""
+    w = weights.to(attn.dtype)
+    return (attn * w[..., None, None]).flatten(1, -3).sum(1)
+
+
+def head_fusion(attn: torch.Tensor, paq: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-layer head fusion: `attn [batch, layers, heads, P, V]`, `paq [batch, layers, heads]` -> `[batch, layers, P, V]`."""
+    w = paq.float().div(temperature).softmax(-1)
+    return (attn * w[..., None, None].to(attn.dtype)).sum(2)
+
+
+def layer_shares(paq: torch.Tensor, temperature: float) -> torch.Tensor:
+    """beta_l: each layer's share of the group softmax mass, `[batch, layers]`."""
+    return fusion_weights(paq, temperature).sum(-1)
+
+
+def group_map(attn: torch.Tensor, paq: torch.Tensor, temperature: float) -> torch.Tensor:
+    """M_g = sum_{l,h} softmax(PAQ/T)[l,h] A[l,h]: `[batch, layers, heads, P, V]` -> `[batch, P, V]`."""
+    return fuse(attn, fusion_weights(paq, temperature))
+
+
+def token_scores(fused: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
+    """s_v = L2 norm over the valid prompt rows: `fused [batch, P, V]`, `row_valid [batch, P]` -> `[batch, V]`."""
+    rows = fused.float() * row_valid[:, :, None].to(torch.float32)
+    return rows.norm(dim=1)
+
+
+def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores per sample, ties broken by position, in ascending order.
+
+    scores [batch, V] -> long [batch, k].
+    """
+    if not 1 <= k <= scores.shape[-1]:
+        raise ValueError(f"k={k} must be in [1, {scores.shape[-1]}]")
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[:, :k].sort(dim=-1).values

@@ -1,0 +1,85 @@
+"""Per-head statistics from prompt-row attention: sink share, dispersion, visual share, PAQ, class.
+
+DESIGN.md section 3. Input everywhere is the attention of one decoder layer's prompt rows over the
+visual columns, `attn [batch, heads, prompt, visual]`, whose rows were softmaxed over ALL keys (so a
+row sums to the head's visual share, not to 1). `row_valid [batch, prompt]` marks the rows that are
+real prompt tokens of that sample (left padding makes prompts of different lengths share one
+tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SINK, DISPERSED, OPTIMAL = "sink", "dispersed", "optimal"
+CLASSES = (SINK, DISPERSED, OPTIMAL)
+_EPS = 1e-12
+
+
+@dataclass
+class HeadStats:
+    """Statistics of every head of one layer, each `[batch, heads]`."""
+
+    sink_share: torch.Tensor  # sigma: mean over rows of the attention mass on sink tokens
+    dispersion: torch.Tensor  # delta: mean over rows of normalised entropy over non-sink tokens
+    visual_share: torch.Tensor  # mu: mean over rows of the attention mass on the image at all
+    paq: torch.Tensor  # (1 - sigma) * (1 - delta), in [0, 1]
+
+
+def sink_tokens(visual_hidden: torch.Tensor, rho: float) -> torch.Tensor:
+    """Massive-activation detector: `visual_hidden [batch, visual, d]` -> bool `[batch, visual]`.
+
+    A visual token is a sink when the L2 norm of its input hidden state exceeds `rho` times the
+    median norm over the sample's visual tokens.
+    """
+    norms = visual_hidden.float().norm(dim=-1)
+    return norms > rho * norms.median(dim=-1, keepdim=True).values
+
+
+def _row_mean(x: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
+    """Mean of `x [batch, heads, prompt]` over the valid rows -> `[batch, heads]`."""
+    w = row_valid[:, None, :].to(x.dtype)
+    return (x * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+
+
+def head_stats(attn: torch.Tensor, row_valid: torch.Tensor, sink: torch.Tensor) -> HeadStats:
+    """PAQ and its parts for every head.
+
+    attn [batch, heads, prompt, visual]; row_valid bool [batch, prompt]; sink bool [batch, visual].
+    With at most one non-sink token the dispersion is 0 (one token is perfectly focused).
+    """
+    attn = attn.float()
+    mass = attn.sum(-1)  # [B, H, P]
+    a = attn / mass.unsqueeze(-1).clamp_min(_EPS)  # rows as distributions over the visual tokens
+    sink_f = sink[:, None, None, :].to(a.dtype)
+    sink_mass = (a * sink_f).sum(-1)  # [B, H, P]
+    b = a * (1 - sink_f)
+    b = b / b.sum(-1, keepdim=True).clamp_min(_EPS)
+    entropy = -(b * b.clamp_min(_EPS).log()).sum(-1)  # [B, H, P]
+    free = (~sink).sum(-1).to(a.dtype)  # [B] non-sink tokens
+    log_free = free.clamp_min(2).log()[:, None, None]
+    norm_entropy = torch.where(free[:, None, None] > 1, entropy / log_free, torch.zeros_like(entropy))
+    sigma = _row_mean(sink_mass, row_valid)
+    delta = _row_mean(norm_entropy, row_valid).clamp(0.0, 1.0)
+    return HeadStats(
+        sink_share=sigma,
+        dispersion=delta,
+        visual_share=_row_mean(mass, row_valid),
+        paq=(1 - sigma) * (1 - delta),
+    )
+
+
+def classify(stats: HeadStats, tau_sink: float, tau_disp: float) -> list[list[list[str]]]:
+    """Head class per `[batch][head]`: sink if sigma >= tau_sink, else dispersed if delta >= tau_disp,
+    else optimal."""
+    sink = stats.sink_share >= tau_sink
+    dispersed = stats.dispersion >= tau_disp
+    out = []
+    for b in range(sink.shape[0]):
+        out.append(
+            [SINK if s else DISPERSED if d else OPTIMAL for s, d in zip(sink[b].tolist(), dispersed[b].tolist())]
+        )
+    return out
+

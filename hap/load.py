@@ -1,0 +1,59 @@
+"""`hap.load_model`: a hub id or a local folder through transformers' `from_pretrained`.
+
+Safetensors weights only, never remote code; the model runs on SDPA attention (HAP recomputes the
+few attention rows it needs, so nothing forces eager attention).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class ModelLoadError(OSError):
+    """The model could not be loaded (unknown id, hub unreachable, missing files, unsupported class)."""
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device={device!r} is not a torch device (use 'auto', 'cpu', 'cuda', 'cuda:1', ...)") from err
+
+
+def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str | None = None):
+    """Load `(model, processor)`; dtype None = bfloat16 on a GPU, float32 on the CPU."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    from .patch import ADAPTERS
+
+    target = resolve_device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype={dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16', 'float16')")
+        dtype = getattr(torch, dtype)
+    local = Path(name_or_path).expanduser()
+    where = f"local folder {local}" if local.is_dir() else f"hub id {name_or_path!r}"
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"cannot load {where}: it is not a local model folder and the hub copy is unknown or unreachable "
+            f"(offline?). Details: {str(err).splitlines()[0]}"
+        ) from err
+    arch = (config.architectures or [type(config).__name__])[0]
+    if arch not in ADAPTERS:
+        raise ModelLoadError(f"{where} is a {arch}; HAP supports {', '.join(ADAPTERS)}")
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            name_or_path, dtype=dtype, use_safetensors=True, trust_remote_code=False, attn_implementation="sdpa"
+        )
+        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load {where}: {str(err).splitlines()[0]}") from err
+    return model.to(target).eval(), processor

@@ -1,0 +1,245 @@
+"""The pruning state of one prefill: which tokens are present, what was captured, what each cut keeps.
+
+Architecture-free: adapters (`hap.patch.*`) feed it tensors at each decoder layer and apply the
+index lists it returns to hidden states, masks, positions and the cache. Positions below are
+indices into the *current* (possibly already shortened) sequence unless said otherwise.
+
+Layout of a sample's sequence, which cuts preserve: [prefix text][visual tokens][prompt rows...],
+where the prompt rows are every text token after the last visual token (or only the last token),
+so in a sequence of length T they are always the last P positions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .budget import DecoderShape, Schedule, solve_schedule
+from .config import HAPConfig
+from .fusion import group_map, head_fusion, select_top, token_scores
+from .heads import HeadStats, head_stats, sink_tokens
+from .methods import Policy, cut_scores, policy_for, scoring_layers
+
+
+@dataclass
+class LayerTrace:
+    """What was captured at one decoder layer, per sample (sample-major tensors on the CPU)."""
+
+    stats: HeadStats  # each [batch, heads]
+    head_maps: torch.Tensor  # [batch, heads, visual_total] token score per head, NaN where pruned
+    fused_map: torch.Tensor  # [batch, visual_total] PAQ head fusion, NaN where pruned
+    uniform_map: torch.Tensor  # [batch, visual_total] plain head average, NaN where pruned
+    sink_count: torch.Tensor  # [batch] visual tokens flagged as massive-activation sinks
+    tokens_present: int  # visual tokens in the sequence when the layer was captured
+
+
+@dataclass
+class CutTrace:
+    """One cut: the scoring layers, the fused maps that scored it and what it kept."""
+
+    layer: int  # first layer of the group that runs on the kept tokens
+    scored_layers: list[int]
+    kept: torch.Tensor  # long [batch, k] original visual indices, ascending
+    fused_map: torch.Tensor | None  # [batch, visual_total] PAQ-fused group map (layer fusion), NaN where absent
+    uniform_map: torch.Tensor | None  # [batch, visual_total] uniform-average counterpart
+
+
+@dataclass
+class PruneState:
+    """Bookkeeping of one prefill over a batch; built by `PruneState.start`."""
+
+    config: HAPConfig
+    policy: Policy
+    schedule: Schedule | None
+    num_visual: int
+    row_valid: torch.Tensor  # bool [batch, P]
+    seq_index: torch.Tensor  # long [batch, T_cur] original position of each current token
+    visual_pos: torch.Tensor  # long [batch, N_cur] current positions of the visual tokens
+    kept_orig: torch.Tensor  # long [batch, N_cur] original visual index (0..N-1) of each
+    attention_mask: torch.Tensor | None  # [batch, T0] the 2-D padding mask of the prompt, or None
+    capture_layers: set[int]  # layers whose prompt rows are recomputed (on the tokens they run on)
+    scoring_layers: set[int]  # the captured layers that score some cut
+    lookahead_layers: set[int]  # layers also captured before their own cut, to score it (a cut before layer 0)
+    trace: bool
+    prompt_len: int
+    layers: dict[int, LayerTrace] = field(default_factory=dict)
+    cuts: list[CutTrace] = field(default_factory=list)
+    segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
+    scoring_seconds: float = 0.0
+    _maps: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (layer, lookahead) -> (attn, paq)
+
+    @classmethod
+    def start(
+        cls,
+        config: HAPConfig,
+        visual_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        shape: DecoderShape,
+        trace: bool,
+    ) -> "PruneState":
+        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None."""
+        B, T = visual_mask.shape
+        counts = visual_mask.sum(-1)
+        if not bool((counts == counts[0]).all()):
+            raise ValueError(f"every sample needs the same number of visual tokens; got {counts.tolist()}")
+        N = int(counts[0])
+        if N == 0:
+            raise ValueError("the input holds no visual tokens: the prompt must contain exactly one image")
+        device = visual_mask.device
+        positions = torch.arange(T, device=device)
+        visual_pos = positions.expand(B, T)[visual_mask].view(B, N)
+        last_visual = visual_pos[:, -1]
+        policy = policy_for(config)
+        if policy.rows == "last":
+            row_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
+        else:
+            P = int((T - 1 - last_visual).max())
+            if P < 1:
+                raise ValueError("no prompt token follows the image: put the image before the question")
+            row_valid = positions[T - P :][None, :] > last_visual[:, None]
+        text_tokens = T - N
+        schedule = None
+        if policy.groups:
+            schedule = solve_schedule(
+                N,
+                shape,
+                first_layers=config.first_layers,
+                groups=policy.groups,
+                decay=config.decay,
+                retain=config.target_retain,
+                flops_ratio=config.flops_ratio,
+                text_tokens=text_tokens,
+            )
+        scoring, lookahead = set(), set()
+        if schedule is not None:
+            starts = [0] + schedule.cuts
+            for g, cut in enumerate(schedule.cuts):
+                if starts[g] == cut and not policy.random:
+                    lookahead.add(cut)
+                else:
+                    scoring.update(scoring_layers(policy, (starts[g], cut)))
+        capture = set(range(shape.layers)) if trace else set(scoring)
+        return cls(
+            config=config,
+            policy=policy,
+            schedule=schedule,
+            num_visual=N,
+            row_valid=row_valid,
+            seq_index=positions.expand(B, T).clone(),
+            visual_pos=visual_pos,
+            kept_orig=torch.arange(N, device=device).expand(B, N).clone(),
+            attention_mask=attention_mask,
+            capture_layers=capture,
+            scoring_layers=scoring,
+            lookahead_layers=lookahead,
+            trace=trace,
+            prompt_len=T,
+        )
+
+    # --- queries the adapter asks at each layer -------------------------------------------------
+    def cut_index(self, layer: int) -> int | None:
+        """Index of the cut entering `layer`, or None."""
+        if self.schedule is None or layer not in self.schedule.cuts:
+            return None
+        return self.schedule.cuts.index(layer)
+
+    @property
+    def first_cut(self) -> int | None:
+        return None if self.schedule is None else self.schedule.cuts[0]
+
+    def row_positions(self, seq_len: int) -> torch.Tensor:
+        """long [P] current positions of the prompt rows (the last P tokens)."""
+        P = self.row_valid.shape[1]
+        return torch.arange(seq_len - P, seq_len, device=self.row_valid.device)
+
+    def key_valid(self) -> torch.Tensor | None:
+        """bool [batch, T_cur] padding mask of the current sequence, or None without padding."""
+        if self.attention_mask is None:
+            return None
+        return self.attention_mask.gather(1, self.seq_index).bool()
+
+    # --- capture and cuts -------------------------------------------------------------------------
+    def record(self, layer: int, rows: torch.Tensor, hidden: torch.Tensor, lookahead: bool = False) -> None:
+        """Store layer `layer`'s prompt rows.
+
+        rows [batch, heads, P, T_cur] attention probabilities over every key; hidden [batch, T_cur, d]
+        the layer's input hidden states (for the sink detector). A lookahead capture (before the
+        layer's own cut) only scores that cut; the layer's trace comes from its capture after the cut.
+        """
+        t0 = time.perf_counter()
+        attn = rows.gather(3, self.visual_pos[:, None, None, :].expand(*rows.shape[:3], -1))  # [B, H, P, N_cur]
+        vis_hidden = hidden.gather(1, self.visual_pos[..., None].expand(-1, -1, hidden.shape[-1]))
+        sink = sink_tokens(vis_hidden, self.config.sink_rho)
+        stats = head_stats(attn, self.row_valid, sink)
+        if lookahead or layer in self.scoring_layers:
+            self._maps[(layer, lookahead)] = (attn, stats.paq)
+        if self.trace and not lookahead:
+            per_head = token_scores(attn.flatten(0, 1), self.row_valid.repeat_interleave(attn.shape[1], 0))
+            fused = head_fusion(attn[:, None], stats.paq[:, None], self.config.temperature)[:, 0]
+            uniform = head_fusion(attn[:, None], stats.paq[:, None], math.inf)[:, 0]
+            self.layers[layer] = LayerTrace(
+                stats=HeadStats(*(t.detach().cpu() for t in (stats.sink_share, stats.dispersion,
+                                                              stats.visual_share, stats.paq))),
+                head_maps=self._to_grid(per_head.view(attn.shape[0], attn.shape[1], -1)),
+                fused_map=self._to_grid(token_scores(fused, self.row_valid)),
+                uniform_map=self._to_grid(token_scores(uniform, self.row_valid)),
+                sink_count=sink.sum(-1).cpu(),
+                tokens_present=attn.shape[-1],
+            )
+        self.scoring_seconds += time.perf_counter() - t0
+
+    def cut(self, layer: int) -> torch.Tensor:
+        """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept."""
+        t0 = time.perf_counter()
+        g = self.cut_index(layer)
+        starts = [0] + self.schedule.cuts
+        scored = scoring_layers(self.policy, (starts[g], layer))
+        attn = paq = None
+        fused_map = uniform_map = None
+        keys = [(l, l == layer) for l in scored]
+        if scored:
+            attn = torch.stack([self._maps[key][0] for key in keys], 1)  # [B, Lg, H, P, N_cur]
+            paq = torch.stack([self._maps[key][1] for key in keys], 1)  # [B, Lg, H]
+            if self.trace:
+                fused_map = self._to_grid(token_scores(group_map(attn, paq, self.config.temperature), self.row_valid))
+                uniform_map = self._to_grid(token_scores(group_map(attn, paq, math.inf), self.row_valid))
+        n_cur = self.visual_pos.shape[1]
+        scores = cut_scores(self.policy, attn, paq, self.row_valid, n_cur, self.config.seed, g)
+        k = min(self.schedule.kept[g], n_cur)
+        chosen = select_top(scores.to(self.visual_pos.device), k)  # [B, k] indices into the current visual list
+        B, T = self.seq_index.shape
+        keep = torch.ones(B, T, dtype=torch.bool, device=self.seq_index.device)
+        keep.scatter_(1, self.visual_pos, False)
+        keep.scatter_(1, self.visual_pos.gather(1, chosen), True)
+        kept_positions = keep.nonzero()[:, 1].view(B, -1)  # rows keep the same count: equal budgets
+        new_pos = keep.long().cumsum(1) - 1
+        self.visual_pos = new_pos.gather(1, self.visual_pos.gather(1, chosen))
+        self.kept_orig = self.kept_orig.gather(1, chosen)
+        self.seq_index = self.seq_index.gather(1, kept_positions)
+        self.segment_index[layer] = self.seq_index
+        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), fused_map, uniform_map))
+        for key in keys:
+            del self._maps[key]
+        self.scoring_seconds += time.perf_counter() - t0
+        return kept_positions
+
+    def _to_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """Scatter `[..., N_cur]` values of the present tokens onto `[..., N]`, NaN where pruned (CPU)."""
+        out = torch.full((*values.shape[:-1], self.num_visual), math.nan)
+        idx = self.kept_orig.cpu()
+        idx = idx.view(idx.shape[0], *([1] * (values.dim() - 2)), idx.shape[1]).expand_as(values)
+        return out.scatter(-1, idx, values.detach().float().cpu())
+
+    def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """2-D mask for a decode step in the group starting at cut `layer`.
+
+        attention_mask [batch, T0 + t] as generate passes it (None without padding) ->
+        [batch, T_group + t]: the columns of the kept prompt tokens, then the generated ones.
+        """
+        if attention_mask is None:
+            return None
+        index = self.segment_index[layer]
+        return torch.cat([attention_mask.gather(1, index), attention_mask[:, self.prompt_len :]], 1)
