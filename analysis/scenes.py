@@ -235,3 +235,31 @@ def heldout_items(seeds: range, per_scene: int) -> Iterator[tuple[Scene, Questio
         scene = make_scene(seed)
         for q in make_questions(scene, seed, per_scene):
             yield scene, q
+
+
+def export_examples(folder: str, seeds: range = range(600_000, 600_006)) -> list[dict]:
+    """Write held-out example scenes as PNGs plus ``scenes.json`` (file, seed, prompt, answer,
+    qtype); question types rotate over the scenes."""
+    import json
+    from pathlib import Path
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, seed in enumerate(seeds):
+        scene = make_scene(seed)
+        wanted = QTYPES[i % len(QTYPES)]
+        questions = make_questions(scene, seed, 3 * len(QTYPES))
+        q = next((q for q in questions if q.qtype == wanted), questions[0])
+        name = f"scene_{seed}.png"
+        scene.image.save(out / name)
+        entries.append({"file": name, "seed": seed, "prompt": q.text, "answer": q.answer,
+                        "qtype": q.qtype})
+    (out / "scenes.json").write_text(json.dumps(entries, indent=1) + "\n")
+    return entries
+
+
+if __name__ == "__main__":
+    import sys
+
+    export_examples(sys.argv[1] if len(sys.argv) > 1 else "assets/examples")

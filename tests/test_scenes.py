@@ -111,3 +111,20 @@ def test_seed_ranges_disjoint():
         next(heldout_items(range(TRAIN_SEED_START - 1, TRAIN_SEED_START + 1), 1))
     items = list(heldout_items(range(10), 2))
     assert len(items) == 20 and all(s.seed < TRAIN_SEED_START for s, _ in items)
+
+
+def test_shipped_examples_match_generator():
+    import json
+    from pathlib import Path
+
+    from PIL import Image
+
+    folder = Path(__file__).resolve().parents[1] / "assets" / "examples"
+    if not (folder / "scenes.json").exists():
+        pytest.skip("no shipped examples")
+    for entry in json.loads((folder / "scenes.json").read_text()):
+        assert entry["seed"] < TRAIN_SEED_START
+        scene = make_scene(entry["seed"])
+        assert Image.open(folder / entry["file"]).tobytes() == scene.image.tobytes()
+        matches = [q for q in make_questions(scene, entry["seed"], 9) if q.text == entry["prompt"]]
+        assert matches and matches[0].answer == entry["answer"]
