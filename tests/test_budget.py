@@ -1,0 +1,80 @@
+"""FLOPs accounting, groups and budgets against hand-computed figures (LLaVA-1.5-7B shape)."""
+
+import pytest
+
+from hap.budget import DecoderShape, Schedule, group_cuts, layer_flops, prefill_flops, solve_schedule
+
+LLAVA7B = DecoderShape.mha(layers=32, hidden=4096, intermediate=11008)
+
+
+def test_layer_flops_matches_the_convention_by_hand():
+    n, d, m = 600, 4096, 11008
+    assert layer_flops(n, LLAVA7B) == 4 * n * d * d + 2 * n * n * d + 3 * n * d * m
+
+
+def test_gqa_shrinks_only_the_key_value_projections():
+    gqa = DecoderShape(layers=1, hidden=4096, intermediate=11008, kv_dim=1024)
+    n = 100
+    assert layer_flops(n, LLAVA7B) - layer_flops(n, gqa) == 2 * n * 4096 * (4096 - 1024)
+
+
+def test_fastv_k2_keeping_144_averages_171_tokens():
+    s = Schedule(num_visual=576, num_layers=32, cuts=[2], kept=[144])
+    assert s.visual_per_layer == [576, 576] + [144] * 30
+    assert s.retained_tokens == (2 * 576 + 30 * 144) / 32 == 171
+
+
+def test_flops_ratio_by_hand():
+    s = Schedule(num_visual=576, num_layers=32, cuts=[2], kept=[144])
+    text = 40
+    full = 32 * layer_flops(616, LLAVA7B)
+    pruned = 2 * layer_flops(616, LLAVA7B) + 30 * layer_flops(184, LLAVA7B)
+    assert s.flops_ratio(text, LLAVA7B) == pruned / full
+    assert prefill_flops(s.visual_per_layer, text, LLAVA7B) == pruned
+
+
+def test_groups_split_layers_evenly():
+    assert group_cuts(32, 2, 3) == [2, 12, 22]
+    assert group_cuts(6, 0, 3) == [0, 2, 4]
+    with pytest.raises(ValueError, match="groups=5"):
+        group_cuts(6, 2, 5)
+    with pytest.raises(ValueError, match="first_layers"):
+        group_cuts(6, 6, 1)
+
+
+@pytest.mark.parametrize("retain", [0.3, 0.222, 0.111, 0.07])
+def test_solved_schedule_hits_retain_within_rounding(retain):
+    s = solve_schedule(576, LLAVA7B, first_layers=2, groups=3, decay=0.5, retain=retain)
+    assert s.cuts == [2, 12, 22]
+    assert s.kept == sorted(s.kept, reverse=True)
+    # each group's count is rounded once: the layer average moves by at most 0.5 token per group span
+    assert abs(s.retained_tokens - retain * 576) <= 0.5 * 30 / 32 + 1e-9
+    ratio = s.kept[1] / s.kept[0]
+    assert abs(ratio - 0.5) < 0.1
+
+
+def test_retain_below_the_first_layers_floor_is_refused_with_the_minimum():
+    # 2 of 32 full layers alone average 36 of 576 tokens = 0.0625 > 0.056
+    with pytest.raises(ValueError, match=r"retain=0.056 is unreachable.*minimum is 0\.06"):
+        solve_schedule(576, LLAVA7B, first_layers=2, groups=3, decay=0.5, retain=0.056)
+    s = solve_schedule(576, LLAVA7B, first_layers=1, groups=3, decay=0.5, retain=0.056)
+    assert abs(s.retain - 0.056) < 0.002
+
+
+def test_flops_target_is_met_and_consistent_with_retain():
+    s = solve_schedule(576, LLAVA7B, first_layers=2, groups=3, decay=0.5, flops_ratio=0.3, text_tokens=40)
+    assert abs(s.flops_ratio(40, LLAVA7B) - 0.3) < 0.01
+    again = solve_schedule(576, LLAVA7B, first_layers=2, groups=3, decay=0.5, retain=s.retain)
+    assert again.kept == s.kept
+
+
+def test_full_budget_keeps_everything():
+    s = solve_schedule(576, LLAVA7B, first_layers=2, groups=3, decay=0.5, retain=1.0)
+    assert s.kept == [576, 576, 576] and s.retain == 1.0
+
+
+def test_a_budget_rounding_to_zero_keeps_one_token_per_group_and_says_so():
+    shape = DecoderShape.mha(layers=6, hidden=64, intermediate=128)
+    s = solve_schedule(144, shape, first_layers=0, groups=3, decay=0.5, retain=0.001)
+    assert s.kept == [1, 1, 1]
+    assert any("keeping 1" in note for note in s.notes)
