@@ -1,0 +1,82 @@
+"""Command line: `python -m hap run --model M --image IMG --prompt "..." --method hap --retain 0.056 --json out.json`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import METHODS, ROWS, HAPConfig
+from .load import ModelLoadError, load_model
+from .run import run
+
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-llava")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hap", description="Head-adaptive visual token pruning")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="answer one image + prompt with pruning and print the statistics")
+    r.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local folder (default: the shipped small model)")
+    r.add_argument("--image", required=True, help="image file")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--method", default="hap", choices=METHODS)
+    budget = r.add_mutually_exclusive_group()
+    budget.add_argument("--retain", type=float, help="visual tokens kept, averaged over all decoder layers (fraction)")
+    budget.add_argument("--flops-ratio", type=float, help="target prefill FLOPs / unpruned")
+    defaults = HAPConfig()
+    r.add_argument("--first-layers", type=int, default=defaults.first_layers)
+    r.add_argument("--groups", type=int, default=defaults.groups)
+    r.add_argument("--decay", type=float, default=defaults.decay)
+    r.add_argument("--temperature", type=float, default=defaults.temperature)
+    r.add_argument("--tau-sink", type=float, default=defaults.tau_sink)
+    r.add_argument("--tau-disp", type=float, default=defaults.tau_disp)
+    r.add_argument("--sink-rho", type=float, default=defaults.sink_rho)
+    r.add_argument("--rows", default=defaults.rows, choices=ROWS)
+    r.add_argument("--seed", type=int, default=defaults.seed)
+    r.add_argument("--max-new-tokens", type=int, default=32)
+    r.add_argument("--device", default="auto")
+    r.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    r.add_argument("--json", type=Path, help="write the whole result as JSON here")
+    r.add_argument("--figures", type=Path, help="write every view as a PNG into this folder")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = HAPConfig(
+            method=args.method, retain=args.retain, flops_ratio=args.flops_ratio, first_layers=args.first_layers,
+            groups=args.groups, decay=args.decay, temperature=args.temperature, tau_sink=args.tau_sink,
+            tau_disp=args.tau_disp, sink_rho=args.sink_rho, rows=args.rows, seed=args.seed,
+        )
+        model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
+        result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens)
+    except (ValueError, ModelLoadError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"answer: {result.answer}")
+    print(f"method: {result.method}   visual tokens: {result.num_visual}   layers: {result.num_layers}")
+    print(
+        f"retained visual tokens (layer average): {result.retained_tokens:.2f} = {result.retain:.4f} "
+        f"(target {result.target_retain})   prefill FLOPs ratio: {result.flops_ratio:.4f}"
+    )
+    for g in result.groups:
+        print(f"  group {g.index}: layers [{g.layers[0]}, {g.layers[1]}) keep {len(g.kept)} (scored by {g.scored_by})")
+    for note in result.notes:
+        print(f"note: {note}")
+    print("timings: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in result.timings.items()))
+    if args.json:
+        args.json.write_text(json.dumps(result.to_json(), indent=1))
+        print(f"wrote {args.json}")
+    if args.figures:
+        from analysis.figures import export_png
+
+        paths = export_png(result, args.figures, image=args.image)
+        print(f"wrote {len(paths)} figures to {args.figures}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
