@@ -40,6 +40,7 @@ class LlavaPatch:
     mode: str | None = None  # "prefill", "decode" or None (not pruning this forward)
     step_mask: torch.Tensor | None = None
     overrides: dict = field(default_factory=dict)
+    pending: tuple | None = None  # (queries, hidden) of a capture waiting for the layer's cached keys
     prefill_started: float = 0.0
     prefill_seconds: float = 0.0
 
@@ -96,14 +97,19 @@ def apply_patch(model, config: HAPConfig, trace: bool = False) -> LlavaPatch:
             st = patch.state
             if patch.mode == "prefill":
                 if index in st.lookahead_layers:
-                    _capture(st, layer, index, hidden, kwargs, lookahead=True)
+                    q, k = _queries(st, layer, hidden, kwargs), _keys(layer, hidden, kwargs)
+                    _record(st, layer, index, q, k, hidden, lookahead=True)
                 if st.cut_index(index) is not None:
                     hidden = _cut(st, text_config, index, hidden, kwargs)
                     patch.overrides = {
                         k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids") if k in kwargs
                     }
                 if index in st.capture_layers:
-                    _capture(st, layer, index, hidden, kwargs)
+                    q = _queries(st, layer, hidden, kwargs)
+                    if kwargs.get("use_cache") and kwargs.get("cache") is not None:
+                        patch.pending = (q, hidden)  # keys come from the cache once the layer ran
+                    else:
+                        _record(st, layer, index, q, _keys(layer, hidden, kwargs), hidden)
             elif st.cut_index(index) is not None:
                 kwargs["attention_mask"] = create_causal_mask(
                     config=text_config,
@@ -118,10 +124,21 @@ def apply_patch(model, config: HAPConfig, trace: bool = False) -> LlavaPatch:
 
         return on_layer
 
+    def make_layer_done_hook(index: int):
+        def on_layer_done(layer, args, kwargs, output):
+            if patch.pending is not None:
+                (q, hidden), patch.pending = patch.pending, None
+                k = _cached_keys(kwargs["cache"], index)
+                _record(st=patch.state, layer=layer, index=index, q=q,
+                        k=k if k is not None else _keys(layer, hidden, kwargs), hidden=hidden)
+
+        return on_layer_done
+
     patch.handles.append(model.model.register_forward_pre_hook(on_llava, with_kwargs=True))
     patch.handles.append(lm.register_forward_hook(on_decoder_done, with_kwargs=True))
     for i, layer in enumerate(lm.layers):
         patch.handles.append(layer.register_forward_pre_hook(make_layer_hook(i), with_kwargs=True))
+        patch.handles.append(layer.register_forward_hook(make_layer_done_hook(i), with_kwargs=True))
     model._hap = patch
     return patch
 
@@ -142,21 +159,41 @@ def _rope(attn_module) -> callable:
 
 
 @torch.no_grad()
-def _capture(st: PruneState, layer, index: int, hidden: torch.Tensor, kwargs: dict, lookahead: bool = False) -> None:
-    """Recompute layer `index`'s prompt-row attention from its inputs and hand it to the state."""
+def _queries(st: PruneState, layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Post-RoPE queries of the prompt rows only: `[batch, heads, P, head_dim]`."""
     attn = layer.self_attn
     B, T, _ = hidden.shape
     rows = st.row_positions(T)
-    h = layer.input_layernorm(hidden)
-    q = attn.q_proj(h[:, rows]).view(B, len(rows), -1, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+    q = attn.q_proj(layer.input_layernorm(hidden[:, rows])).view(B, len(rows), -1, attn.head_dim).transpose(1, 2)
     if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
+        q = attn.q_norm(q)
     cos, sin = kwargs["position_embeddings"]
-    rope = _rope(attn)
-    q = rope(q, q, cos[:, rows], sin[:, rows])[0]
-    k = rope(k, k, cos, sin)[0]
-    st.record(index, prompt_attention(q, k, rows, st.key_valid(), attn.scaling), hidden, lookahead)
+    return _rope(attn)(q, q, cos[:, rows], sin[:, rows])[0]
+
+
+@torch.no_grad()
+def _keys(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Post-RoPE keys of every token, recomputed: `[batch, kv_heads, T, head_dim]`."""
+    attn = layer.self_attn
+    B, T, _ = hidden.shape
+    k = attn.k_proj(layer.input_layernorm(hidden)).view(B, T, -1, attn.head_dim).transpose(1, 2)
+    if hasattr(attn, "k_norm"):
+        k = attn.k_norm(k)
+    cos, sin = kwargs["position_embeddings"]
+    return _rope(attn)(k, k, cos, sin)[0]
+
+
+def _cached_keys(cache, index: int) -> torch.Tensor | None:
+    """The keys layer `index` just wrote to a dynamic cache (this prefill only), else None."""
+    layers = getattr(cache, "layers", None)
+    return getattr(layers[index], "keys", None) if layers is not None and index < len(layers) else None
+
+
+@torch.no_grad()
+def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor,
+            lookahead: bool = False) -> None:
+    rows = st.row_positions(hidden.shape[1])
+    st.record(index, prompt_attention(q, k, rows, st.key_valid(), layer.self_attn.scaling), hidden, lookahead)
 
 
 @torch.no_grad()
