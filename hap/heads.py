@@ -44,6 +44,14 @@ def _row_mean(x: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
     return (x * w).sum(-1) / w.sum(-1).clamp_min(1.0)
 
 
+def visual_distribution(attn: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
+    """Where each head looks in the image: rows renormalised over the visual tokens, then averaged over
+    the valid rows. attn [batch, heads, P, visual] -> [batch, heads, visual], summing to 1."""
+    a = attn.float() / attn.float().sum(-1, keepdim=True).clamp_min(_EPS)
+    w = row_valid[:, None, :, None].to(a.dtype)
+    return (a * w).sum(2) / w.sum(2).clamp_min(1.0)
+
+
 def head_stats(attn: torch.Tensor, row_valid: torch.Tensor, sink: torch.Tensor) -> HeadStats:
     """PAQ and its parts for every head.
 

@@ -20,7 +20,7 @@ import torch
 from .budget import DecoderShape, Schedule, solve_schedule
 from .config import HAPConfig
 from .fusion import group_map, head_fusion, select_top, token_scores
-from .heads import HeadStats, head_stats, sink_tokens
+from .heads import HeadStats, head_stats, sink_tokens, visual_distribution
 from .methods import Policy, cut_scores, policy_for, scoring_layers
 
 
@@ -30,6 +30,8 @@ class LayerTrace:
 
     stats: HeadStats  # each [batch, heads]
     head_maps: torch.Tensor  # [batch, heads, visual_total] token score per head, NaN where pruned
+    head_attention: torch.Tensor  # [batch, heads, visual_total] mean over prompt rows of the row's
+    #                               attention renormalised over the visual tokens present (sums to 1)
     fused_map: torch.Tensor  # [batch, visual_total] PAQ head fusion, NaN where pruned
     uniform_map: torch.Tensor  # [batch, visual_total] plain head average, NaN where pruned
     sink_count: torch.Tensor  # [batch] visual tokens flagged as massive-activation sinks
@@ -184,6 +186,7 @@ class PruneState:
                 stats=HeadStats(*(t.detach().cpu() for t in (stats.sink_share, stats.dispersion,
                                                               stats.visual_share, stats.paq))),
                 head_maps=self._to_grid(per_head.view(attn.shape[0], attn.shape[1], -1)),
+                head_attention=self._to_grid(visual_distribution(attn, self.row_valid)),
                 fused_map=self._to_grid(token_scores(fused, self.row_valid)),
                 uniform_map=self._to_grid(token_scores(uniform, self.row_valid)),
                 sink_count=sink.sum(-1).cpu(),

@@ -35,6 +35,7 @@ class Maps:
     """
 
     head: torch.Tensor  # [layers, heads, visual] per head, before fusion (NaN rows: layer not captured)
+    head_attention: torch.Tensor  # [layers, heads, visual] mean prompt-row attention over the image, sums to 1
     layer: torch.Tensor  # [layers, visual] head fusion with softmax(PAQ / T) within the layer
     layer_uniform: torch.Tensor  # [layers, visual] plain head average
     group: torch.Tensor  # [groups, visual] layer fusion over the layers that scored each group
@@ -185,12 +186,14 @@ def _result(model, config: HAPConfig, patch, answer: str, text: str, T: int, N: 
     nan_lh = torch.full((L, H), math.nan)
     stats = {k: nan_lh.clone() for k in ("paq", "sink_share", "dispersion", "visual_share")}
     head_maps = torch.full((L, H, N), math.nan)
+    head_attention = torch.full((L, H, N), math.nan)
     layer_maps, layer_uniform = torch.full((L, N), math.nan), torch.full((L, N), math.nan)
     sink_counts = [-1] * L
     for l, tr in (st.layers if st else {}).items():
         for k in stats:
             stats[k][l] = getattr(tr.stats, k)[0]
         head_maps[l], layer_maps[l], layer_uniform[l] = tr.head_maps[0], tr.fused_map[0], tr.uniform_map[0]
+        head_attention[l] = tr.head_attention[0]
         sink_counts[l] = int(tr.sink_count[0])
     classes = [[""] * H for _ in range(L)]
     if st and st.layers:
@@ -243,6 +246,7 @@ def _result(model, config: HAPConfig, patch, answer: str, text: str, T: int, N: 
         sink_tokens=sink_counts,
         maps=Maps(
             head=head_maps,
+            head_attention=head_attention,
             layer=layer_maps,
             layer_uniform=layer_uniform,
             group=torch.stack(group_maps) if group_maps else torch.empty(0, N),

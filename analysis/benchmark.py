@@ -1,0 +1,266 @@
+"""Fidelity benchmark on held-out synthetic scenes: accuracy vs budget for HAP and every baseline,
+PAQ against ground-truth grounding, and kept-token recall of the queried object.
+
+    python -m analysis.benchmark --model assets/tiny-llava --seeds 500000:500200 --out results/benchmark
+
+Every method runs through the same executor and the same FLOPs accounting at each budget (the
+layer-averaged retained fraction). The small model has 6 decoder layers, so budgets as low as
+0.056 are reachable only when the first cut comes before layer 0 (`--first-layers 0`, the default
+here): layers [0, K) would otherwise keep all 144 tokens and alone average more than the budget.
+
+Outputs in --out: benchmark.json (binding keys: accuracy[method][retain], relative[method][retain],
+grounding_spearman, n_questions), benchmark.md (tables), accuracy.png, paq_grounding.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import hap
+from analysis.evaluate import chat_prompt
+from analysis.scenes import QTYPES, heldout_items
+
+RETAINS = (1.0, 0.222, 0.111, 0.056)
+METHODS = ("hap", "uniform", "fastv", "pdrop", "random")
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):
+            tie = v == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def run_batch(model, processor, batch, config: hap.HAPConfig, trace: bool, max_new_tokens: int = 3):
+    """Greedy answers for a batch of (scene, question) under `config`; returns (answers, PruneState)."""
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(
+        images=[scene.image for scene, _ in batch],
+        text=[chat_prompt(processor, q.text) for _, q in batch],
+        padding=True,
+        return_tensors="pt",
+    )
+    with hap.patched(model, config, trace=trace) as patch, torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[:, inputs["input_ids"].shape[1] :]
+    answers = [s.strip() for s in processor.batch_decode(new, skip_special_tokens=True)]
+    return answers, patch.state
+
+
+def grounding(state, batch) -> dict[str, np.ndarray]:
+    """Per question and head: PAQ, class parts and grounding ratios from an unpruned traced pass.
+
+    grounding ratio = share of the head's visual attention on the queried object's patches /
+    the object's share of the patches (1 = no preference); `other` is the same on the scene's
+    other objects. Returns arrays `[questions, layers, heads]` (NaN where a question has no target).
+    """
+    layers = sorted(state.layers)
+    dist = torch.stack([state.layers[l].head_attention for l in layers], 1).numpy()  # [B, L, H, N]
+    out = {k: torch.stack([getattr(state.layers[l].stats, k) for l in layers], 1).numpy()
+           for k in ("paq", "sink_share", "dispersion", "visual_share")}
+    target = np.stack([q.target_mask for _, q in batch]).astype(float)  # [B, N]
+    other = np.stack([q.other_mask for _, q in batch]).astype(float)
+    n = target.shape[1]
+
+    def ratio(mask: np.ndarray) -> np.ndarray:
+        area = mask.sum(1) / n  # [B]
+        share = (dist * mask[:, None, None, :]).sum(-1)  # [B, L, H]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(area[:, None, None] > 0, share / area[:, None, None], np.nan)
+
+    out["target"] = ratio(target)
+    out["other"] = ratio(other)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="assets/tiny-llava")
+    p.add_argument("--seeds", default="500000:500200", help="held-out scene seeds A:B")
+    p.add_argument("--per-scene", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("results/benchmark"))
+    p.add_argument("--first-layers", type=int, default=0)
+    p.add_argument("--groups", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=hap.HAPConfig().temperature)
+    p.add_argument("--rows", default="prompt", choices=("prompt", "last"))
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    a, b = (int(v) for v in args.seeds.split(":"))
+    model, processor = hap.load_model(args.model, device="cpu")
+    items = list(heldout_items(range(a, b), args.per_scene))
+    batches = [items[i : i + args.batch_size] for i in range(0, len(items), args.batch_size)]
+    base = dict(first_layers=args.first_layers, groups=args.groups, temperature=args.temperature, rows=args.rows)
+
+    t0 = time.perf_counter()
+    correct: dict[tuple[str, float], list[bool]] = defaultdict(list)
+    recall: dict[tuple[str, float], list[float]] = defaultdict(list)
+    heads: dict[str, list[np.ndarray]] = defaultdict(list)
+    heads_last: list[np.ndarray] = []
+    for batch in batches:
+        truth = [q.answer for _, q in batch]
+        answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=True)
+        correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
+        for k, v in grounding(state, batch).items():
+            heads[k].append(v)
+        _, state_last = run_batch(
+            model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": "last"}), trace=True
+        )
+        heads_last.append(grounding(state_last, batch)["paq"])
+        for retain in RETAINS:
+            for method in METHODS:
+                config = hap.HAPConfig(method=method, retain=retain, **base)
+                answers, state = run_batch(model, processor, batch, config, trace=False)
+                correct[(method, retain)] += [x == y for x, y in zip(answers, truth)]
+                kept = state.cuts[-1].kept.numpy() if state.cuts else np.tile(np.arange(state.num_visual), (len(batch), 1))
+                for (_, q), ids in zip(batch, kept):
+                    if q.target_mask.any():
+                        recall[(method, retain)].append(float(q.target_mask[ids].sum() / q.target_mask.sum()))
+    seconds = time.perf_counter() - t0
+
+    qtypes = [q.qtype for _, q in items]
+
+    def acc(key, qtype=None) -> float:
+        values = [c for c, t in zip(correct[key], qtypes) if qtype is None or t == qtype]
+        return float(np.mean(values)) if values else math.nan
+
+    unpruned = acc(("none", 1.0))
+    accuracy = {m: {str(r): acc((m, r)) for r in RETAINS} for m in METHODS}
+    report = {
+        "model": args.model,
+        "seeds": args.seeds,
+        "n_questions": len(items),
+        "config": base,
+        "unpruned_accuracy": unpruned,
+        "unpruned_by_type": {t: acc(("none", 1.0), t) for t in QTYPES},
+        "accuracy": accuracy,
+        "relative": {m: {r: v / unpruned if unpruned else math.nan for r, v in row.items()}
+                     for m, row in accuracy.items()},
+        "accuracy_by_type": {m: {str(r): {t: acc((m, r), t) for t in QTYPES} for r in RETAINS} for m in METHODS},
+        "retained_tokens": {str(r): r * 144 for r in RETAINS},
+        "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in RETAINS} for m in METHODS},
+        "seconds": seconds,
+    }
+    report.update(head_report({k: np.concatenate(v) for k, v in heads.items()}, np.concatenate(heads_last)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "benchmark.json").write_text(json.dumps(report, indent=1))
+    (args.out / "benchmark.md").write_text(markdown(report))
+    plots(report, args.out)
+    print(markdown(report))
+    return report
+
+
+def head_report(h: dict[str, np.ndarray], paq_last: np.ndarray) -> dict:
+    """PAQ vs grounding truth across heads (means over questions with a target), and by class."""
+    has_target = ~np.isnan(h["target"][:, 0, 0])
+    mean = {k: np.nanmean(v[has_target], 0) for k, v in h.items()}  # [L, H]
+    paq, target, other = mean["paq"].ravel(), mean["target"].ravel(), mean["other"].ravel()
+    cfg = hap.HAPConfig()
+    sink = h["sink_share"] >= cfg.tau_sink
+    dispersed = ~sink & (h["dispersion"] >= cfg.tau_disp)
+    classes = {"sink": sink, "dispersed": dispersed, "optimal": ~sink & ~dispersed}
+    by_class = {}
+    for name, mask in classes.items():
+        sel = mask & has_target[:, None, None]
+        by_class[name] = {
+            "share_of_head_questions": float(mask.mean()),
+            "mean_grounding": float(np.nanmean(h["target"][sel])) if sel.any() else None,
+        }
+    top = np.argsort(-target)[: max(1, len(target) // 4)]
+    L, H = mean["paq"].shape
+    return {
+        "grounding_spearman": spearman(paq, target),
+        "grounding_spearman_last_row": spearman(np.nanmean(paq_last[has_target], 0).ravel(), target),
+        "grounding_spearman_per_question": float(np.nanmean([
+            spearman(h["paq"][i].ravel(), h["target"][i].ravel()) for i in np.flatnonzero(has_target)
+        ])),
+        "head_paq": mean["paq"].tolist(),
+        "head_grounding": mean["target"].tolist(),
+        "head_grounding_other": mean["other"].tolist(),
+        "head_visual_share": mean["visual_share"].tolist(),
+        "best_heads": [f"L{i // H}h{i % H}" for i in top],
+        "best_heads_grounding_target": float(target[top].mean()),
+        "best_heads_grounding_other": float(other[top].mean()),
+        "classes": by_class,
+        "sink_definition": f"visual tokens with hidden-state norm > {cfg.sink_rho} x median; "
+                           f"sink head: sink share >= {cfg.tau_sink}; dispersed: entropy ratio >= {cfg.tau_disp}",
+    }
+
+
+def markdown(r: dict) -> str:
+    head = "| method | " + " | ".join(f"retain {x} ({float(x) * 144:.0f} tok)" for x in r["retained_tokens"]) + " |"
+    rule = "|---" * (len(r["retained_tokens"]) + 1) + "|"
+    lines = [f"Held-out questions: {r['n_questions']} (seeds {r['seeds']}), unpruned accuracy "
+             f"{r['unpruned_accuracy']:.3f}; cells: accuracy (relative to unpruned) / recall of the "
+             "queried object's patches among the last group's kept tokens", "", head, rule]
+    for m, row in r["accuracy"].items():
+        cells = [f"{v:.3f} ({r['relative'][m][k]:.3f}) / {r['kept_recall'][m][k]:.2f}" for k, v in row.items()]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Spearman(PAQ, grounding) across {len(r['head_paq']) * len(r['head_paq'][0])} heads: "
+        f"{r['grounding_spearman']:.3f} (prompt rows); {r['grounding_spearman_last_row']:.3f} (PAQ from the last "
+        f"row only); mean per-question Spearman {r['grounding_spearman_per_question']:.3f}.",
+        f"Best-grounded heads ({', '.join(r['best_heads'])}): grounding ratio {r['best_heads_grounding_target']:.2f} "
+        f"on the queried object vs {r['best_heads_grounding_other']:.2f} on the other objects.",
+        "Head classes (share of head x question pairs, mean grounding): " + "; ".join(
+            f"{k} {v['share_of_head_questions']:.2f}, "
+            + ("-" if v["mean_grounding"] is None else f"{v['mean_grounding']:.2f}") for k, v in r["classes"].items()
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plots(r: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [float(k) * 144 for k in r["retained_tokens"]]
+    for m, row in r["accuracy"].items():
+        ax.plot(xs, list(row.values()), marker="o", label=m)
+    ax.axhline(r["unpruned_accuracy"], color="gray", ls="--", lw=1, label="unpruned")
+    ax.set_xscale("log")
+    ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
+    ax.set_xlabel("retained visual tokens (average over decoder layers, of 144)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(f"{Path(r['model']).name}: accuracy vs budget ({r['n_questions']} questions)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=120)
+    plt.close(fig)
+
+    paq, grd = np.array(r["head_paq"]), np.array(r["head_grounding"])
+    fig, ax = plt.subplots(figsize=(5, 4))
+    sc = ax.scatter(paq.ravel(), grd.ravel(), c=np.repeat(np.arange(paq.shape[0]), paq.shape[1]), cmap="viridis")
+    fig.colorbar(sc, label="decoder layer")
+    ax.set_xlabel("PAQ (mean over questions)")
+    ax.set_ylabel("grounding ratio on the queried object")
+    ax.set_title(f"PAQ vs grounding truth, Spearman {r['grounding_spearman']:.2f}")
+    fig.tight_layout()
+    fig.savefig(out / "paq_grounding.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
