@@ -275,9 +275,18 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
 demo = build_demo()
 
 
+def launch_options() -> dict:
+    """`demo.launch` keywords of every deployment (tests add the host and port).
+
+    show_error passes the message of errors raised outside the handler (an upload that is not an
+    image fails in gradio's own preprocessing) to the page instead of a generic one.
+    """
+    return dict(theme=gr.themes.Soft(), max_file_size="10mb", show_error=True)
+
+
 def main() -> None:
     """Serve the demo (127.0.0.1:7860 unless GRADIO_SERVER_NAME / GRADIO_SERVER_PORT say otherwise)."""
-    demo.launch(theme=gr.themes.Soft(), max_file_size="10mb")
+    demo.launch(**launch_options())
 
 
 if __name__ == "__main__":
