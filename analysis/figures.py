@@ -130,7 +130,7 @@ def head_map_panels(result, view: np.ndarray, layer: int) -> list[Panel]:
     for h in range(result.num_heads):
         cls = result.head_class[layer][h] or "not scored"
         paq = float(result.paq[layer, h])
-        panels.append(Panel(f"L{layer} H{h} · {cls} · PAQ {paq:.2f}", view, to_grid(result, result.maps.head[layer, h])))
+        panels.append(Panel(f"L{layer} H{h}: {cls}\nPAQ {paq:.3g}", view, to_grid(result, result.maps.head[layer, h])))
     return panels
 
 
@@ -146,7 +146,7 @@ def group_map_panels(result, view: np.ndarray) -> list[Panel]:
     """Layer-fused maps, one per group: the scores that chose the group's tokens."""
     return [
         Panel(
-            f"group {g.index} (layers {g.layers[0]}-{g.layers[1] - 1}), scored by {_layers(g.scored_by)}",
+            f"group {g.index} (layers {g.layers[0]}-{g.layers[1] - 1})\nscored by {_layers(g.scored_by)}",
             view,
             to_grid(result, result.maps.group[g.index]),
         )
@@ -155,15 +155,16 @@ def group_map_panels(result, view: np.ndarray) -> list[Panel]:
 
 
 def comparison_panels(result, view: np.ndarray) -> list[Panel]:
-    """Per group, the uniform head average beside the PAQ-weighted map, with their top-k overlap."""
-    panels = []
+    """The uniform head average of every group (first row), then the PAQ-weighted maps with their top-k overlap."""
+    uniform, weighted = [], []
     for g in result.groups:
         k = len(g.kept)
-        uniform, paq = (np.asarray(m[g.index], dtype=float) for m in (result.maps.group_uniform, result.maps.group))
-        shared = len(_top(uniform, k) & _top(paq, k))
-        panels.append(Panel(f"group {g.index}: uniform average", view, to_grid(result, uniform)))
-        panels.append(Panel(f"group {g.index}: PAQ-weighted ({shared}/{k} of top-{k} shared)", view, to_grid(result, paq)))
-    return panels
+        plain, paq = (np.asarray(m[g.index], dtype=float) for m in (result.maps.group_uniform, result.maps.group))
+        shared = len(_top(plain, k) & _top(paq, k))
+        uniform.append(Panel(f"group {g.index}: uniform average", view, to_grid(result, plain)))
+        weighted.append(Panel(f"group {g.index}: PAQ-weighted\n{shared} of the top {k} shared", view,
+                              to_grid(result, paq)))
+    return uniform + weighted
 
 
 def mask_panels(result, view: np.ndarray) -> list[Panel]:
@@ -225,8 +226,8 @@ def _layer_head_axes(fig: go.Figure, result, title: str) -> None:
         fig.add_hline(y=layer - 0.5, line=dict(color="white", width=2, dash="dash"))
         fig.add_annotation(x=1.0, xref="paper", xanchor="right", y=layer - 0.5, yanchor="top", text=label,
                            showarrow=False, font=dict(color="white", size=11), bgcolor="rgba(0,0,0,0.45)")
-    fig.update_yaxes(title="layer", autorange="reversed", dtick=1 if result.num_layers <= 16 else 4)
-    fig.update_xaxes(title="head", dtick=1 if result.num_heads <= 16 else 4)
+    fig.update_yaxes(title="layer", range=[result.num_layers - 0.5, -0.5], dtick=1 if result.num_layers <= 16 else 4)
+    fig.update_xaxes(title="head", range=[-0.5, result.num_heads - 0.5], dtick=1 if result.num_heads <= 16 else 4)
     fig.update_layout(title=title, height=max(320, 60 + 22 * result.num_layers), margin=dict(l=50, r=20, t=50, b=40))
 
 
@@ -245,8 +246,8 @@ def panels_figure(result, panels: list[Panel], title: str, cols: int = 4) -> go.
         return fig
     cols = min(cols, len(panels))
     rows_n = math.ceil(len(panels) / cols)
-    fig = make_subplots(rows_n, cols, subplot_titles=[p.title for p in panels],
-                        horizontal_spacing=0.02, vertical_spacing=0.12 / rows_n)
+    fig = make_subplots(rows_n, cols, subplot_titles=[p.title.replace("\n", "<br>") for p in panels],
+                        horizontal_spacing=0.02, vertical_spacing=0.16 / rows_n)
     grid_rows, grid_cols = result.visual_grid
     index = np.arange(grid_rows * grid_cols).reshape(grid_rows, grid_cols)
     uris: dict[int, str] = {}
@@ -268,23 +269,29 @@ def panels_figure(result, panels: list[Panel], title: str, cols: int = 4) -> go.
     fig.update_xaxes(visible=False, range=[-0.5, grid_cols - 0.5], constrain="domain")
     fig.update_yaxes(visible=False, range=[grid_rows - 0.5, -0.5], constrain="domain")
     fig.update_annotations(font_size=11)
-    fig.update_layout(title=title, height=60 + 240 * rows_n, margin=dict(l=10, r=10, t=70, b=10),
+    fig.update_layout(title=title, height=70 + rows_n * (50 + 1000 // max(cols, 3)), margin=dict(l=10, r=10, t=90, b=10),
                       coloraxis=dict(colorscale=MAP_COLORS.capitalize(), cmin=0, cmax=1,
                                      colorbar=dict(title="score<br>(min-max)", len=0.6)))
     return fig
+
+
+def multiples_columns(count: int) -> int:
+    """Columns of a grid of `count` small multiples: 4 per row, 8 for the 16+ heads or layers of real models."""
+    return 4 if count <= 8 else 8
 
 
 def head_maps_figure(result, view: np.ndarray, layer: int | None = None) -> go.Figure:
     """(4a) Per-head token maps of one layer, before fusion."""
     layer = default_layer(result) if layer is None else layer
     return panels_figure(result, head_map_panels(result, view, layer),
-                         f"Per-head maps of layer {layer}, before fusion")
+                         f"Per-head maps of layer {layer}, before fusion", multiples_columns(result.num_heads))
 
 
 def layer_maps_figure(result, view: np.ndarray) -> go.Figure:
     """(4b) Head-fused map per captured layer."""
     return panels_figure(result, layer_map_panels(result, view),
-                         f"After head fusion: softmax(PAQ / T) over heads, T = {result.config['temperature']:g}")
+                         f"After head fusion: softmax(PAQ / T) over heads, T = {result.config['temperature']:g}",
+                         multiples_columns(result.num_layers))
 
 
 def group_maps_figure(result, view: np.ndarray) -> go.Figure:
@@ -295,7 +302,8 @@ def group_maps_figure(result, view: np.ndarray) -> go.Figure:
 
 def uniform_vs_paq_figure(result, view: np.ndarray) -> go.Figure:
     """(4d) Uniform head average beside the PAQ-weighted map, per group."""
-    return panels_figure(result, comparison_panels(result, view), "Uniform head averaging vs PAQ weighting", cols=2)
+    return panels_figure(result, comparison_panels(result, view), "Uniform head averaging (top) vs PAQ weighting (bottom)",
+                         cols=max(1, len(result.groups)))
 
 
 def kept_mask_figure(result, view: np.ndarray) -> go.Figure:
@@ -374,11 +382,13 @@ def export_png(result, out_dir: str | Path, image: Image.Image | None = None, la
         "head_classes": fig_classes,
         "paq": fig_paq,
         f"head_maps_layer{layer}": _mpl_panels(result, head_map_panels(result, view, layer),
-                                                f"Per-head maps of layer {layer}, before fusion"),
-        "layer_maps": _mpl_panels(result, layer_map_panels(result, view), "After head fusion (PAQ softmax over heads)"),
+                                                f"Per-head maps of layer {layer}, before fusion",
+                                                multiples_columns(result.num_heads)),
+        "layer_maps": _mpl_panels(result, layer_map_panels(result, view), "After head fusion (PAQ softmax over heads)",
+                                  multiples_columns(result.num_layers)),
         "group_maps": _mpl_panels(result, group_map_panels(result, view), "After layer fusion, per group", cols=3),
-        "uniform_vs_paq": _mpl_panels(result, comparison_panels(result, view), "Uniform averaging vs PAQ weighting",
-                                      cols=2),
+        "uniform_vs_paq": _mpl_panels(result, comparison_panels(result, view),
+                                      "Uniform head averaging (top) vs PAQ weighting (bottom)", max(1, len(result.groups))),
         "kept_masks": _mpl_panels(result, mask_panels(result, view), f"Kept visual tokens ({result.method})", cols=3),
     }
     paths = []

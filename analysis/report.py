@@ -118,7 +118,7 @@ def explanation(comparison: Comparison) -> str:
         weights = torch.softmax(torch.nan_to_num(paq, nan=-math.inf) / temperature, 0)
         top = int(weights.argmax())
         lines.append(
-            f"- Layer {layer}: head {top} has the highest PAQ ({float(paq[top]):.3f}) and gets {float(weights[top]):.0%} "
+            f"- Layer {layer}: head {top} has the highest PAQ ({float(paq[top]):.3g}) and gets {float(weights[top]):.0%} "
             f"of the fusion weight at T = {temperature:g} (uniform averaging would give each head "
             f"{1 / result.num_heads:.0%})."
         )

@@ -25,7 +25,7 @@ from PIL import Image  # noqa: E402
 
 import hap  # noqa: E402
 from analysis import figures as views  # noqa: E402
-from analysis.report import LABELS, answer_card, compare, explanation, summary  # noqa: E402
+from analysis.report import LABELS, TEACHING, answer_card, compare, explanation, summary  # noqa: E402
 
 try:
     import spaces
@@ -233,19 +233,19 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
                     tau_disp = gr.Slider(0.0, 1.0, value=0.9, step=0.01, label="Dispersed threshold on dispersion")
                     rows = gr.Radio(["prompt", "last"], value="prompt",
                                     label="Prompt rows scoring tokens (all prompt tokens / last token)")
-                run = gr.Button("Run", variant="primary")
+                run = gr.Button("Run", variant="primary", elem_id="run")
+                scenes, photos = _examples(names)
+                if scenes:
+                    gr.Examples(scenes, [image, prompt, model], label="Synthetic scenes (the shipped tiny model)")
+                if photos:
+                    gr.Examples(photos, [image, prompt, model], label="Photographs (real checkpoints; need the weights)")
             with gr.Column(scale=2):
                 with gr.Row(equal_height=True):
                     cards = [gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}", container=True)
                              for k in LABELS]
                 kept = gr.Plot(label="Kept visual tokens per group", elem_id="plot-kept")
                 with gr.Accordion("What am I looking at?", open=True):
-                    explain = gr.Markdown(elem_id="explanation")
-        scenes, photos = _examples(names)
-        if scenes:
-            gr.Examples(scenes, [image, prompt, model], label="Synthetic scenes (the shipped tiny model)")
-        if photos:
-            gr.Examples(photos, [image, prompt, model], label="Photographs (real checkpoints; need the weights)")
+                    explain = gr.Markdown(TEACHING, elem_id="explanation")
         gr.Markdown("## Head heterogeneity")
         with gr.Row():
             classes = gr.Plot(label="Head classes", elem_id="plot-classes")
@@ -254,9 +254,8 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
         layer = gr.Slider(0, 1, value=0, step=1, label="Layer for the per-head maps", interactive=False)
         head_maps = gr.Plot(label="Per head, before fusion", elem_id="plot-heads")
         layer_maps = gr.Plot(label="Per layer, after head fusion", elem_id="plot-layers")
-        with gr.Row():
-            group_maps = gr.Plot(label="Per group, after layer fusion", elem_id="plot-groups")
-            versus = gr.Plot(label="Uniform average vs PAQ weighting", elem_id="plot-versus")
+        group_maps = gr.Plot(label="Per group, after layer fusion", elem_id="plot-groups")
+        versus = gr.Plot(label="Uniform average vs PAQ weighting", elem_id="plot-versus")
         with gr.Accordion("Raw result (JSON)", open=False):
             raw = gr.JSON(label="Result")
         state = gr.State()

@@ -1,0 +1,70 @@
+"""The page in headless Debian Chromium (Selenium with the system browser and driver): run an example, see the results."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from app_model import ROOT, default_model, free_port
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1000"]
+ARTIFACTS = ROOT / "test-artifacts"
+PLOTS = ["kept", "classes", "paq", "heads", "layers", "groups", "versus"]  # elem_id suffixes of the gr.Plot outputs
+
+
+@pytest.fixture(scope="module")
+def page_url(tmp_path_factory):
+    if not (Path(CHROMIUM).exists() and shutil.which(CHROMEDRIVER)):
+        pytest.skip(f"no system browser: {CHROMIUM} and {CHROMEDRIVER} come with `apt-get install chromium chromium-driver`")
+    from app.app import build_demo, launch_options
+
+    demo = build_demo([default_model(tmp_path_factory.mktemp("tiny-llava"))])
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
+                            **launch_options())
+    yield url
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def driver():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield browser
+    browser.quit()
+
+
+def test_example_run_shows_answers_and_plots(page_url, driver):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, 120)
+    driver.get(page_url)
+    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()  # the first scene example
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value"))
+    driver.find_element(By.ID, "run").click()
+    for key in ("unpruned", "pruned", "uniform"):
+        wait.until(EC.text_to_be_present_in_element((By.ID, f"answer-{key}"), "visual tokens"))
+    for name in PLOTS:
+        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{name} .js-plotly-plot .main-svg")))
+    heatmaps = driver.find_elements(By.CSS_SELECTOR, "#plot-heads .js-plotly-plot image, #plot-heads .js-plotly-plot .hm")
+    assert heatmaps, "the per-head maps drew no image or heatmap layer"
+    assert "Group 0" in driver.find_element(By.ID, "explanation").text
+    ARTIFACTS.mkdir(exist_ok=True)
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1400, height)
+    driver.save_screenshot(str(ARTIFACTS / "app.png"))
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
