@@ -24,7 +24,7 @@ import torch
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
 import hap
-from hap.patch.llava import decoder_shape
+from hap.patch.decoder import decoder_shape
 
 SHAPES = {
     # hidden, layers, heads, kv_heads, mlp, vision (hidden, layers, heads, image)

@@ -172,9 +172,11 @@ class PruneState:
         layer's own cut) only scores that cut; the layer's trace comes from its capture after the cut.
         """
         t0 = time.perf_counter()
-        attn = rows.gather(3, self.visual_pos[:, None, None, :].expand(*rows.shape[:3], -1))  # [B, H, P, N_cur]
-        vis_hidden = hidden.gather(1, self.visual_pos[..., None].expand(-1, -1, hidden.shape[-1]))
-        sink = sink_tokens(vis_hidden, self.config.sink_rho)
+        device = self.visual_pos.device  # the layer may sit on another device (a model split over GPUs)
+        vp = self.visual_pos.to(rows.device)
+        attn = rows.gather(3, vp[:, None, None, :].expand(*rows.shape[:3], -1)).to(device)  # [B, H, P, N_cur]
+        vis_hidden = hidden.gather(1, vp.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1]))
+        sink = sink_tokens(vis_hidden, self.config.sink_rho).to(device)
         stats = head_stats(attn, self.row_valid, sink)
         if lookahead or layer in self.scoring_layers:
             self._maps[(layer, lookahead)] = (attn, stats.paq)

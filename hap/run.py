@@ -13,8 +13,8 @@ from PIL import Image
 from .budget import FLOPS_CONVENTION
 from .config import HAPConfig
 from .heads import HeadStats, classify
-from .patch import apply, remove
-from .patch.llava import decoder_shape
+from .patch import adapter_for, apply, remove
+from .patch.decoder import decoder_shape
 
 
 @dataclass
@@ -167,7 +167,8 @@ def run(
         remove(model)
     answer = processor.decode(out[0, T:], skip_special_tokens=True).strip()
     N = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
-    result = _result(model, config, patch, answer, text, T, N, notes)
+    grid = adapter_for(model).visual_grid(model, inputs, N)
+    result = _result(model, config, patch, answer, text, T, N, grid, notes)
     result.timings = {
         "prepare_s": t1 - t0,
         "prefill_s": patch.prefill_seconds,
@@ -178,7 +179,9 @@ def run(
     return result
 
 
-def _result(model, config: HAPConfig, patch, answer: str, text: str, T: int, N: int, notes: list[str]) -> Result:
+def _result(
+    model, config: HAPConfig, patch, answer: str, text: str, T: int, N: int, grid: tuple[int, int], notes: list[str]
+) -> Result:
     st = patch.state
     shape = decoder_shape(model)
     L = shape.layers
@@ -219,8 +222,6 @@ def _result(model, config: HAPConfig, patch, answer: str, text: str, T: int, N: 
     else:
         visual_per_layer, flops = [N] * L, 1.0
     retained = sum(visual_per_layer) / L
-    side = int(round(math.sqrt(N)))
-    grid = (side, side) if side * side == N else (1, N)
     return Result(
         answer=answer,
         method=config.method,

@@ -8,15 +8,22 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from ..config import HAPConfig
-from . import llava
+from . import llava, qwen2_vl
 
-ADAPTERS = {"LlavaForConditionalGeneration": llava}
+ADAPTERS = {
+    "LlavaForConditionalGeneration": llava,
+    "Qwen2VLForConditionalGeneration": qwen2_vl,
+    "Qwen2_5_VLForConditionalGeneration": qwen2_vl,
+}
 
 
 def adapter_for(model):
     name = type(model).__name__
     if name not in ADAPTERS:
-        raise ValueError(f"HAP has no adapter for {name}; supported: {', '.join(ADAPTERS)}")
+        raise ValueError(
+            f"HAP has no adapter for {name} (LLaVA-NeXT's any-resolution tiling among others); "
+            f"supported: {', '.join(ADAPTERS)}"
+        )
     return ADAPTERS[name]
 
 

@@ -1,0 +1,24 @@
+"""Adapter for `Qwen2VLForConditionalGeneration` and `Qwen2_5_VLForConditionalGeneration`.
+
+Dynamic resolution: an image of H x W pixels gives (H/28) x (W/28) visual tokens after the 2x2
+patch merge, so N varies with the image (a batch needs equal N per sample: equal budgets).
+Positions are M-RoPE: 3-D (temporal, height, width) position ids, folded by the decoder's rotary
+embedding into one (cos, sin) per token before the layers run. The shared machinery gathers that
+(cos, sin) for the kept tokens, so every kept token keeps its original 3-D rotation; decoding
+takes its positions from `generate` (text positions + `rope_deltas`, computed once from the full
+prompt), which pruning does not change.
+"""
+
+from __future__ import annotations
+
+from .decoder import apply_patch, remove_patch
+
+__all__ = ["apply_patch", "remove_patch", "visual_grid"]
+
+
+def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
+    """(rows, cols) of the merged visual tokens from the first image's `image_grid_thw`."""
+    merge = model.config.vision_config.spatial_merge_size
+    t, h, w = (int(v) for v in inputs["image_grid_thw"][0])
+    rows, cols = h // merge, w // merge
+    return (rows, cols) if t * rows * cols == num_visual else (1, num_visual)
