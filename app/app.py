@@ -103,19 +103,22 @@ class LoadedModel:
 LOADED = LoadedModel()
 
 
-def _integer(name: str, value: float) -> int:
-    if value is None or float(value) != int(value):
+def _integer(name: str, value: float | None) -> int:
+    """A slider's whole-number value as an int (API callers may send 3.0, never 2.5)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not float(value).is_integer():
         raise ValueError(f"{name}={value!r} must be a whole number")
     return int(value)
 
 
 @gpu
-def _run_models(model_name: str, image: Image.Image, prompt: str, config: hap.HAPConfig, progress: gr.Progress):
-    """The model lane: load on demand, then the three runs."""
-    progress(0.02, desc=f"loading {model_name}")
-    model, processor = LOADED.get(model_name)
-    return compare(model, processor, image, prompt, config, MAX_NEW_TOKENS, lambda f, d: progress(f, desc=d)), \
-        LOADED.center_crop()
+def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, progress: gr.Progress):
+    """The GPU part: the three runs on the loaded model.
+
+    On ZeroGPU this runs in a forked worker, so the model is loaded before (in the main process,
+    where it persists between calls) and read from LOADED here, not loaded inside.
+    """
+    return compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
+                   lambda fraction, description: progress(fraction, desc=description))
 
 
 def analyze(
@@ -147,18 +150,19 @@ def analyze(
             raise ValueError("the prompt is empty: type a question about the image")
         if not model_name:  # the dropdown itself rejects names outside the allow-list
             raise ValueError("no model chosen")
-        config = hap.HAPConfig(
-            method=method, retain=float(retain), groups=_integer("groups", groups),
-            first_layers=_integer("first_layers", first_layers), decay=float(decay),
-            temperature=math.inf if float(temperature) == 0 else float(temperature),
-            tau_sink=float(tau_sink), tau_disp=float(tau_disp), rows=rows,
+        config = hap.HAPConfig(  # validates every field, naming the one that is wrong
+            method=method, retain=retain, groups=_integer("groups", groups),
+            first_layers=_integer("first_layers", first_layers), decay=decay,
+            temperature=math.inf if temperature == 0 else temperature, tau_sink=tau_sink, tau_disp=tau_disp, rows=rows,
         )
-        comparison, center_crop = _run_models(model_name, image.convert("RGB"), prompt, config, progress)
+        progress(0.02, desc=f"loading {model_name}")
+        LOADED.get(model_name)
+        comparison = _compare(image.convert("RGB"), prompt, config, progress)
     except (ValueError, OSError) as err:  # invalid input or setting, unknown or unreachable model
         raise gr.Error(str(err), print_exception=False) from err
     progress(0.85, desc="figures")
     result = comparison.pruned
-    view = views.model_view(image, center_crop)
+    view = views.model_view(image, LOADED.center_crop())
     layer = views.default_layer(result)
     figs = views.figures(result, view, layer)
     return (
