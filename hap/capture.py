@@ -27,9 +27,10 @@ def prompt_attention(
     heads, kv_heads = q_rows.shape[1], keys.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads")
-    k = keys.repeat_interleave(heads // kv_heads, dim=1)
-    logits = (q_rows.float() @ k.float().transpose(-1, -2)) * scaling  # [B, H, P, T]
+    B, _, P, d = q_rows.shape
     T = keys.shape[2]
+    q = q_rows.float().view(B, kv_heads, heads // kv_heads, P, d)  # query head h reads kv head h // group
+    logits = (q @ keys.float()[:, :, None].transpose(-1, -2)).view(B, heads, P, T) * scaling  # [B, H, P, T]
     if row_pos.dim() == 1:
         row_pos = row_pos.unsqueeze(0)
     allowed = torch.arange(T, device=keys.device)[None, None, :] <= row_pos[:, :, None]  # [B|1, P, T]

@@ -98,3 +98,20 @@ def test_module_demo_and_space_entry_point():
     from app.app import demo
 
     assert "analyze" in {fn.api_name for fn in demo.fns.values()}
+
+
+def test_defaults_follow_the_model_depth(model_name):
+    from app.app import Defaults
+
+    assert Defaults.for_model(model_name) == Defaults(first_layers=0, retain=0.25)  # 6 layers: cut before layer 0
+    assert Defaults.for_model("llava-hf/llava-1.5-7b-hf") == Defaults(first_layers=2, retain=0.111)
+
+
+def test_show_layer_redraws_the_per_head_maps(model_name):
+    from analysis.figures import model_view
+    from app.app import LOADED, show_layer
+
+    model, processor = LOADED.get(model_name)
+    result = hap.run(model, processor, Image.open(SCENE), PROMPT, hap.HAPConfig(**SETTINGS), max_new_tokens=1)
+    fig = show_layer((result, model_view(Image.open(SCENE))), 3)
+    assert fig.layout.title.text.startswith("Per-head maps of layer 3")
