@@ -50,7 +50,8 @@ def model_view(image: Image.Image | None, center_crop: bool = True, size: int = 
     """The image as the visual grid covers it, `[size, size, 3]` uint8.
 
     CLIP-style processors (LLaVA-1.5, the tiny model) resize the short side and crop the centre
-    square (`center_crop=True`); SigLIP-style ones squash the whole image to a square (False).
+    square (`center_crop=True`); others (SigLIP, Qwen2-VL) let the grid cover the whole image
+    (False): it is squashed to a square here and stretched back to the grid's shape when drawn.
     Without an image, a neutral grey square.
     """
     if image is None:
@@ -80,7 +81,7 @@ def kept_background(result, view: np.ndarray, group: int) -> np.ndarray:
 
 def scored_layers(result) -> list[int]:
     """Layers whose attention was captured (their head statistics are not NaN)."""
-    return [l for l in range(result.num_layers) if not math.isnan(float(np.nanmax(_fill(result.paq[l]))))]
+    return [l for l in range(result.num_layers) if not np.isnan(np.asarray(result.paq[l], dtype=float)).all()]
 
 
 def default_layer(result) -> int:

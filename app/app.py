@@ -4,7 +4,7 @@ Run `python -m app` (or `python app/app.py`, the Space's `app_file`). Scripts ca
 handler as `/analyze` (see `analyze` for the inputs and outputs). Settings (environment):
 
     HAP_APP_MODELS   comma-separated allow-list of model ids / folders; the first is the default
-                     (default: the shipped tiny model, llava-1.5-7b, llava-interleave-qwen-0.5b)
+                     (default: the shipped tiny model and the hub checkpoints in HUB_MODELS)
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ except ImportError:  # not on ZeroGPU: run as is
 
 
 TINY_MODEL = "assets/tiny-llava"
-HUB_MODELS = {"llava-hf/llava-1.5-7b-hf": 32, "llava-hf/llava-interleave-qwen-0.5b-hf": 24}  # id -> decoder layers
+HUB_MODELS = {  # supported hub checkpoints -> decoder layers
+    "llava-hf/llava-1.5-7b-hf": 32,
+    "llava-hf/llava-interleave-qwen-0.5b-hf": 24,
+    "Qwen/Qwen2-VL-2B-Instruct": 28,
+}
 EXAMPLES = ROOT / "assets" / "examples"
 MAX_NEW_TOKENS = 32
 QUEUE_SIZE = 16

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from tiny_models import noise_image, tiny_llava
@@ -112,3 +114,9 @@ def test_report_texts(model):
     assert data["groups"] == [{"index": g.index, "layers": list(g.layers), "scored_by": g.scored_by, "kept": g.kept}
                               for g in comparison.pruned.groups]
     assert set(data["runs"]) == {"unpruned", "pruned", "uniform"} and "maps" not in data
+
+
+def test_scored_layers_skip_uncaptured_ones(result):
+    partial = dataclasses.replace(result, paq=result.paq.clone())
+    partial.paq[1:3] = float("nan")
+    assert F.scored_layers(partial) == [0, 3, 4, 5]
