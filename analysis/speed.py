@@ -1,17 +1,22 @@
 """Prefill speed of the pruned decoder against the FLOPs-ideal speed-up, measured side by side.
 
-    python -m analysis.speed                      # mid-size random LLaVA on the CPU (about 3 minutes)
-    python -m analysis.speed --shape llava-7b     # the LLaVA-1.5-7B shape, bf16, on a GPU
+    python -m analysis.speed                                   # mid-size random LLaVA, CPU (~3 min)
+    python -m analysis.speed --shape llava-7b                  # LLaVA-1.5-7B shape, bf16 on a GPU
+    python -m analysis.speed --shape qwen2.5-vl-7b             # Qwen2.5-VL-7B shape (M-RoPE, GQA)
+    python -m analysis.speed --shape llava-7b --layers 4       # the 7B width at reduced depth, on a CPU
 
-Random weights (no download): speed does not depend on them. Every configuration is timed in
-one process, interleaved round-robin over `--repeats` rounds, and the median is reported, so the
-ratios compare like with like on a noisy machine. The vision tower runs once outside the timing
-(its features are passed in), so the timed part is the decoder prefill the FLOPs model counts.
+Random weights (no download): speed does not depend on them. The visual tokens are random
+features handed to the model in place of the vision tower's output (576 of them, a 24 x 24
+grid), so the timed part is exactly the decoder prefill that the FLOPs model counts. Every
+configuration is timed in one process, interleaved round-robin over `--repeats` rounds, and the
+median is reported, so the ratios compare like with like on a noisy machine.
 
 Printed per method and budget: prefill time, measured speed-up over `none`, the FLOPs-ideal
-speed-up (unpruned / pruned prefill FLOPs), their ratio (1.0 = pruning pays exactly what the
-FLOPs promise), and the scoring overhead: HAP's extra time over the `random` policy, which runs
-the same schedule without capturing or scoring anything, as a percent of HAP's prefill.
+speed-up (unpruned / pruned prefill FLOPs), their ratio (1.0 = pruning pays what the FLOPs
+promise), peak GPU memory, and HAP's scoring overhead: its extra time over the `random` policy,
+which runs the same schedule without capturing or scoring anything, as a percent of HAP's
+prefill. A `text only` row (the prompt without any visual token) shows the fixed cost no
+pruning can remove (embedding, weights streamed once per layer, the output head).
 """
 
 from __future__ import annotations
@@ -21,65 +26,94 @@ import statistics
 import time
 
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+from transformers import (
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import hap
 from hap.patch.decoder import decoder_shape
 
+IMAGE_TOKEN = 151655
+GRID = 24  # visual tokens per side
 SHAPES = {
-    # hidden, layers, heads, kv_heads, mlp, vision (hidden, layers, heads, image)
-    "mid": dict(hidden=1024, layers=8, heads=16, kv=16, mlp=2816, vision=(256, 4, 4, 336)),
-    "llava-7b": dict(hidden=4096, layers=32, heads=32, kv=32, mlp=11008, vision=(1024, 24, 16, 336)),
+    "mid": dict(family="llava", hidden=1024, layers=8, heads=16, kv=16, mlp=2816, vocab=32064),
+    "llava-7b": dict(family="llava", hidden=4096, layers=32, heads=32, kv=32, mlp=11008, vocab=32064),
+    "qwen2.5-vl-7b": dict(family="qwen", hidden=3584, layers=28, heads=28, kv=4, mlp=18944, vocab=152064),
 }
-IMAGE_TOKEN = 32000
 
 
-def random_llava(shape: str, dtype: torch.dtype, device: str) -> LlavaForConditionalGeneration:
+def random_vlm(shape: str, layers: int | None, dtype: torch.dtype, device: str):
+    """A random-weight VLM of the named decoder shape with a one-layer stand-in vision tower."""
     s = SHAPES[shape]
-    vh, vl, vheads, size = s["vision"]
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(
-            hidden_size=vh, intermediate_size=4 * vh, num_hidden_layers=vl, num_attention_heads=vheads,
-            image_size=size, patch_size=14,
-        ),
-        text_config=LlamaConfig(
-            vocab_size=32064, hidden_size=s["hidden"], intermediate_size=s["mlp"], num_hidden_layers=s["layers"],
-            num_attention_heads=s["heads"], num_key_value_heads=s["kv"], max_position_embeddings=4096,
-        ),
-        image_token_index=IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy="default",
-    )
+    text = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["mlp"],
+                num_hidden_layers=layers or s["layers"], num_attention_heads=s["heads"],
+                num_key_value_heads=s["kv"], max_position_embeddings=4096)
+    if s["family"] == "llava":
+        config = LlavaConfig(
+            vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=GRID * 14, patch_size=14),
+            text_config=LlamaConfig(**text), image_token_index=IMAGE_TOKEN % s["vocab"],
+        )
+        cls = LlavaForConditionalGeneration
+    else:
+        head_dim = s["hidden"] // s["heads"]
+        section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # Qwen2.5-VL's [16, 24, 24] at 128
+        config = Qwen2_5_VLConfig(
+            text_config={**text, "rope_parameters": {"rope_type": "default", "mrope_section": section,
+                                                       "rope_theta": 1e6}},
+            vision_config=dict(depth=1, hidden_size=64, out_hidden_size=s["hidden"], intermediate_size=128,
+                               num_heads=2, fullatt_block_indexes=[0]),
+            image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN - 3,
+            vision_end_token_id=IMAGE_TOKEN - 2,
+        )
+        cls = Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlavaForConditionalGeneration(config)
+        model = cls(config)
     model.set_attn_implementation("sdpa")
     return model.to(dtype).eval()
 
 
-def make_inputs(model, text_tokens: int, device: str) -> dict:
-    """`[prefix 5][576 image tokens][prompt]` and the image features, computed once."""
-    n = (model.config.vision_config.image_size // 14) ** 2
+def make_inputs(model, text_tokens: int, device: str, with_image: bool = True) -> dict:
+    """`[prefix 5][GRID^2 image tokens][prompt]` with random visual features in place of the tower's."""
+    image = model.config.image_token_id
     g = torch.Generator().manual_seed(0)
+    n = GRID * GRID if with_image else 0
     prefix = torch.randint(100, 30000, (1, 5), generator=g)
     prompt = torch.randint(100, 30000, (1, text_tokens - 5), generator=g)
-    ids = torch.cat([prefix, torch.full((1, n), IMAGE_TOKEN), prompt], 1).to(device)
-    pixels = torch.randn(1, 3, model.config.vision_config.image_size, model.config.vision_config.image_size)
-    with torch.inference_mode():
-        features = model.model.get_image_features(pixel_values=pixels.to(device, model.dtype), return_dict=True)
-    return {"input_ids": ids, "mm_encoder_outputs": {"image": features}, "logits_to_keep": 1}
+    ids = torch.cat([prefix, torch.full((1, n), image), prompt], 1).to(device)
+    inputs = {"input_ids": ids, "logits_to_keep": 1}
+    if with_image:
+        hidden = model.config.text_config.hidden_size
+        features = torch.randn(n, hidden, generator=g).to(device, model.dtype)
+        inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=[features])}
+        if "qwen" in type(model).__name__.lower():
+            inputs["image_grid_thw"] = torch.tensor([[1, 2 * GRID, 2 * GRID]], device=device)
+            inputs["mm_token_type_ids"] = (ids == image).int()
+    return inputs
 
 
-def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> float:
+def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> tuple[float, float]:
+    """(seconds, peak GPU GiB or nan) of one prefill."""
+    cuda = device.startswith("cuda")
     if config is not None:
         hap.patch(model, config)
     try:
-        if device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         with torch.inference_mode():
             model(**inputs)
-        if device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     finally:
         if config is not None:
             hap.unpatch(model)
@@ -88,10 +122,12 @@ def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> flo
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=SHAPES, default="mid")
+    p.add_argument("--layers", type=int, default=None, help="override the decoder depth (reduced depth on a CPU)")
     p.add_argument("--retain", type=float, nargs="+", default=[0.222, 0.111, 0.056])
     p.add_argument("--methods", nargs="+", default=["fastv", "pdrop", "uniform", "hap", "random"])
     p.add_argument("--first-layers", type=int, default=None,
-                   help="K; default 0 on the 8-layer mid shape (K >= 1 cannot reach 0.056 there), 1 on 7B")
+                   help="K; default: the largest K that reaches the smallest budget (0 on the 8-layer mid shape)")
+    p.add_argument("--groups", type=int, default=3)
     p.add_argument("--text-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
@@ -100,17 +136,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    first = args.first_layers if args.first_layers is not None else (0 if args.shape == "mid" else 1)
-    model = random_llava(args.shape, dtype, device)
+    model = random_vlm(args.shape, args.layers, dtype, device)
     inputs = make_inputs(model, args.text_tokens, device)
     shape = decoder_shape(model)
-    n = int((inputs["input_ids"] == IMAGE_TOKEN).sum())
+    n = GRID * GRID
+    first = args.first_layers
+    if first is None:  # the largest K whose full layers still leave room for the smallest budget
+        first = max(k for k in range(shape.layers) if k / shape.layers < min(args.retain))
     configs: dict[tuple[str, float], hap.HAPConfig | None] = {("none", 1.0): None}
     schedules: dict[tuple[str, float], hap.Schedule] = {}
     skipped = []
     for retain in args.retain:
         for method in args.methods:
-            config = hap.HAPConfig(method=method, retain=retain, first_layers=first if method != "fastv" else max(first, 1))
+            config = hap.HAPConfig(method=method, retain=retain, groups=args.groups,
+                                   first_layers=max(first, 1) if method == "fastv" else first)
             try:
                 schedules[(method, retain)] = hap.solve_schedule(
                     n, shape, first_layers=config.first_layers, groups=1 if method == "fastv" else config.groups,
@@ -120,19 +159,24 @@ def main(argv: list[str] | None = None) -> None:
                 skipped.append(f"{method} at {retain}: {err}")
                 continue
             configs[(method, retain)] = config
+    runs = {key: (inputs, config) for key, config in configs.items()}
+    runs[("text only", 0.0)] = (make_inputs(model, args.text_tokens, device, with_image=False), None)
     for _ in range(2):  # warm-up
-        for config in configs.values():
-            timed(model, inputs, config, device)
-    times: dict[tuple[str, float], list[float]] = {key: [] for key in configs}
+        for batch, config in runs.values():
+            timed(model, batch, config, device)
+    times: dict[tuple[str, float], list[tuple[float, float]]] = {key: [] for key in runs}
     for _ in range(args.repeats):
-        for key, config in configs.items():
-            times[key].append(timed(model, inputs, config, device))
-    median = {key: statistics.median(v) for key, v in times.items()}
+        for key, (batch, config) in runs.items():
+            times[key].append(timed(model, batch, config, device))
+    median = {key: statistics.median(t for t, _ in v) for key, v in times.items()}
+    peak = {key: max(m for _, m in v) for key, v in times.items()}
     base = median[("none", 1.0)]
-    print(f"shape={args.shape} device={device} dtype={dtype} threads={args.threads} visual={n} "
-          f"text={args.text_tokens} first_layers={first} repeats={args.repeats}")
-    print(f"none: prefill {base * 1000:.1f} ms")
-    print(f"{'method':8} {'retain':>7} {'kept':>7} {'ms':>8} {'speedup':>8} {'ideal':>7} {'meas/ideal':>10} {'overhead':>9}")
+    print(f"shape={args.shape} layers={shape.layers} device={device} dtype={dtype} threads={args.threads} "
+          f"visual={n} text={args.text_tokens} first_layers={first} repeats={args.repeats}")
+    print(f"none: prefill {base * 1000:.1f} ms, peak {peak[('none', 1.0)]:.2f} GiB; text only (no visual token): "
+          f"{median[('text only', 0.0)] * 1000:.1f} ms")
+    print(f"{'method':8} {'retain':>7} {'kept':>7} {'ms':>8} {'speedup':>8} {'ideal':>7} {'meas/ideal':>10} "
+          f"{'peak GiB':>9} {'overhead':>9}")
     for (method, retain), schedule in schedules.items():
         ideal = 1 / schedule.flops_ratio(args.text_tokens, shape)
         speedup = base / median[(method, retain)]
@@ -141,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             extra = median[(method, retain)] - median[("random", retain)]
             overhead = f"{100 * extra / median[(method, retain)]:8.1f}%"
         print(f"{method:8} {retain:7.3f} {schedule.retained_tokens:7.1f} {median[(method, retain)] * 1000:8.1f} "
-              f"{speedup:8.2f} {ideal:7.2f} {speedup / ideal:10.2f} {overhead:>9}")
+              f"{speedup:8.2f} {ideal:7.2f} {speedup / ideal:10.2f} {peak[(method, retain)]:9.2f} {overhead:>9}")
     for line in skipped:
         print(f"skipped {line}")
 
