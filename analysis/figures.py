@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
-from matplotlib.colors import ListedColormap
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from PIL import Image
@@ -337,6 +338,8 @@ def _mpl_layer_head(result, z: np.ndarray, title: str, **imshow) -> tuple:
         ax.text(result.num_heads - 0.6, layer - 0.4, label, color="white", ha="right", va="top", fontsize=7,
                 bbox=dict(facecolor="black", alpha=0.45, linewidth=0))
     ax.set(xlabel="head", ylabel="layer", title=title)
+    ax.set_xticks(range(0, result.num_heads, 1 if result.num_heads <= 16 else 4))
+    ax.set_yticks(range(0, result.num_layers, 1 if result.num_layers <= 16 else 4))
     return fig, ax, image
 
 
@@ -356,6 +359,9 @@ def _mpl_panels(result, panels: list[Panel], title: str, cols: int = 4) -> Figur
         ax.set_title(panel.title, fontsize=7)
     for ax in axes:
         ax.axis("off")
+    if any(p.scores is not None for p in panels):
+        fig.colorbar(ScalarMappable(Normalize(0, 1), MAP_COLORS), ax=axes.tolist(), shrink=0.6,
+                     label="score (min-max)")
     fig.suptitle(title if panels else f"{title}: nothing to show, this method made no cuts")
     return fig
 
