@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from PIL import Image
@@ -13,6 +13,7 @@ from PIL import Image
 from .budget import FLOPS_CONVENTION
 from .config import HAPConfig
 from .heads import HeadStats, classify
+from .inputs import DEFAULT_LIMITS, InputLimits, clean_prompt, load_image
 from .patch import adapter_for, apply, remove
 from .patch.decoder import decoder_shape
 
@@ -94,39 +95,12 @@ class Result:
         return plain(asdict(self))
 
 
-def load_image(image) -> Image.Image:
-    """A PIL image, a path, or an `[H, W, 3]` uint8 array -> RGB PIL image."""
-    if isinstance(image, (str, Path)):
-        with Image.open(image) as img:
-            img.load()
-            image = img.copy()
-    elif not isinstance(image, Image.Image):
-        import numpy as np
-
-        if not isinstance(image, np.ndarray):
-            raise ValueError(f"image must be a PIL image, a file path or a numpy array, not {type(image).__name__}")
-        image = Image.fromarray(image)
-    return image.convert("RGB")
-
-
-def build_inputs(processor, image: Image.Image, prompt: str) -> tuple[dict, str, list[str]]:
-    """Chat-template the prompt with one image slot and run the processor.
-
-    Special tokens typed into the prompt (such as the image token) are removed, so user text can
-    never add image slots or end the turn; the returned notes say so.
-    """
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("prompt is empty: type a question about the image")
-    notes = []
+def build_inputs(processor, image: Image.Image, prompt: str, limits: InputLimits) -> tuple[dict, str, list[str]]:
+    """Chat-template the cleaned prompt with one image slot and run the processor."""
     tok = processor.tokenizer
     specials = {t for t in (*tok.all_special_tokens, getattr(processor, "image_token", None)) if t}
-    for token in sorted(specials, key=len, reverse=True):
-        if token in prompt:
-            prompt = prompt.replace(token, " ")
-            notes.append(f"removed the special token {token!r} from the prompt")
-    if not prompt.strip():
-        raise ValueError("prompt is empty once special tokens are removed: type a question about the image")
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt.strip()}]}]
+    prompt, notes = clean_prompt(prompt, specials, limits)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     return processor(images=image, text=text, return_tensors="pt"), text, notes
 
@@ -139,14 +113,19 @@ def run(
     config: HAPConfig | None = None,
     max_new_tokens: int = 32,
     trace: bool = True,
+    limits: InputLimits = DEFAULT_LIMITS,
 ) -> Result:
-    """Run the full HAP pipeline on one image and prompt; greedy decoding on the pruned cache."""
+    """Run the full HAP pipeline on one image and prompt; greedy decoding on the pruned cache.
+
+    Bad input raises ValueError naming the problem; running out of memory raises MemoryError
+    after the memory is freed, so the next call can succeed.
+    """
     config = config or HAPConfig()
     config.validate()
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= 1024:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer in [1, 1024]")
     t0 = time.perf_counter()
-    inputs, text, notes = build_inputs(processor, load_image(image), prompt)
+    inputs, text, notes = build_inputs(processor, load_image(image, limits), prompt, limits)
     device = next(model.parameters()).device
     inputs = inputs.to(device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
@@ -163,6 +142,13 @@ def run(
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
         generate_s = time.perf_counter() - t1
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        patch.state = None
+        free_memory()
+        raise MemoryError(
+            f"out of memory on {device.type} while answering ({err.__class__.__name__}); memory was freed. "
+            "Try a smaller image, fewer new tokens or a smaller model"
+        ) from err
     finally:
         remove(model)
     answer = processor.decode(out[0, T:], skip_special_tokens=True).strip()
@@ -177,6 +163,13 @@ def run(
         "scoring_s": patch.state.scoring_seconds if patch.state else 0.0,
     }
     return result
+
+
+def free_memory() -> None:
+    """Release what a failed run left behind (Python garbage, cached GPU blocks)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _result(
