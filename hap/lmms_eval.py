@@ -1,0 +1,208 @@
+"""lmms-eval plugin: model `llava_hf_hap`, lmms-eval's `llava_hf` wrapper with HAP's pruning patched in.
+
+Run from a repo checkout (lmms-eval installed, e.g. by `bash .ci/install-eval`; `hap` need not be installed):
+
+    python -m hap.lmms_eval --model llava_hf_hap \\
+        --model_args pretrained=llava-hf/llava-1.5-7b-hf,method=hap,retain=0.056,first_layers=1 \\
+        --tasks pope,gqa,mme --batch_size 1 --output_path logs/
+
+    # data parallel, one patched replica per process:
+    accelerate launch --num_processes=8 -m hap.lmms_eval --model llava_hf_hap \\
+        --model_args pretrained=llava-hf/llava-1.5-7b-hf,method=hap,retain=0.056,first_layers=1 \\
+        --tasks pope,gqa,mme --batch_size 1 --output_path logs/
+
+`python -m hap.lmms_eval ARGS` is exactly `python -m lmms_eval ARGS` with `llava_hf_hap` registered in
+lmms-eval's model registry first. lmms-eval 0.7.3 finds external models only through (a) the entry-point
+group `lmms_eval.models` of an *installed* distribution (`importlib.metadata`), or (b) the deprecated
+`LMMS_EVAL_PLUGINS=<pkg>` variable, which needs the packages `<pkg>.models` (with `AVAILABLE_MODELS`
+and one submodule per model) and `<pkg>.tasks`. Neither works from a bare checkout, hence this runner.
+Once a distribution declares the entry point, plain `python -m lmms_eval --model llava_hf_hap ...` works
+too; in a pyproject.toml:
+
+    [project.entry-points."lmms_eval.models"]
+    llava_hf_hap = "hap.lmms_eval:manifest"
+
+`--model_args` takes every `LlavaHf` argument (pretrained, device, dtype, device_map, attn_implementation,
+...) plus the `HAPConfig` knobs: method, retain, flops_ratio, first_layers, groups, decay, temperature,
+tau_sink, tau_disp, sink_rho, rows, seed. Invalid knobs raise HAPConfig's ValueError before the model loads;
+an unreachable budget (e.g. retain=0.056 with first_layers=2 on a 32-layer decoder: the floor is 0.0625)
+raises right after it loads. `method=none` runs the stock model.
+
+As in `llava_hf`, `--model llava_hf_hap` resolves to the chat implementation (`LlavaHfHapChat`, tasks'
+`doc_to_messages`); add `--force_simple` for the simple one (`LlavaHfHap`, `doc_to_text`/`doc_to_visual`).
+Stock `llava_hf` logs a failed `generate` and scores an empty answer; here a failure (a pruning error,
+out of memory) fails the run instead of silently scoring "", so a pruning bug cannot pass for low accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from accelerate import PartialState
+from lmms_eval.api.registry import register_model
+from lmms_eval.models.chat.llava_hf import LlavaHf as _LlavaHfChat
+from lmms_eval.models.simple.llava_hf import LlavaHf as _LlavaHfSimple
+
+from .budget import solve_schedule
+from .config import HAPConfig
+from .methods import policy_for
+from .patch import apply as _apply_patch
+from .patch.decoder import decoder_shape
+
+MODEL_NAME = "llava_hf_hap"
+_OPTIONAL_FLOAT = ("retain", "flops_ratio")
+_FLOAT = ("decay", "temperature", "tau_sink", "tau_disp", "sink_rho")
+_INT = ("first_layers", "groups", "seed")
+_STR = ("method", "rows")
+HAP_KNOBS = _STR + _OPTIONAL_FLOAT + _INT + _FLOAT
+
+
+def _convert(name: str, value):
+    """`--model_args` value (lmms-eval already turned numerals into int/float) -> the field's type.
+
+    A value that does not convert is passed on unchanged, so that HAPConfig raises its own message."""
+    if isinstance(value, str):
+        text = value.strip()
+        if name in _OPTIONAL_FLOAT and text.lower() in ("", "none", "null"):
+            return None
+        if name in _STR:
+            return text
+        try:
+            number = float(text)
+        except ValueError:
+            return value
+    elif isinstance(value, bool):
+        return value
+    elif isinstance(value, (int, float)):
+        number = value
+    else:
+        return value
+    if name in _INT:
+        return int(number) if math.isfinite(number) and float(number).is_integer() else number
+    return float(number)
+
+
+def config_from_args(args: dict) -> HAPConfig:
+    """HAPConfig from the HAP knobs of `--model_args` (raises HAPConfig's ValueError on a bad one)."""
+    unknown = set(args) - set(HAP_KNOBS)
+    if unknown:
+        raise ValueError(f"unknown HAP knob(s) {sorted(unknown)}; known: {', '.join(HAP_KNOBS)}")
+    return HAPConfig(**{name: _convert(name, value) for name, value in args.items()})
+
+
+def check_budget(model, config: HAPConfig) -> None:
+    """Raise now (not per sample, inside lmms-eval's `generate` try/except) when the budget is unreachable
+    on this decoder; `solve_schedule` depends only on depth and groups for a retain target. A flops_ratio
+    target is checked with no text tokens (its least demanding case)."""
+    groups = policy_for(config).groups
+    if not groups:
+        return
+    num_visual = int(getattr(model.config, "image_seq_length", None) or 576)
+    solve_schedule(num_visual, decoder_shape(model), first_layers=config.first_layers, groups=groups,
+                   decay=config.decay, retain=config.target_retain, flops_ratio=config.flops_ratio)
+
+
+class GenerationFailed(RuntimeError):
+    """A `generate` call failed inside lmms-eval's wrapper (which would have scored an empty answer)."""
+
+
+class _HAPMixin:
+    """Pops the HAP knobs, builds the stock wrapper, then patches the unwrapped HF model in place."""
+
+    def __init__(self, **kwargs) -> None:
+        knobs = {name: kwargs.pop(name) for name in HAP_KNOBS if name in kwargs}
+        self.hap_config = config_from_args(knobs)  # before the slow model load
+        if kwargs.get("device_map", "") == "" and PartialState().num_processes == 1:
+            # LlavaHf passes its default device_map="" to from_pretrained, which transformers 5 rejects;
+            # one process means one device: load there (data parallel keeps "", LlavaHf's DDP switch).
+            kwargs["device_map"] = str(kwargs.get("device", "cuda"))
+        super().__init__(**kwargs)
+        model = self.model  # LlavaHf.model unwraps accelerate's DDP/FSDP wrapper: this process's replica
+        check_budget(model, self.hap_config)
+        self.hap_patch = _apply_patch(model, self.hap_config)
+        self._hap_errors: list[BaseException] = []
+        _guard_generate(model, self._hap_errors)
+
+    def generate_until(self, requests):
+        self._hap_errors.clear()
+        out = super().generate_until(requests)
+        if self._hap_errors:
+            first = self._hap_errors[0]
+            raise GenerationFailed(
+                f"{MODEL_NAME}: generate failed ({type(first).__name__}: {first}); lmms-eval would have "
+                f"scored an empty answer for the remaining requests"
+            ) from first
+        return out
+
+    def loglikelihood(self, requests):
+        if self.hap_config.method != "none":
+            raise NotImplementedError(
+                f"{MODEL_NAME}: loglikelihood tasks are not supported with pruning (the pruned forward returns "
+                f"fewer logits than the labels lmms-eval builds); use generate_until tasks or method=none"
+            )
+        return super().loglikelihood(requests)
+
+
+def _guard_generate(model, errors: list) -> None:
+    """Record the first exception of `model.generate` (instance attribute, class untouched) and make every
+    later call fail fast, so a broken run stops after one request's work instead of one per request."""
+    generate = model.generate
+
+    def guarded(*args, **kwargs):
+        if errors:
+            raise GenerationFailed("an earlier generate failed") from errors[0]
+        try:
+            return generate(*args, **kwargs)
+        except Exception as err:
+            errors.append(err)
+            raise
+
+    model.generate = guarded
+
+
+@register_model(MODEL_NAME)
+class LlavaHfHap(_HAPMixin, _LlavaHfSimple):
+    """lmms-eval's simple `llava_hf` (prompt from `doc_to_text` + `doc_to_visual`), pruned by HAP."""
+
+
+@register_model(MODEL_NAME + "_chat")
+class LlavaHfHapChat(_HAPMixin, _LlavaHfChat):
+    """lmms-eval's chat `llava_hf` (messages from `doc_to_messages`), pruned by HAP."""
+
+
+def manifest():
+    """The `lmms_eval.models` entry-point payload (also what `register()` adds)."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return ModelManifest(
+        model_id=MODEL_NAME,
+        simple_class_path=f"{__name__}.LlavaHfHap",
+        chat_class_path=f"{__name__}.LlavaHfHapChat",
+    )
+
+
+def register() -> None:
+    """Add `llava_hf_hap` to lmms-eval's model registry (idempotent)."""
+    from lmms_eval import models
+
+    models.MODEL_REGISTRY_V2.register_manifest(manifest(), overwrite=True)
+    models.AVAILABLE_MODELS[MODEL_NAME] = "LlavaHfHapChat"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m lmms_eval` with `llava_hf_hap` registered."""
+    register()
+    from lmms_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    # Register the importable module `hap.lmms_eval` (not this `__main__` copy), so that the class paths in
+    # the manifest name the same classes lmms-eval imports.
+    from hap.lmms_eval import main as _main
+
+    _main()

@@ -1,0 +1,176 @@
+"""The lmms-eval plugin `llava_hf_hap` (hap/lmms_eval.py) on a tiny LLaVA saved to disk, offline.
+
+The model is built through lmms-eval's own registry and `create_from_arg_string`, as its CLI does; the
+requests are lmms-eval `Instance`s of a small in-memory task (`task_dict` is the evaluator's boundary:
+no dataset download).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "lmms_eval.models.simple.llava_hf",
+    reason="lmms-eval is not installed (bash .ci/install-eval installs it with the few packages it imports)",
+)
+
+from lmms_eval import models  # noqa: E402
+from lmms_eval.api.instance import Instance  # noqa: E402
+from lmms_eval.api.registry import MODEL_REGISTRY  # noqa: E402
+from lmms_eval.models.registry_v2 import ModelRegistryV2  # noqa: E402
+
+import hap  # noqa: E402
+import hap.lmms_eval as plugin  # noqa: E402
+from tiny_models import noise_image, tiny_llava  # noqa: E402
+
+TASK, SPLIT = "tiny", "test"
+DOCS = [{"question": q, "seed": s} for s, q in enumerate(["What is in the image?", "Is there a dog?", "Which color?"])]
+GEN = {"max_new_tokens": 6, "until": ["\n\n"], "temperature": 0}
+HAP_ARGS = "method=hap,retain=0.3,first_layers=1"
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> str:
+    model, processor = tiny_llava(layers=6)
+    path = tmp_path_factory.mktemp("tiny_llava")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def build(name: str, pretrained: str, extra: str = "", force_simple: bool = True):
+    """What `lmms_eval.evaluator.simple_evaluate` does with `--model NAME --model_args ... --device cpu`."""
+    plugin.register()
+    cls = models.get_model(name, force_simple=force_simple)
+    args = f"pretrained={pretrained},dtype=float32" + (f",{extra}" if extra else "")
+    if name == "llava_hf":  # stock LlavaHf hands its default device_map="" to from_pretrained: transformers 5 refuses
+        args += ",device_map=cpu"
+    lm = cls.create_from_arg_string(args, {"batch_size": 1, "device": "cpu"})
+    lm.task_dict = {TASK: {SPLIT: DOCS}}
+    return lm
+
+
+def requests(chat: bool) -> list[Instance]:
+    def visual(doc):
+        return [noise_image(doc["seed"])]
+
+    def messages(doc):
+        return [{"role": "user", "content": [{"type": "image", "url": noise_image(doc["seed"])},
+                                             {"type": "text", "text": doc["question"]}]}]
+
+    out = []
+    for i, doc in enumerate(DOCS):
+        args = ((doc["question"], messages, dict(GEN), i, TASK, SPLIT) if chat
+                else (doc["question"], dict(GEN), visual, i, TASK, SPLIT))
+        out.append(Instance(request_type="generate_until", arguments=args, idx=0,
+                            metadata={"task": TASK, "doc_id": i, "repeats": 1}))
+    return out
+
+
+def answers(lm, chat: bool = False) -> list[str]:
+    return [getattr(a, "text", a) for a in lm.generate_until(requests(chat))]
+
+
+def test_registered_and_resolved_like_llava_hf():
+    plugin.register()
+    assert models.get_model("llava_hf_hap") is plugin.LlavaHfHapChat  # chat first, as for llava_hf
+    assert models.get_model("llava_hf_hap", force_simple=True) is plugin.LlavaHfHap
+    assert MODEL_REGISTRY["llava_hf_hap"] is plugin.LlavaHfHap  # lmms-eval's register_model
+    assert "llava_hf_hap" in models.list_available_models()
+
+
+def test_entry_point_manifest(tmp_path, monkeypatch):
+    """The pyproject entry point `llava_hf_hap = "hap.lmms_eval:manifest"` loads through lmms-eval's loader."""
+    info = tmp_path / "hap_plugin-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hap-plugin\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text('[lmms_eval.models]\nllava_hf_hap = hap.lmms_eval:manifest\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = ModelRegistryV2()
+    registry.load_entrypoint_manifests()
+    assert registry.get_model_class("llava_hf_hap", force_simple=True) is plugin.LlavaHfHap
+    assert registry.get_model_class("llava_hf_hap") is plugin.LlavaHfHapChat
+
+
+def test_knobs_are_typed_and_validated():
+    cfg = plugin.config_from_args({"method": "uniform", "retain": "0.1", "first_layers": "1", "groups": 2,
+                                   "temperature": "inf", "seed": 3.0, "flops_ratio": "none"})
+    assert (cfg.method, cfg.retain, cfg.first_layers, cfg.groups, cfg.seed) == ("uniform", 0.1, 1, 2, 3)
+    assert cfg.temperature == float("inf") and cfg.flops_ratio is None
+    with pytest.raises(ValueError, match="retain='abc' must be a number"):
+        plugin.config_from_args({"retain": "abc"})
+    with pytest.raises(ValueError, match="first_layers=1.5 must be an integer"):
+        plugin.config_from_args({"first_layers": 1.5})
+    with pytest.raises(ValueError, match="method='hop' is not allowed"):
+        plugin.config_from_args({"method": "hop"})
+
+
+def test_bad_knob_fails_before_loading(pretrained):
+    with pytest.raises(ValueError, match=r"retain=2(\.0)? must be a number"):
+        build("llava_hf_hap", "/nonexistent", "retain=2")
+    # the 32-layer example of the docstring, scaled: 6 layers, first_layers=2 keep >= 2/6 of the tokens
+    with pytest.raises(ValueError, match="retain=0.2 is unreachable"):
+        build("llava_hf_hap", pretrained, "retain=0.2,first_layers=2")
+
+
+def test_generate_until_prunes_and_none_is_stock(pretrained):
+    stock = build("llava_hf", pretrained)
+    assert type(stock).__name__ == "LlavaHf"
+    expected_stock = answers(stock)
+
+    none = build("llava_hf_hap", pretrained, "method=none")
+    assert answers(none) == expected_stock
+    assert none.model._hap.state is None  # the patch saw every prefill and left it alone
+
+    pruned = build("llava_hf_hap", pretrained, HAP_ARGS)
+    got = answers(pruned)
+    assert len(got) == len(DOCS) and all(isinstance(a, str) and a for a in got)
+    state = pruned.model._hap.state  # the last request's prefill
+    assert state.schedule.cuts == [1, 2, 4] and state.schedule.kept == [46, 23, 12]
+    assert state.kept_orig.shape == (1, 12)  # 12 of 144 visual tokens reach the last layers
+    # the same pruning as hap's own patch on the stock wrapper's model
+    with hap.patched(stock.model, hap.HAPConfig(retain=0.3, first_layers=1)):
+        assert answers(stock) == got
+
+
+def test_pruned_cache_is_shorter(pretrained):
+    lm = build("llava_hf_hap", pretrained, HAP_ARGS)
+    seen = {}
+    generate = lm.model.generate
+
+    def spy(*args, **kwargs):
+        out = generate(*args, return_dict_in_generate=True, **kwargs)
+        seen["T"] = kwargs["input_ids"].shape[1]
+        seen["cache"] = [out.past_key_values.get_seq_length(i) for i in range(6)]
+        return out.sequences
+
+    lm.model.generate = spy
+    answers(lm)
+    full, *rest = seen["cache"]
+    assert full > seen["T"]  # layer 0 cached every prompt token and the decoded ones
+    assert [full - n for n in rest] == [144 - k for k in (46, 23, 23, 12, 12)]  # later layers: the kept only
+
+
+def test_chat_model_prunes(pretrained):
+    stock = build("llava_hf", pretrained, force_simple=False)
+    assert type(stock).__name__ == "LlavaHf" and not stock.is_simple
+    expected = answers(stock, chat=True)
+    assert answers(build("llava_hf_hap", pretrained, "method=none", force_simple=False), chat=True) == expected
+    pruned = build("llava_hf_hap", pretrained, HAP_ARGS, force_simple=False)
+    assert isinstance(pruned, plugin.LlavaHfHapChat)
+    assert all(answers(pruned, chat=True)) and pruned.model._hap.state.kept_orig.shape == (1, 12)
+
+
+def test_generation_errors_are_raised_not_scored_empty(pretrained, monkeypatch):
+    lm = build("llava_hf_hap", pretrained, HAP_ARGS)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(lm.model.model.language_model.layers[2], "forward", broken)
+    with pytest.raises(plugin.GenerationFailed, match="boom"):
+        lm.generate_until(requests(chat=False))
+    assert len(calls) == 1  # the later requests failed fast
