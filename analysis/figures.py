@@ -6,9 +6,11 @@ Plain arrays in, figures out: plotly for the app (`head_class_figure`, `paq_figu
 (`export_png`). Nothing here touches a model.
 
 Token maps are the selection scores s_v = ||M[:, v]||_2 of `hap.Result.maps`, drawn on the visual
-grid over the image as the model sees it (`model_view`). Each small multiple is scaled between its
-own lowest and highest token (heads differ in scale by orders of magnitude); hovering shows the raw score. Tokens that
-an earlier cut already removed are NaN in the maps and drawn transparent.
+grid over the image as the model sees it (`model_view`), transparent where low and red where high.
+Each small multiple is divided by its own highest score (heads differ in scale by orders of
+magnitude), so a dispersed head looks flat and a focused one shows its peaks; hovering shows the
+raw score. Tokens that
+an earlier cut already removed are NaN in the maps; their patches are dimmed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import plotly.graph_objects as go
 from matplotlib.cm import ScalarMappable
-from matplotlib.colors import ListedColormap, Normalize
+from matplotlib.colors import LinearSegmentedColormap, ListedColormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from PIL import Image
@@ -31,19 +33,32 @@ from plotly.subplots import make_subplots
 CLASSES = ("", "sink", "dispersed", "optimal")  # index = colour code; "" = layer not scored
 CLASS_LABELS = ("not scored", "sink", "dispersed", "optimal")
 CLASS_COLORS = ("#d9d9d9", "#d62728", "#ffb000", "#2ca02c")
-MAP_COLORS = "inferno"  # the same colour map name in plotly and matplotlib
-MAP_OPACITY = 0.6  # token maps are blended over the image
+# Token maps over the image: low scores transparent (the image shows), high scores opaque red.
+MAP_STOPS = ((0.0, (255, 255, 255, 0.0)), (0.4, (255, 200, 0, 0.35)), (1.0, (215, 0, 0, 0.9)))  # (at, RGBA)
+MAP_PLOTLY = [[at, f"rgba({r},{g},{b},{a})"] for at, (r, g, b, a) in MAP_STOPS]
+MAP_MPL = LinearSegmentedColormap.from_list("hap_map", [(at, (r / 255, g / 255, b / 255, a))
+                                                        for at, (r, g, b, a) in MAP_STOPS])
 PRUNED_BRIGHTNESS = 0.2  # kept-token masks: pruned patches keep this fraction of their brightness
 VIEW_PIXELS = 336  # side of the image under the maps (LLaVA-1.5's input size)
 
 
 @dataclass
 class Panel:
-    """One small multiple: a token map (or none) over an image."""
+    """One small multiple: a token map (or none) over the image, tokens outside the sequence dimmed."""
 
     title: str
-    background: np.ndarray  # [height, width, 3] uint8, spans the whole visual grid
-    scores: np.ndarray | None = None  # [rows, cols] raw token scores, NaN where absent
+    view: np.ndarray  # [height, width, 3] uint8 image spanning the whole visual grid
+    scores: np.ndarray | None = None  # [rows, cols] raw token scores, NaN where the token is absent
+    present: np.ndarray | None = None  # bool [rows, cols] tokens in the sequence (None: all of them)
+
+    @classmethod
+    def map(cls, title: str, view: np.ndarray, scores: np.ndarray) -> "Panel":
+        """A token map; the tokens it has no score for (already pruned) are dimmed."""
+        absent = np.isnan(scores)
+        return cls(title, view, scores, ~absent if absent.any() else None)
+
+    def background(self) -> np.ndarray:
+        return self.view if self.present is None else dim(self.view, self.present)
 
 
 # --- image and grid helpers ---------------------------------------------------------------------
@@ -70,14 +85,12 @@ def to_grid(result, values) -> np.ndarray:
     return np.asarray(values, dtype=float).reshape(result.visual_grid)
 
 
-def kept_background(result, view: np.ndarray, group: int) -> np.ndarray:
-    """`view` with the patches that group `group` does not run on dimmed."""
-    rows, cols = result.visual_grid
-    kept = to_grid(result, result.kept_mask(group).numpy()) > 0
+def dim(view: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """`view` with the patches of the tokens not `present` (bool [rows, cols]) dimmed."""
+    rows, cols = present.shape
     h, w = view.shape[:2]
-    pixel_kept = kept[np.arange(h) * rows // h][:, np.arange(w) * cols // w]  # [h, w]
-    factor = np.where(pixel_kept, 1.0, PRUNED_BRIGHTNESS)[..., None]
-    return (view * factor).astype(np.uint8)
+    pixel_present = present[np.arange(h) * rows // h][:, np.arange(w) * cols // w]  # [h, w]
+    return (view * np.where(pixel_present, 1.0, PRUNED_BRIGHTNESS)[..., None]).astype(np.uint8)
 
 
 def scored_layers(result) -> list[int]:
@@ -94,9 +107,9 @@ def default_layer(result) -> int:
 
 
 def relative(scores: np.ndarray) -> np.ndarray:
-    """Scores rescaled to [0, 1] between the panel's lowest and highest present token (NaN kept)."""
-    low, high = -np.nanmax(_fill(-scores)), np.nanmax(_fill(scores))
-    return (scores - low) / (high - low) if high > low else np.where(np.isnan(scores), np.nan, 0.0)
+    """Scores divided by the panel's highest (NaN kept): a flat map stays flat, a focused one shows its peaks."""
+    high = np.nanmax(_fill(scores))
+    return scores / high if high > 0 else np.where(np.isnan(scores), np.nan, 0.0)
 
 
 def _fill(row) -> np.ndarray:
@@ -132,14 +145,14 @@ def head_map_panels(result, view: np.ndarray, layer: int) -> list[Panel]:
     for h in range(result.num_heads):
         cls = result.head_class[layer][h] or "not scored"
         paq = float(result.paq[layer, h])
-        panels.append(Panel(f"L{layer} H{h}: {cls}\nPAQ {paq:.3g}", view, to_grid(result, result.maps.head[layer, h])))
+        panels.append(Panel.map(f"L{layer} H{h}: {cls}\nPAQ {paq:.3g}", view, to_grid(result, result.maps.head[layer, h])))
     return panels
 
 
 def layer_map_panels(result, view: np.ndarray) -> list[Panel]:
     """Head-fused (softmax(PAQ / T) over heads) maps, one per captured layer."""
     return [
-        Panel(f"layer {l} (head fusion)", view, to_grid(result, result.maps.layer[l]))
+        Panel.map(f"layer {l} (head fusion)", view, to_grid(result, result.maps.layer[l]))
         for l in scored_layers(result)
     ]
 
@@ -147,7 +160,7 @@ def layer_map_panels(result, view: np.ndarray) -> list[Panel]:
 def group_map_panels(result, view: np.ndarray) -> list[Panel]:
     """Layer-fused maps, one per group: the scores that chose the group's tokens."""
     return [
-        Panel(
+        Panel.map(
             f"group {g.index} (layers {g.layers[0]}-{g.layers[1] - 1})\nscored by {_layers(g.scored_by)}",
             view,
             to_grid(result, result.maps.group[g.index]),
@@ -163,8 +176,8 @@ def comparison_panels(result, view: np.ndarray) -> list[Panel]:
         k = len(g.kept)
         plain, paq = (np.asarray(m[g.index], dtype=float) for m in (result.maps.group_uniform, result.maps.group))
         shared = len(_top(plain, k) & _top(paq, k))
-        uniform.append(Panel(f"group {g.index}: uniform average", view, to_grid(result, plain)))
-        weighted.append(Panel(f"group {g.index}: PAQ-weighted\n{shared} of the top {k} shared", view,
+        uniform.append(Panel.map(f"group {g.index}: uniform average", view, to_grid(result, plain)))
+        weighted.append(Panel.map(f"group {g.index}: PAQ-weighted\n{shared} of the top {k} shared", view,
                               to_grid(result, paq)))
     return uniform + weighted
 
@@ -174,7 +187,8 @@ def mask_panels(result, view: np.ndarray) -> list[Panel]:
     return [
         Panel(
             f"group {g.index} (layers {g.layers[0]}-{g.layers[1] - 1}): {len(g.kept)}/{result.num_visual} kept",
-            kept_background(result, view, g.index),
+            view,
+            present=to_grid(result, result.kept_mask(g.index).numpy()) > 0,
         )
         for g in result.groups
     ]
@@ -239,8 +253,11 @@ def _data_uri(background: np.ndarray) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def panels_figure(result, panels: list[Panel], title: str, cols: int = 4) -> go.Figure:
-    """Small multiples: each panel's image with its token map blended over it (plotly)."""
+def panels_figure(result, panels: list[Panel], title: str, cols: int = 4, width: int = 1000) -> go.Figure:
+    """Small multiples: each panel's image with its token map blended over it (plotly).
+
+    `width` is the pixel width the figure is expected to get, which sets its height.
+    """
     fig = go.Figure()
     if not panels:
         fig.add_annotation(text="nothing to show: this method made no cuts", showarrow=False)
@@ -252,28 +269,31 @@ def panels_figure(result, panels: list[Panel], title: str, cols: int = 4) -> go.
                         horizontal_spacing=0.02, vertical_spacing=0.16 / rows_n)
     grid_rows, grid_cols = result.visual_grid
     index = np.arange(grid_rows * grid_cols).reshape(grid_rows, grid_cols)
-    uris: dict[int, str] = {}
+    uris: dict[bytes, str] = {}  # one encoded image per set of dimmed tokens
     for i, panel in enumerate(panels):
         row, col = divmod(i, cols)
-        h, w = panel.background.shape[:2]
-        uri = uris.setdefault(id(panel.background), _data_uri(panel.background))
+        h, w = panel.view.shape[:2]
+        key = b"" if panel.present is None else panel.present.tobytes()
+        if key not in uris:
+            uris[key] = _data_uri(panel.background())
+        uri = uris[key]
         fig.add_trace(go.Image(source=uri, x0=-0.5 + grid_cols / w / 2, dx=grid_cols / w,
                                y0=-0.5 + grid_rows / h / 2, dy=grid_rows / h, hoverinfo="skip"), row + 1, col + 1)
         if panel.scores is not None:
             fig.add_trace(go.Heatmap(
                 z=relative(panel.scores), customdata=np.stack([panel.scores, index], -1), coloraxis="coloraxis",
-                opacity=MAP_OPACITY, hoverongaps=False,
+                hoverongaps=False,
                 hovertemplate="token %{customdata[1]} (row %{y}, col %{x})<br>score %{customdata[0]:.3g}"
-                              "<br>%{z:.0%} of the panel's range<extra></extra>",
+                              "<br>%{z:.0%} of the panel's highest<extra></extra>",
             ), row + 1, col + 1)
         suffix = "" if i == 0 else str(i + 1)
         fig.layout[f"yaxis{suffix}"].update(scaleanchor=f"x{suffix}", autorange="reversed")
     fig.update_xaxes(visible=False, range=[-0.5, grid_cols - 0.5], constrain="domain")
     fig.update_yaxes(visible=False, range=[grid_rows - 0.5, -0.5], constrain="domain")
     fig.update_annotations(font_size=11)
-    fig.update_layout(title=title, height=70 + rows_n * (50 + 1000 // max(cols, 3)), margin=dict(l=10, r=10, t=90, b=10),
-                      coloraxis=dict(colorscale=MAP_COLORS.capitalize(), cmin=0, cmax=1,
-                                     colorbar=dict(title="score<br>(min-max)", len=0.6)))
+    fig.update_layout(title=title, height=70 + rows_n * (50 + width // max(cols, 3)), margin=dict(l=10, r=10, t=90, b=10),
+                      coloraxis=dict(colorscale=MAP_PLOTLY, cmin=0, cmax=1,
+                                     colorbar=dict(title="score /<br>highest", len=0.6)))
     return fig
 
 
@@ -310,7 +330,7 @@ def uniform_vs_paq_figure(result, view: np.ndarray) -> go.Figure:
 
 def kept_mask_figure(result, view: np.ndarray) -> go.Figure:
     """(5) The tokens each group runs on, over the image; pruned patches dimmed."""
-    return panels_figure(result, mask_panels(result, view), f"Kept visual tokens ({result.method})", cols=3)
+    return panels_figure(result, mask_panels(result, view), f"Kept visual tokens ({result.method})", cols=3, width=650)
 
 
 def figures(result, view: np.ndarray, layer: int | None = None) -> dict[str, go.Figure]:
@@ -352,16 +372,15 @@ def _mpl_panels(result, panels: list[Panel], title: str, cols: int = 4) -> Figur
     grid_rows, grid_cols = result.visual_grid
     extent = (-0.5, grid_cols - 0.5, grid_rows - 0.5, -0.5)
     for ax, panel in zip(axes, panels):
-        ax.imshow(panel.background, extent=extent)
+        ax.imshow(panel.background(), extent=extent)
         if panel.scores is not None:
-            ax.imshow(relative(panel.scores), extent=extent, cmap=MAP_COLORS,
-                      vmin=0, vmax=1, alpha=MAP_OPACITY, interpolation="nearest")
+            ax.imshow(relative(panel.scores), extent=extent, cmap=MAP_MPL, vmin=0, vmax=1, interpolation="nearest")
         ax.set_title(panel.title, fontsize=7)
     for ax in axes:
         ax.axis("off")
     if any(p.scores is not None for p in panels):
-        fig.colorbar(ScalarMappable(Normalize(0, 1), MAP_COLORS), ax=axes.tolist(), shrink=0.6,
-                     label="score (min-max)")
+        fig.colorbar(ScalarMappable(Normalize(0, 1), MAP_MPL), ax=axes.tolist(), shrink=0.6,
+                     label="score / highest")
     fig.suptitle(title if panels else f"{title}: nothing to show, this method made no cuts")
     return fig
 

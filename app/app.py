@@ -242,11 +242,6 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
                     rows = gr.Radio(["prompt", "last"], value="prompt",
                                     label="Prompt rows scoring tokens (all prompt tokens / last token)")
                 run = gr.Button("Run", variant="primary", elem_id="run")
-                scenes, photos = _examples(names)
-                if scenes:
-                    gr.Examples(scenes, [image, prompt, model], label="Synthetic scenes (the shipped tiny model)")
-                if photos:
-                    gr.Examples(photos, [image, prompt, model], label="Photographs (real checkpoints; need the weights)")
             with gr.Column(scale=2):
                 with gr.Row(equal_height=True):
                     cards = [gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}", container=True)
@@ -254,6 +249,12 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
                 kept = gr.Plot(label="Kept visual tokens per group", elem_id="plot-kept")
                 with gr.Accordion("What am I looking at?", open=True):
                     explain = gr.Markdown(TEACHING, elem_id="explanation")
+        scenes, photos = _examples(names)
+        with gr.Row():
+            if scenes:
+                gr.Examples(scenes, [image, prompt, model], label="Synthetic scenes (the shipped tiny model)")
+            if photos:
+                gr.Examples(photos, [image, prompt, model], label="Photographs (real checkpoints; need the weights)")
         gr.Markdown("## Head heterogeneity")
         with gr.Row():
             classes = gr.Plot(label="Head classes", elem_id="plot-classes")

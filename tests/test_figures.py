@@ -65,12 +65,15 @@ def test_group_map_top_k_is_what_hap_kept(result):
         assert F._top(result.maps.group[g.index].numpy(), len(g.kept)) == set(g.kept)
 
 
-def test_kept_mask_dims_exactly_the_pruned_patches(result):
+def test_masks_and_maps_dim_exactly_the_pruned_patches(result):
     view = np.full((168, 168, 3), 200, np.uint8)
     rows, cols = result.visual_grid
     for g in result.groups:
-        dimmed = F.kept_background(result, view, g.index)[:: 168 // rows, :: 168 // cols, 0]  # one pixel per token
+        panel = F.mask_panels(result, view)[g.index]
+        dimmed = panel.background()[:: 168 // rows, :: 168 // cols, 0]  # one pixel per token
         assert ((dimmed == 200).ravel() == result.kept_mask(g.index).numpy()).all()
+    for panel in F.layer_map_panels(result, view):
+        assert (panel.background()[:: 168 // rows, :: 168 // cols, 0] == 200).tolist() == (~np.isnan(panel.scores)).tolist()
 
 
 def test_model_view_crops_the_centre_square():
