@@ -62,8 +62,8 @@ class Panel:
 
 
 # --- image and grid helpers ---------------------------------------------------------------------
-def model_view(image: Image.Image | None, center_crop: bool = True, size: int = VIEW_PIXELS) -> np.ndarray:
-    """The image as the visual grid covers it, `[size, size, 3]` uint8.
+def model_view(image: Image.Image | str | Path | None, center_crop: bool = True, size: int = VIEW_PIXELS) -> np.ndarray:
+    """The image (or its file) as the visual grid covers it, `[size, size, 3]` uint8.
 
     CLIP-style processors (LLaVA-1.5, the tiny model) resize the short side and crop the centre
     square (`center_crop=True`); others (SigLIP, Qwen2-VL) let the grid cover the whole image
@@ -72,6 +72,9 @@ def model_view(image: Image.Image | None, center_crop: bool = True, size: int = 
     """
     if image is None:
         return np.full((size, size, 3), 128, np.uint8)
+    if isinstance(image, (str, Path)):
+        with Image.open(image) as opened:
+            image = opened.convert("RGB")
     image = image.convert("RGB")
     if center_crop:
         side = min(image.size)
@@ -385,11 +388,11 @@ def _mpl_panels(result, panels: list[Panel], title: str, cols: int = 4) -> Figur
     return fig
 
 
-def export_png(result, out_dir: str | Path, image: Image.Image | None = None, layer: int | None = None,
+def export_png(result, out_dir: str | Path, image: Image.Image | str | Path | None = None, layer: int | None = None,
                center_crop: bool = True) -> list[Path]:
     """Write every view as a PNG file with matplotlib; returns the paths.
 
-    `image` is the input image (maps are drawn on grey without it); `layer` picks the per-head
+    `image` is the input image or its path (maps are drawn on grey without it); `layer` picks the per-head
     maps (default: the last layer scoring the first cut); `center_crop` as in `model_view`.
     """
     out = Path(out_dir)

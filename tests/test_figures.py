@@ -105,6 +105,8 @@ def test_export_png_writes_every_view(result, tmp_path):
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000, path
     assert F.export_png(result, tmp_path / "grey")  # without the image: maps on grey
+    noise_image().save(tmp_path / "input.png")
+    assert len(F.export_png(result, tmp_path / "from-file", tmp_path / "input.png")) == 7  # as the CLI passes it
 
 
 def test_report_texts(model):
