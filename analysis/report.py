@@ -128,7 +128,7 @@ def explanation(comparison: Comparison) -> str:
             shared = len(set(g.kept) & uniform.get(g.index, set()))
             lines.append(
                 f"- Group {g.index} (layers {g.layers[0]}-{g.layers[1] - 1}) keeps {len(g.kept)} tokens; "
-                f"{shared} of them are also kept by uniform averaging."
+                f"{shared} of them are also kept by the uniform-averaging run (whose earlier cuts differ too)."
             )
     lines += [f"- Note: {note}." for note in result.notes]
     return "\n".join(lines)
