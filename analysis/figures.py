@@ -39,6 +39,7 @@ MAP_PLOTLY = [[at, f"rgba({r},{g},{b},{a})"] for at, (r, g, b, a) in MAP_STOPS]
 MAP_MPL = LinearSegmentedColormap.from_list("hap_map", [(at, (r / 255, g / 255, b / 255, a))
                                                         for at, (r, g, b, a) in MAP_STOPS])
 PRUNED_BRIGHTNESS = 0.2  # kept-token masks: pruned patches keep this fraction of their brightness
+COMPARISON_TITLE = "Uniform head averaging (top) vs PAQ weighting (bottom)"
 VIEW_PIXELS = 336  # side of the image under the maps (LLaVA-1.5's input size)
 
 
@@ -52,7 +53,7 @@ class Panel:
     present: np.ndarray | None = None  # bool [rows, cols] tokens in the sequence (None: all of them)
 
     @classmethod
-    def map(cls, title: str, view: np.ndarray, scores: np.ndarray) -> "Panel":
+    def map(cls, title: str, view: np.ndarray, scores: np.ndarray) -> Panel:
         """A token map; the tokens it has no score for (already pruned) are dimmed."""
         absent = np.isnan(scores)
         return cls(title, view, scores, ~absent if absent.any() else None)
@@ -148,7 +149,8 @@ def head_map_panels(result, view: np.ndarray, layer: int) -> list[Panel]:
     for h in range(result.num_heads):
         cls = result.head_class[layer][h] or "not scored"
         paq = float(result.paq[layer, h])
-        panels.append(Panel.map(f"L{layer} H{h}: {cls}\nPAQ {paq:.3g}", view, to_grid(result, result.maps.head[layer, h])))
+        scores = to_grid(result, result.maps.head[layer, h])
+        panels.append(Panel.map(f"L{layer} H{h}: {cls}\nPAQ {paq:.3g}", view, scores))
     return panels
 
 
@@ -294,7 +296,8 @@ def panels_figure(result, panels: list[Panel], title: str, cols: int = 4, width:
     fig.update_xaxes(visible=False, range=[-0.5, grid_cols - 0.5], constrain="domain")
     fig.update_yaxes(visible=False, range=[grid_rows - 0.5, -0.5], constrain="domain")
     fig.update_annotations(font_size=11)
-    fig.update_layout(title=title, height=70 + rows_n * (50 + width // max(cols, 3)), margin=dict(l=10, r=10, t=90, b=10),
+    fig.update_layout(title=title, height=70 + rows_n * (50 + width // max(cols, 3)),
+                      margin=dict(l=10, r=10, t=90, b=10),
                       coloraxis=dict(colorscale=MAP_PLOTLY, cmin=0, cmax=1,
                                      colorbar=dict(title="score /<br>highest", len=0.6)))
     return fig
@@ -321,14 +324,13 @@ def layer_maps_figure(result, view: np.ndarray) -> go.Figure:
 
 def group_maps_figure(result, view: np.ndarray) -> go.Figure:
     """(4c) Layer-fused map per group."""
-    return panels_figure(result, group_map_panels(result, view), "After layer fusion: the map that chose each group's tokens",
-                         cols=3)
+    return panels_figure(result, group_map_panels(result, view),
+                         "After layer fusion: the map that chose each group's tokens", cols=3)
 
 
 def uniform_vs_paq_figure(result, view: np.ndarray) -> go.Figure:
     """(4d) Uniform head average beside the PAQ-weighted map, per group."""
-    return panels_figure(result, comparison_panels(result, view), "Uniform head averaging (top) vs PAQ weighting (bottom)",
-                         cols=max(1, len(result.groups)))
+    return panels_figure(result, comparison_panels(result, view), COMPARISON_TITLE, cols=max(1, len(result.groups)))
 
 
 def kept_mask_figure(result, view: np.ndarray) -> go.Figure:
@@ -416,8 +418,8 @@ def export_png(result, out_dir: str | Path, image: Image.Image | str | Path | No
         "layer_maps": _mpl_panels(result, layer_map_panels(result, view), "After head fusion (PAQ softmax over heads)",
                                   multiples_columns(result.num_layers)),
         "group_maps": _mpl_panels(result, group_map_panels(result, view), "After layer fusion, per group", cols=3),
-        "uniform_vs_paq": _mpl_panels(result, comparison_panels(result, view),
-                                      "Uniform head averaging (top) vs PAQ weighting (bottom)", max(1, len(result.groups))),
+        "uniform_vs_paq": _mpl_panels(result, comparison_panels(result, view), COMPARISON_TITLE,
+                                      max(1, len(result.groups))),
         "kept_masks": _mpl_panels(result, mask_panels(result, view), f"Kept visual tokens ({result.method})", cols=3),
     }
     paths = []

@@ -7,13 +7,13 @@ app's answer cards, teaching panel and JSON. Only `compare` touches the model (t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 import hap
+from hap.fusion import fusion_weights
 
 from .figures import class_counts, default_layer
 
@@ -115,12 +115,12 @@ def explanation(comparison: Comparison) -> str:
     paq = result.paq[layer]
     if not bool(torch.isnan(paq).all()):
         temperature = result.config["temperature"]
-        weights = torch.softmax(torch.nan_to_num(paq, nan=-math.inf) / temperature, 0)
+        weights = fusion_weights(paq[None], temperature)[0]  # the head-fusion weights of this layer
         top = int(weights.argmax())
         lines.append(
-            f"- Layer {layer}: head {top} has the highest PAQ ({float(paq[top]):.3g}) and gets {float(weights[top]):.0%} "
-            f"of the fusion weight at T = {temperature:g} (uniform averaging would give each head "
-            f"{1 / result.num_heads:.0%})."
+            f"- Layer {layer}: head {top} has the highest PAQ ({float(paq[top]):.3g}) and gets "
+            f"{float(weights[top]):.0%} of the fusion weight at T = {temperature:g} (uniform averaging would give "
+            f"each head {1 / result.num_heads:.0%})."
         )
     uniform = {g.index: set(g.kept) for g in comparison.uniform.groups}
     if comparison.uniform is not result:

@@ -37,7 +37,6 @@ except ImportError:  # not on ZeroGPU: run as is
         return fn
 
 
-
 TINY_MODEL = "assets/tiny-llava"
 HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "llava-hf/llava-1.5-7b-hf": 32,
@@ -68,8 +67,8 @@ class Defaults:
     retain: float
 
     @classmethod
-    def for_model(cls, name: str) -> "Defaults":
-        """FastV's K=2 and the 64-of-576 budget on deep models; cut before layer 0 and keep a quarter on shallow ones."""
+    def for_model(cls, name: str) -> Defaults:
+        """FastV's K=2 and the 64-of-576 budget on deep models; on shallow ones, cut before layer 0, keep a quarter."""
         if cls.decoder_layers(name) >= 16:
             return cls(first_layers=2, retain=0.111)
         return cls(first_layers=0, retain=0.25)

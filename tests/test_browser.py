@@ -1,4 +1,4 @@
-"""The page in headless Debian Chromium (Selenium with the system browser and driver): run an example, see the results."""
+"""The page in headless Debian Chromium (Selenium, system browser and driver): run an example, see the results."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ PLOTS = ["kept", "classes", "paq", "heads", "layers", "groups", "versus"]  # ele
 @pytest.fixture(scope="module")
 def page_url(tmp_path_factory):
     if not (Path(CHROMIUM).exists() and shutil.which(CHROMEDRIVER)):
-        pytest.skip(f"no system browser: {CHROMIUM} and {CHROMEDRIVER} come with `apt-get install chromium chromium-driver`")
+        pytest.skip(f"no system browser: {CHROMIUM} and {CHROMEDRIVER} come with "
+                    "`apt-get install chromium chromium-driver` (.ci/install-browser)")
     from app.app import build_demo, launch_options
 
     demo = build_demo([default_model(tmp_path_factory.mktemp("tiny-llava"))])
@@ -59,8 +60,8 @@ def test_example_run_shows_answers_and_plots(page_url, driver):
         wait.until(EC.text_to_be_present_in_element((By.ID, f"answer-{key}"), "visual tokens"))
     for name in PLOTS:
         wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{name} .js-plotly-plot .main-svg")))
-    heatmaps = driver.find_elements(By.CSS_SELECTOR, "#plot-heads .js-plotly-plot image, #plot-heads .js-plotly-plot .hm")
-    assert heatmaps, "the per-head maps drew no image or heatmap layer"
+    layers = driver.find_elements(By.CSS_SELECTOR, "#plot-heads .js-plotly-plot image, #plot-heads .js-plotly-plot .hm")
+    assert layers, "the per-head maps drew no image or heatmap layer"
     assert "Group 0" in driver.find_element(By.ID, "explanation").text
     ARTIFACTS.mkdir(exist_ok=True)
     height = driver.execute_script("return document.documentElement.scrollHeight")
