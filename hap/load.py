@@ -24,13 +24,20 @@ def resolve_device(device: str = "auto") -> torch.device:
         raise ValueError(f"device={device!r} is not a torch device (use 'auto', 'cpu', 'cuda', 'cuda:1', ...)") from err
 
 
-def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str | None = None):
-    """Load `(model, processor)`; dtype None = bfloat16 on a GPU, float32 on the CPU."""
+def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str | None = None, device_map=None):
+    """Load `(model, processor)`; dtype None = bfloat16 on a GPU, float32 on the CPU.
+
+    `device_map` ("auto", "balanced", {module name: device}, ...) goes to `from_pretrained`, which spreads
+    the model over devices with accelerate's hooks, and replaces the move to `device`; `device="auto"`
+    with more than one visible GPU means `device_map="auto"`.
+    """
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     from .patch import ADAPTERS
 
     target = resolve_device(device)
+    if device_map is None and device == "auto" and torch.cuda.device_count() > 1:
+        device_map = "auto"
     if dtype is None:
         dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
     elif isinstance(dtype, str):
@@ -51,9 +58,10 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
         raise ModelLoadError(f"{where} is a {arch}; HAP supports {', '.join(ADAPTERS)}")
     try:
         model = AutoModelForImageTextToText.from_pretrained(
-            name_or_path, dtype=dtype, use_safetensors=True, trust_remote_code=False, attn_implementation="sdpa"
+            name_or_path, dtype=dtype, use_safetensors=True, trust_remote_code=False, attn_implementation="sdpa",
+            **({} if device_map is None else {"device_map": device_map}),
         )
         processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load {where}: {str(err).splitlines()[0]}") from err
-    return model.to(target).eval(), processor
+    return (model if device_map is not None else model.to(target)).eval(), processor
