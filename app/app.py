@@ -259,7 +259,8 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
             classes = gr.Plot(label="Head classes", elem_id="plot-classes")
             paq = gr.Plot(label="PAQ", elem_id="plot-paq")
         gr.Markdown("## Attention maps over the image")
-        layer = gr.Slider(0, 1, value=0, step=1, label="Layer for the per-head maps", interactive=False)
+        layer = gr.Slider(0, 1, value=0, step=1, label="Layer for the per-head maps", interactive=False,
+                          elem_id="layer-slider")
         head_maps = gr.Plot(label="Per head, before fusion", elem_id="plot-heads")
         layer_maps = gr.Plot(label="Per layer, after head fusion", elem_id="plot-layers")
         group_maps = gr.Plot(label="Per group, after layer fusion", elem_id="plot-groups")
@@ -273,7 +274,7 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
         outputs = [*cards, kept, classes, paq, layer, head_maps, layer_maps, group_maps, versus, explain, raw, state]
         run.click(analyze, inputs, outputs, api_name="analyze", concurrency_limit=1, concurrency_id="model")
         prompt.submit(analyze, inputs, outputs, api_visibility="private", concurrency_limit=1, concurrency_id="model")
-        layer.release(show_layer, [state, layer], head_maps, api_visibility="private")
+        layer.input(show_layer, [state, layer], head_maps, api_visibility="private", trigger_mode="always_last")
         model.change(model_defaults, model, [first_layers, retain], api_visibility="private")
     demo.queue(max_size=QUEUE_SIZE)
     return demo

@@ -48,6 +48,7 @@ def driver():
 
 def test_example_run_shows_answers_and_plots(page_url, driver):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -63,6 +64,10 @@ def test_example_run_shows_answers_and_plots(page_url, driver):
     layers = driver.find_elements(By.CSS_SELECTOR, "#plot-heads .js-plotly-plot image, #plot-heads .js-plotly-plot .hm")
     assert layers, "the per-head maps drew no image or heatmap layer"
     assert "Group 0" in driver.find_element(By.ID, "explanation").text
+    box = driver.find_element(By.CSS_SELECTOR, "#layer-slider input[type=number]")  # re-draw another layer's heads
+    box.clear()
+    box.send_keys("3", Keys.TAB)
+    wait.until(EC.text_to_be_present_in_element((By.ID, "plot-heads"), "Per-head maps of layer 3"))
     ARTIFACTS.mkdir(exist_ok=True)
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1400, height)
