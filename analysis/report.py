@@ -88,7 +88,7 @@ def answer_card(label: str, result: hap.Result) -> str:
         f"{result.retained_tokens:.1f} of {result.num_visual} visual tokens ({result.retain:.1%}, layer average) · "
         f"prefill FLOPs {result.flops_ratio:.1%} · latency {t['prepare_s'] + t['generate_s']:.2f} s "
         f"(prefill {t['prefill_s']:.2f} s, scoring {t['scoring_s']:.3f} s, decode {t['decode_s']:.2f} s)"
-        + ("; traced: every layer's attention is captured for the figures, which adds time" if label == "pruned" else "")
+        + ("; traced: capturing every layer's attention for the figures adds time" if label == "pruned" else "")
     )
 
 
