@@ -174,3 +174,85 @@ def test_generation_errors_are_raised_not_scored_empty(pretrained, monkeypatch):
     with pytest.raises(plugin.GenerationFailed, match="boom"):
         lm.generate_until(requests(chat=False))
     assert len(calls) == 1  # the later requests failed fast
+
+
+TASK_YAML = """task: hap_tiny_task
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_visual: !function utils.doc_to_visual
+doc_to_text: !function utils.doc_to_text
+doc_to_messages: !function utils.doc_to_messages
+doc_to_target: answer
+generation_kwargs:
+  max_new_tokens: {max_new_tokens}
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+TASK_UTILS = '''import numpy as np
+from PIL import Image
+
+
+def _image(doc):
+    return Image.fromarray(np.random.RandomState(doc["seed"]).randint(0, 255, (168, 168, 3), dtype=np.uint8))
+
+
+def doc_to_visual(doc):
+    return [_image(doc)]
+
+
+def doc_to_text(doc, lmms_eval_specific_kwargs=None):
+    return doc["question"]
+
+
+def doc_to_messages(doc, lmms_eval_specific_kwargs=None):
+    return [{"role": "user", "content": [{"type": "image", "url": _image(doc)}, {"type": "text", "text": doc["question"]}]}]
+'''
+
+
+def _cli_importable() -> bool:
+    try:
+        import lmms_eval.__main__  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cli_importable(), reason="lmms-eval's CLI imports more (bash .ci/install-eval --cli)")
+def test_cli_runs_a_local_task(pretrained, tmp_path):
+    """The documented command, `python -m hap.lmms_eval --model llava_hf_hap ...`, on a local 2-doc task."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    task = tmp_path / "task"
+    task.mkdir()
+    data = task / "data.jsonl"
+    data.write_text("".join(json.dumps({**doc, "answer": "no"}) + "\n" for doc in DOCS[:2]))
+    (task / "hap_tiny_task.yaml").write_text(TASK_YAML.format(data=data, max_new_tokens=GEN["max_new_tokens"]))
+    (task / "utils.py").write_text(TASK_UTILS)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hap.lmms_eval", "--model", "llava_hf_hap",
+           "--model_args", f"pretrained={pretrained},dtype=float32,{HAP_ARGS}", "--tasks", "hap_tiny_task",
+           "--include_path", str(task), "--device", "cpu", "--batch_size", "1",
+           "--output_path", str(out), "--log_samples"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "hap_tiny_task" in proc.stdout and "exact_match" in proc.stdout
+    samples = [json.loads(line) for f in out.rglob("*samples_hap_tiny_task.jsonl") for line in f.read_text().splitlines()]
+    assert len(samples) == 2
+    # the chat model (lmms-eval's default for llava_hf*) with the same pruning, in this process
+    pruned = build("llava_hf_hap", pretrained, HAP_ARGS, force_simple=False)
+    expected = answers(pruned, chat=True)[:2]
+    assert [s["filtered_resps"] for s in sorted(samples, key=lambda s: s["doc_id"])] == expected
