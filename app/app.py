@@ -136,13 +136,14 @@ def analyze(
     temperature: float,
     tau_sink: float,
     tau_disp: float,
+    sink_rho: float,
     rows: str,
     progress: gr.Progress = gr.Progress(),
 ):
     """Run the full pipeline; see the module docstring.
 
-    Inputs: image, prompt, model, method, retain, groups, first layers, decay, temperature,
-    tau_sink, tau_disp, rows ("prompt" or "last"). Outputs: three answer cards (unpruned, chosen
+    Inputs: image, prompt, model, method, retain, groups, first layers, decay, temperature (0 =
+    uniform), tau_sink, tau_disp, sink_rho, rows ("prompt" or "last"). Outputs: three answer cards (unpruned, chosen
     method, uniform), kept-token masks, head classes, PAQ, layer shown, per-head maps, per-layer
     maps, per-group maps, uniform vs PAQ, explanation, JSON summary; and the state for re-drawing.
     """
@@ -156,7 +157,8 @@ def analyze(
         config = hap.HAPConfig(  # validates every field, naming the one that is wrong
             method=method, retain=retain, groups=_integer("groups", groups),
             first_layers=_integer("first_layers", first_layers), decay=decay,
-            temperature=math.inf if temperature == 0 else temperature, tau_sink=tau_sink, tau_disp=tau_disp, rows=rows,
+            temperature=math.inf if temperature == 0 else temperature, tau_sink=tau_sink, tau_disp=tau_disp,
+            sink_rho=sink_rho, rows=rows,
         )
         progress(0.02, desc=f"loading {model_name}")
         LOADED.get(model_name)
@@ -238,6 +240,8 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
                     temperature = gr.Number(0.1, label="Temperature T of softmax(PAQ / T) (0 = uniform)")
                     tau_sink = gr.Slider(0.0, 1.0, value=0.5, step=0.01, label="Sink threshold on sink share")
                     tau_disp = gr.Slider(0.0, 1.0, value=0.9, step=0.01, label="Dispersed threshold on dispersion")
+                    sink_rho = gr.Slider(1.0, 100.0, value=10.0, step=0.5,
+                                         label="Sink tokens: hidden-state norm above rho x the median")
                     rows = gr.Radio(["prompt", "last"], value="prompt",
                                     label="Prompt rows scoring tokens (all prompt tokens / last token)")
                 run = gr.Button("Run", variant="primary", elem_id="run")
@@ -270,7 +274,7 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
         state = gr.State()
 
         inputs = [image, prompt, model, method, retain, groups, first_layers, decay, temperature,
-                  tau_sink, tau_disp, rows]
+                  tau_sink, tau_disp, sink_rho, rows]
         outputs = [*cards, kept, classes, paq, layer, head_maps, layer_maps, group_maps, versus, explain, raw, state]
         run.click(analyze, inputs, outputs, api_name="analyze", concurrency_limit=1, concurrency_id="model")
         prompt.submit(analyze, inputs, outputs, api_visibility="private", concurrency_limit=1, concurrency_id="model")

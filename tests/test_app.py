@@ -17,7 +17,7 @@ UNREACHABLE = "hap-test/no-such-model"  # allow-listed, but neither a folder nor
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the triangle ?"
 SETTINGS = dict(method="hap", retain=0.2, groups=3, first_layers=0, decay=0.5, temperature=0.1, tau_sink=0.5,
-                tau_disp=0.9, rows="prompt")
+                tau_disp=0.9, sink_rho=10.0, rows="prompt")
 PLOTS = range(3, 11)  # output positions of the figures (and the layer slider at 6)
 
 
