@@ -291,6 +291,13 @@ def panels_figure(result, panels: list[Panel], title: str, cols: int = 4, width:
                 hovertemplate="token %{customdata[1]} (row %{y}, col %{x})<br>score %{customdata[0]:.3g}"
                               "<br>%{z:.0%} of the panel's highest<extra></extra>",
             ), row + 1, col + 1)
+        elif panel.present is not None:  # a mask: an invisible layer that names each token on hover
+            state = np.where(panel.present, "kept", "pruned")
+            fig.add_trace(go.Heatmap(
+                z=panel.present.astype(float), text=state, customdata=index, showscale=False,
+                colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0)"]],
+                hovertemplate="token %{customdata} (row %{y}, col %{x}): %{text}<extra></extra>",
+            ), row + 1, col + 1)
         suffix = "" if i == 0 else str(i + 1)
         fig.layout[f"yaxis{suffix}"].update(scaleanchor=f"x{suffix}", autorange="reversed")
     fig.update_xaxes(visible=False, range=[-0.5, grid_cols - 0.5], constrain="domain")

@@ -41,6 +41,8 @@ def test_every_plotly_view_is_non_empty(result, view):
     assert sum(t.type == "heatmap" for t in figs["head_maps"].data) == result.num_heads
     assert sum(t.type == "heatmap" for t in figs["layer_maps"].data) == result.num_layers  # traced: every layer
     assert sum(t.type == "image" for t in figs["kept_masks"].data) == len(result.groups)
+    hover = [t for t in figs["kept_masks"].data if t.type == "heatmap"]
+    assert [int((np.asarray(t.text) == "kept").sum()) for t in hover] == [len(g.kept) for g in result.groups]
     assert sum(t.type == "heatmap" for t in figs["uniform_vs_paq"].data) == 2 * len(result.groups)
 
 
