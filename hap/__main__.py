@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.figures:
         from analysis.figures import export_png
 
-        paths = export_png(result, args.figures, image=args.image)
+        crop = bool(getattr(processor.image_processor, "do_center_crop", False))
+        paths = export_png(result, args.figures, image=args.image, center_crop=crop)
         print(f"wrote {len(paths)} figures to {args.figures}")
     return 0
 

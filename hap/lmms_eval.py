@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 from accelerate import PartialState
-from lmms_eval.api.registry import register_model
-from lmms_eval.models.chat.llava_hf import LlavaHf as _LlavaHfChat
-from lmms_eval.models.simple.llava_hf import LlavaHf as _LlavaHfSimple
+
+with warnings.catch_warnings():  # lmms-eval's llava_hf modules run a process-wide warnings.filterwarnings("ignore")
+    from lmms_eval.api.registry import register_model
+    from lmms_eval.models.chat.llava_hf import LlavaHf as _LlavaHfChat
+    from lmms_eval.models.simple.llava_hf import LlavaHf as _LlavaHfSimple
 
 from .budget import solve_schedule
 from .config import HAPConfig
@@ -199,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
 
+
+_models = sys.modules.get("lmms_eval.models")
+if getattr(_models, "MODEL_REGISTRY_V2", None) is not None:  # not while lmms-eval loads this as an entry point
+    register()  # `import hap.lmms_eval` is enough for `simple_evaluate(model="llava_hf_hap", ...)`
 
 if __name__ == "__main__":
     # Register the importable module `hap.lmms_eval` (not this `__main__` copy), so that the class paths in

@@ -19,7 +19,7 @@ import torch
 
 from .budget import DecoderShape, Schedule, solve_schedule
 from .config import HAPConfig
-from .fusion import group_map, head_fusion, select_top, token_scores
+from .fusion import fusion_weights, group_map, head_fusion, select_top, token_scores
 from .heads import HeadStats, head_stats, sink_tokens, visual_distribution
 from .methods import Policy, cut_scores, policy_for, scoring_layers
 
@@ -47,6 +47,8 @@ class CutTrace:
     kept: torch.Tensor  # long [batch, k] original visual indices, ascending
     fused_map: torch.Tensor | None  # [batch, visual_total] PAQ-fused group map (layer fusion), NaN where absent
     uniform_map: torch.Tensor | None  # [batch, visual_total] uniform-average counterpart
+    paq: torch.Tensor | None = None  # [batch, scored layers, heads] the PAQ that weighted this cut
+    weights: torch.Tensor | None = None  # [batch, scored layers, heads] the fusion weights the cut used
 
 
 @dataclass
@@ -225,7 +227,9 @@ class PruneState:
         self.kept_orig = self.kept_orig.gather(1, chosen)
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
-        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), fused_map, uniform_map))
+        weights = None if paq is None else fusion_weights(paq, self.policy.temperature).cpu()
+        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), fused_map, uniform_map,
+                                  None if paq is None else paq.cpu(), weights))
         for key in keys:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0

@@ -26,6 +26,9 @@ class Group:
     layers: tuple[int, int]  # decoder-layer range [start, end)
     scored_by: list[int]  # layers whose attention chose its tokens (layer 0 itself for a cut before it)
     kept: list[int]  # kept visual indices into the original 0..N-1 (row-major grid) order
+    paq: list[list[float]]  # [scored_by][heads] the PAQ that weighted this cut (for a cut before layer 0:
+    #                         layer 0 over all tokens, unlike `Result.paq[0]`, taken on the tokens it kept)
+    weights: list[list[float]]  # [scored_by][heads] the fusion weights the method used (uniform for baselines)
 
 
 @dataclass
@@ -205,7 +208,9 @@ def _result(
     groups, group_maps, group_uniform = [], [], []
     if schedule is not None:
         for g, ((start, end), cut) in enumerate(zip(schedule.ranges, st.cuts)):
-            groups.append(Group(g, (start, end), cut.scored_layers, cut.kept[0].tolist()))
+            paq = [] if cut.paq is None else cut.paq[0].tolist()
+            weights = [] if cut.weights is None else cut.weights[0].tolist()
+            groups.append(Group(g, (start, end), cut.scored_layers, cut.kept[0].tolist(), paq, weights))
             nan_n = torch.full((N,), math.nan)
             group_maps.append(cut.fused_map[0] if cut.fused_map is not None else nan_n)
             group_uniform.append(cut.uniform_map[0] if cut.uniform_map is not None else nan_n)
