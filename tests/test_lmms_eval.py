@@ -216,11 +216,12 @@ def doc_to_messages(doc, lmms_eval_specific_kwargs=None):
 
 
 def _cli_importable() -> bool:
-    try:
-        import lmms_eval.__main__  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the CLI's extra imports are there, without importing it (lmms_eval.api.task sets PIL's
+    LOAD_TRUNCATED_IMAGES for the whole process)."""
+    from importlib.util import find_spec
+
+    return all(find_spec(m) for m in ("sacrebleu", "pytablewriter", "aiohttp", "lxml", "tenacity")) and bool(
+        find_spec("filelock._api"))
 
 
 @pytest.mark.slow
