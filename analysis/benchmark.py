@@ -26,7 +26,7 @@ import torch
 
 import hap
 from analysis.evaluate import chat_prompt
-from analysis.scenes import QTYPES, heldout_items
+from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random")
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--groups", type=int, default=3)
     p.add_argument("--temperature", type=float, default=hap.HAPConfig().temperature)
     p.add_argument("--rows", default="prompt", choices=("prompt", "last"))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--retain", type=float, nargs="+", default=list(RETAINS))
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
@@ -125,8 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
             model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": "last"}), trace=True
         )
         heads_last.append(grounding(state_last, batch)["paq"])
-        for retain in RETAINS:
-            for method in METHODS:
+        for retain in args.retain:
+            for method in args.methods:
                 config = hap.HAPConfig(method=method, retain=retain, **base)
                 answers, state = run_batch(model, processor, batch, config, trace=False)
                 correct[(method, retain)] += [x == y for x, y in zip(answers, truth)]
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         return float(np.mean(values)) if values else math.nan
 
     unpruned = acc(("none", 1.0))
-    accuracy = {m: {str(r): acc((m, r)) for r in RETAINS} for m in METHODS}
+    accuracy = {m: {str(r): acc((m, r)) for r in args.retain} for m in args.methods}
     report = {
         "model": args.model,
         "seeds": args.seeds,
@@ -154,9 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
         "accuracy": accuracy,
         "relative": {m: {r: v / unpruned if unpruned else math.nan for r, v in row.items()}
                      for m, row in accuracy.items()},
-        "accuracy_by_type": {m: {str(r): {t: acc((m, r), t) for t in QTYPES} for r in RETAINS} for m in METHODS},
-        "retained_tokens": {str(r): r * 144 for r in RETAINS},
-        "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in RETAINS} for m in METHODS},
+        "accuracy_by_type": {m: {str(r): {t: acc((m, r), t) for t in QTYPES} for r in args.retain} for m in args.methods},
+        "num_visual": N_PATCHES,
+        "retained_tokens": {str(r): r * N_PATCHES for r in args.retain},
+        "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in args.retain} for m in args.methods},
         "seconds": seconds,
     }
     report.update(head_report({k: np.concatenate(v) for k, v in heads.items()}, np.concatenate(heads_last)))
@@ -206,7 +209,7 @@ def head_report(h: dict[str, np.ndarray], paq_last: np.ndarray) -> dict:
 
 
 def markdown(r: dict) -> str:
-    head = "| method | " + " | ".join(f"retain {x} ({float(x) * 144:.0f} tok)" for x in r["retained_tokens"]) + " |"
+    head = "| method | " + " | ".join(f"retain {k} ({v:.0f} tok)" for k, v in r["retained_tokens"].items()) + " |"
     rule = "|---" * (len(r["retained_tokens"]) + 1) + "|"
     lines = [f"Held-out questions: {r['n_questions']} (seeds {r['seeds']}), unpruned accuracy "
              f"{r['unpruned_accuracy']:.3f}; cells: accuracy (relative to unpruned) / recall of the "
@@ -236,13 +239,13 @@ def plots(r: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [float(k) * 144 for k in r["retained_tokens"]]
+    xs = list(r["retained_tokens"].values())
     for m, row in r["accuracy"].items():
         ax.plot(xs, list(row.values()), marker="o", label=m)
     ax.axhline(r["unpruned_accuracy"], color="gray", ls="--", lw=1, label="unpruned")
     ax.set_xscale("log")
     ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
-    ax.set_xlabel("retained visual tokens (average over decoder layers, of 144)")
+    ax.set_xlabel(f"retained visual tokens (average over decoder layers, of {r['num_visual']})")
     ax.set_ylabel("held-out accuracy")
     ax.set_title(f"{Path(r['model']).name}: accuracy vs budget ({r['n_questions']} questions)")
     ax.legend()
