@@ -34,3 +34,18 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
     assert np.array(report["head_paq"]).shape == (6, 4)
     for name in ("benchmark.md", "accuracy.png", "paq_grounding.png"):
         assert (out / name).stat().st_size > 0
+
+
+def test_layer_recall_averages_over_decoder_layers():
+    from types import SimpleNamespace
+
+    import torch
+
+    from analysis.benchmark import layer_recall
+    from hap.budget import Schedule
+
+    schedule = Schedule(num_visual=6, num_layers=4, cuts=[1, 3], kept=[3, 1])
+    cuts = [SimpleNamespace(kept=torch.tensor([[0, 1, 4]])), SimpleNamespace(kept=torch.tensor([[4]]))]
+    target = np.array([True, True, False, False, False, False])
+    # layer 0: all tokens (1.0); layers 1-2: both target patches (1.0); layer 3: none (0.0)
+    assert layer_recall(SimpleNamespace(schedule=schedule, cuts=cuts), 0, target) == 0.75
