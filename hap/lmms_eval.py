@@ -26,12 +26,17 @@ too; in a pyproject.toml:
 ...) plus the `HAPConfig` knobs: method, retain, flops_ratio, first_layers, groups, decay, temperature,
 tau_sink, tau_disp, sink_rho, rows, seed. Invalid knobs raise HAPConfig's ValueError before the model loads;
 an unreachable budget (e.g. retain=0.056 with first_layers=2 on a 32-layer decoder: the floor is 0.0625)
-raises right after it loads. `method=none` runs the stock model.
+raises right after it loads. `method=none` runs the stock model. One process loads on `device` (default
+cuda) unless `device_map` is given (`device_map=auto`: one process, the model split over the visible GPUs);
+under `accelerate launch` each process patches its own replica (`LlavaHf.model` unwraps accelerate's wrapper).
+In Python: `import hap.lmms_eval` registers the model, then `lmms_eval.evaluator.simple_evaluate(
+model="llava_hf_hap", model_args="pretrained=...,retain=0.056,first_layers=1", tasks=["pope"])`.
 
 As in `llava_hf`, `--model llava_hf_hap` resolves to the chat implementation (`LlavaHfHapChat`, tasks'
 `doc_to_messages`); add `--force_simple` for the simple one (`LlavaHfHap`, `doc_to_text`/`doc_to_visual`).
 Stock `llava_hf` logs a failed `generate` and scores an empty answer; here a failure (a pruning error,
 out of memory) fails the run instead of silently scoring "", so a pruning bug cannot pass for low accuracy.
+Loglikelihood tasks are refused while pruning (the pruned forward returns fewer logits than its labels).
 """
 
 from __future__ import annotations

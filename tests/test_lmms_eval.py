@@ -162,6 +162,16 @@ def test_chat_model_prunes(pretrained):
     assert all(answers(pruned, chat=True)) and pruned.model._hap.state.kept_orig.shape == (1, 12)
 
 
+def test_loglikelihood_refused_when_pruning(pretrained):
+    request = Instance(request_type="loglikelihood", arguments=("Is it red?", "no", lambda d: [noise_image(0)], 0,
+                                                                TASK, SPLIT), idx=0,
+                       metadata={"task": TASK, "doc_id": 0, "repeats": 1})
+    with pytest.raises(NotImplementedError, match="loglikelihood"):
+        build("llava_hf_hap", pretrained, HAP_ARGS).loglikelihood([request])
+    # (method=none hands over to the stock LlavaHf.loglikelihood, which in lmms-eval 0.7.3 fails under
+    # transformers 5 anyway: it tokenizes the "<image>" context without its image)
+
+
 def test_generation_errors_are_raised_not_scored_empty(pretrained, monkeypatch):
     lm = build("llava_hf_hap", pretrained, HAP_ARGS)
     calls = []
