@@ -1,19 +1,44 @@
 """The HAP demo: one image and prompt through the full pipeline, every view of the design card.
 
 Run `python -m app` (or `python app/app.py`, the Space's `app_file`). Scripts call the main
-handler as `/analyze` (see `analyze` for the inputs and outputs). Settings (environment):
+handler as `/analyze` (see `Handler.analyze` for the inputs and outputs). Settings (environment,
+read when the demo is built; a bad value stops the start with a message naming the variable):
 
-    HAP_APP_MODELS   comma-separated allow-list of model ids / folders; the first is the default
-                     (default: the shipped tiny model and the hub checkpoints in HUB_MODELS)
+    HAP_APP_MODELS          comma-separated allow-list of model ids / folders; the first is the default
+                            (default: the shipped tiny model and the hub checkpoints in HUB_MODELS).
+                            Nothing else can be loaded through the page or the API.
+    HAP_APP_ALLOW_LOCAL     1 lets allow-listed local folders be loaded (default 0: hub ids only, plus
+                            the shipped assets/tiny-llava, which is always allowed)
+    HAP_APP_MAX_MB          largest image upload in MB (default 10); gradio refuses a larger upload
+                            (HTTP 413) before it is stored, and the handler checks the size before reading
+    HAP_APP_MAX_MEGAPIXELS  largest width x height in megapixels (default 40), read from the image
+                            header before any pixel is decoded (decompression bombs are refused unread)
+    HAP_APP_MAX_PROMPT      longest prompt in characters (default 2000)
+    HAP_APP_QUEUE_SIZE      requests that may wait for the one model lane (default 16); a request beyond
+                            them is refused at once with gradio's busy message (gradio_client raises
+                            QueueError "Queue is full! Please try again.", the page shows "This application
+                            is currently busy. Please try again.")
+
+The pixel and prompt limits can only be tightened here: `hap.run` applies its own defaults too.
+
+Every request is checked in full by the handler (gradio's own preprocessing is off, so an API call
+gets the same messages as the page): the image goes through `hap.inputs.load_image` (any PIL mode,
+first frame, EXIF rotation; empty, truncated, non-image and oversized files refused), each numeric
+setting is checked against the range of its control, and the model against the allow-list. Bad input,
+a model that fails to load (the previous one stays loaded) and running out of memory (memory is freed)
+come back to that user as a `gr.Error` with the message, never a traceback; the server keeps serving.
+Models load with safetensors weights only and never run remote code (`hap.load_model`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,11 +46,14 @@ if str(ROOT) not in sys.path:  # run as a file (a Space's app_file): make `hap` 
     sys.path.insert(0, str(ROOT))
 
 import gradio as gr  # noqa: E402
+import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import hap  # noqa: E402
 from analysis import figures as views  # noqa: E402
 from analysis.report import LABELS, TEACHING, answer_card, compare, explanation, summary  # noqa: E402
+from hap.inputs import DEFAULT_LIMITS, FORMATS, InputLimits, clean_prompt, load_image  # noqa: E402
+from hap.run import free_memory  # noqa: E402
 
 try:
     import spaces
@@ -37,6 +65,7 @@ except ImportError:  # not on ZeroGPU: run as is
         return fn
 
 
+LOG = logging.getLogger("hap.app")
 TINY_MODEL = "assets/tiny-llava"
 HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "llava-hf/llava-1.5-7b-hf": 32,
@@ -46,17 +75,141 @@ HUB_MODELS = {  # supported hub checkpoints -> decoder layers
 EXAMPLES = ROOT / "assets" / "examples"
 MAX_NEW_TOKENS = 32
 QUEUE_SIZE = 16
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Knob:
+    """The allowed range of a numeric setting: the range of its control on the page."""
+
+    low: float
+    high: float
+    whole: bool = False
+
+    def check(self, name: str, value) -> float | int:
+        """`value` as a number in range, else ValueError naming the field and the range."""
+        kind = "a whole number" if self.whole else "a number"
+        allowed = f"{kind} in [{self.low:g}, {self.high:g}]"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}={value!r} ({type(value).__name__}) must be {allowed}")
+        if math.isnan(value):
+            raise ValueError(f"{name}=nan is not a number; allowed: {allowed}")
+        if value < self.low:
+            raise ValueError(f"{name}={value:g} is less than minimum {self.low:g}; allowed: {allowed}")
+        if value > self.high:
+            raise ValueError(f"{name}={value:g} is greater than maximum {self.high:g}; allowed: {allowed}")
+        if self.whole:
+            if not float(value).is_integer():
+                raise ValueError(f"{name}={value!r} must be {allowed}")
+            return int(value)
+        return float(value)
+
+
+KNOBS = {  # the sliders' ranges; the API is held to the same ones
+    "retain": Knob(0.01, 1.0),
+    "groups": Knob(1, 8, whole=True),
+    "first_layers": Knob(0, 8, whole=True),
+    "decay": Knob(0.05, 1.0),
+    "tau_sink": Knob(0.0, 1.0),
+    "tau_disp": Knob(0.0, 1.0),
+    "sink_rho": Knob(1.0, 100.0),
+}
+MAX_TEMPERATURE = 1000.0
+
+
+def _temperature(value) -> float:
+    """The temperature field: 0 means uniform averaging (T = inf), else a number in (0, MAX_TEMPERATURE]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0 \
+            or value > MAX_TEMPERATURE:
+        raise ValueError(
+            f"temperature={value!r} must be a number > 0, or 0 for uniform averaging; allowed: [0, {MAX_TEMPERATURE:g}]"
+        )
+    return math.inf if value == 0 else float(value)
+
+
+def _choice(name: str, value, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r} is not allowed; choose one of {', '.join(choices)}")
+    return value
+
+
+def _env_number(env, name: str, default: float, low: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return float(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value >= low or math.isinf(value):
+        raise ValueError(f"{name}={raw!r} must be a number >= {low:g}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the operator sets (see the module docstring); `from_env` reads the environment."""
+
+    models: list[str] = field(default_factory=lambda: [TINY_MODEL, *HUB_MODELS])
+    allow_local: bool = False
+    limits: InputLimits = field(default_factory=lambda: InputLimits(max_bytes=10 * 2**20))
+    queue_size: int = QUEUE_SIZE
+
+    @classmethod
+    def from_env(cls, env=None) -> Settings:
+        env = os.environ if env is None else env
+        models = [n.strip() for n in env.get("HAP_APP_MODELS", "").split(",") if n.strip()]
+        allow = env.get("HAP_APP_ALLOW_LOCAL", "0").strip().lower()
+        if allow not in ("", "0", "1", "false", "true", "no", "yes"):
+            raise ValueError(f"HAP_APP_ALLOW_LOCAL={allow!r} must be 0 or 1")
+        limits = InputLimits(
+            max_bytes=int(_env_number(env, "HAP_APP_MAX_MB", 10, 0.001) * 2**20),
+            max_pixels=int(_env_number(env, "HAP_APP_MAX_MEGAPIXELS", DEFAULT_LIMITS.max_pixels / 1e6, 1e-6) * 1e6),
+            max_prompt_chars=int(_env_number(env, "HAP_APP_MAX_PROMPT", DEFAULT_LIMITS.max_prompt_chars, 1)),
+        )
+        queue = _env_number(env, "HAP_APP_QUEUE_SIZE", QUEUE_SIZE, 1)
+        if not queue.is_integer():
+            raise ValueError(f"HAP_APP_QUEUE_SIZE={queue:g} must be a whole number >= 1")
+        return cls(models or [TINY_MODEL, *HUB_MODELS], allow in ("1", "true", "yes"), limits, int(queue))
 
 
 def allowed_models() -> list[str]:
     """The allow-list from HAP_APP_MODELS, else the shipped tiny model and the supported hub checkpoints."""
-    names = [n.strip() for n in os.environ.get("HAP_APP_MODELS", "").split(",") if n.strip()]
-    return names or [TINY_MODEL, *HUB_MODELS]
+    return Settings.from_env().models
 
 
 def resolve(name: str) -> str:
     """A model name as `hap.load_model` takes it: repo-relative folders become absolute paths."""
     return str(ROOT / name) if (ROOT / name).is_dir() else name
+
+
+def is_local(name: str) -> bool:
+    """Whether `name` means a folder on this machine rather than a hub id (transformers would read a folder)."""
+    return (
+        name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+        or Path(resolve(name)).expanduser().is_dir() or Path(name).expanduser().is_dir()
+    )
+
+
+def is_shipped(name: str) -> bool:
+    return Path(resolve(name)).resolve() == (ROOT / TINY_MODEL).resolve()
+
+
+def check_model(name, settings: Settings) -> str:
+    """`name` if this server may load it, else ValueError saying what is allowed."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model_name={name!r}: choose one of {', '.join(settings.models)}")
+    if name not in settings.models:
+        raise ValueError(
+            f"model {name!r} is not on this server's allow-list (HAP_APP_MODELS); choose one of "
+            f"{', '.join(settings.models)}"
+        )
+    if is_local(name) and not is_shipped(name) and not settings.allow_local:
+        raise ValueError(
+            f"model {name!r} is a local folder, and loading local folders is off on this server "
+            "(the operator enables it with HAP_APP_ALLOW_LOCAL=1); choose a hub model or the shipped tiny model"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -78,8 +231,11 @@ class Defaults:
         """Decoder depth from a local config.json or the known hub ids, without loading weights (32 if unknown)."""
         config = Path(resolve(name)) / "config.json"
         if config.is_file():
-            data = json.loads(config.read_text())
-            return data.get("text_config", data).get("num_hidden_layers", 32)
+            try:
+                data = json.loads(config.read_text())
+                return int(data.get("text_config", data).get("num_hidden_layers", 32))
+            except (ValueError, TypeError, AttributeError, OSError):  # an unreadable config: the load will say why
+                return 32
         return HUB_MODELS.get(name, 32)
 
 
@@ -92,25 +248,55 @@ class LoadedModel:
         self.processor = None
 
     def get(self, name: str):
-        """(model, processor) of `name`, loading it on first use; raises hap.ModelLoadError."""
+        """(model, processor) of `name`, loading it on first use; raises hap.ModelLoadError (the old one stays)."""
         if name != self.name:
-            self.model, self.processor = hap.load_model(resolve(name))
-            self.name = name
+            model, processor = hap.load_model(resolve(name))
+            self.model, self.processor, self.name = model, processor, name
+            free_memory()  # the replaced model's weights
         return self.model, self.processor
 
     def center_crop(self) -> bool:
         """Whether the processor crops the centre square (CLIP) rather than squashing the image (SigLIP)."""
         return bool(getattr(self.processor.image_processor, "do_center_crop", False))
 
+    def reset(self) -> None:
+        """Leave the loaded model stock after a request, whatever happened (no patch left behind)."""
+        if self.model is not None:
+            hap.unpatch(self.model)
+
 
 LOADED = LoadedModel()
 
 
-def _integer(name: str, value: float | None) -> int:
-    """A slider's whole-number value as an int (API callers may send 3.0, never 2.5)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not float(value).is_integer():
-        raise ValueError(f"{name}={value!r} must be a whole number")
-    return int(value)
+def upload_path(image) -> tuple[str | Image.Image, str]:
+    """(what `load_image` reads, the name to show) of the image input: an uploaded file (gradio's FileData,
+    already in gradio's upload cache) or, in-process, a PIL image."""
+    if image is None:
+        raise ValueError("no image: upload one or click an example")
+    if isinstance(image, Image.Image):
+        return image, "image"
+    if isinstance(image, dict) and isinstance(image.get("path"), str) and image["path"]:
+        return image["path"], Path(str(image.get("orig_name") or image["path"])).name
+    raise ValueError(f"the image must be an uploaded file ({FORMATS}; gradio_client: handle_file(path))")
+
+
+def describe_input(source, name: str, img: Image.Image) -> tuple[dict, str]:
+    """What was uploaded and how it was converted: JSON for API callers and a line for the page."""
+    info = {"file": name, "width": img.width, "height": img.height}
+    opened = nullcontext(source) if isinstance(source, Image.Image) else Image.open(source)  # header only
+    with opened as src:
+        info.update(format=src.format, mode=src.mode, animated=bool(getattr(src, "is_animated", False)),
+                    exif_orientation=int(src.getexif().get(0x0112, 1)))
+        transparent = "A" in src.mode or "transparency" in src.info
+    steps = [f"{info['format'] or 'image'} {info['mode']}"]
+    if info["mode"] != "RGB":
+        steps.append(f"converted to RGB{' (transparent pixels on white)' if transparent else ''}")
+    if info["animated"]:
+        steps.append("first frame of the animation")
+    if info["exif_orientation"] != 1:
+        steps.append(f"EXIF orientation {info['exif_orientation']} applied")
+    steps.append(f"{img.width} x {img.height} pixels")
+    return info, "; ".join(steps)
 
 
 @gpu
@@ -124,66 +310,109 @@ def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, progress: g
                    lambda fraction, description: progress(fraction, desc=description))
 
 
-def analyze(
-    image: Image.Image | None,
-    prompt: str,
-    model_name: str,
-    method: str,
-    retain: float,
-    groups: float,
-    first_layers: float,
-    decay: float,
-    temperature: float,
-    tau_sink: float,
-    tau_disp: float,
-    sink_rho: float,
-    rows: str,
-    progress: gr.Progress = gr.Progress(),
-):
-    """Run the full pipeline; see the module docstring.
+class Handler:
+    """`/analyze` of one demo: checks every input against the demo's `Settings`, then runs the pipeline."""
 
-    Inputs: image, prompt, model, method, retain, groups, first layers, decay, temperature (0 =
-    uniform), tau_sink, tau_disp, sink_rho, rows ("prompt" or "last"). Outputs: three answer cards (unpruned, chosen
-    method, uniform), kept-token masks, head classes, PAQ, layer shown, per-head maps, per-layer
-    maps, per-group maps, uniform vs PAQ, explanation, JSON summary; and the state for re-drawing.
-    """
-    try:
-        if image is None:
-            raise ValueError("no image: upload one or click an example")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError("the prompt is empty: type a question about the image")
-        if not model_name:  # the dropdown itself rejects names outside the allow-list
-            raise ValueError("no model chosen")
-        config = hap.HAPConfig(  # validates every field, naming the one that is wrong
-            method=method, retain=retain, groups=_integer("groups", groups),
-            first_layers=_integer("first_layers", first_layers), decay=decay,
-            temperature=math.inf if temperature == 0 else temperature, tau_sink=tau_sink, tau_disp=tau_disp,
-            sink_rho=sink_rho, rows=rows,
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def check(self, image, prompt, model_name, method, retain, groups, first_layers, decay, temperature,
+              tau_sink, tau_disp, sink_rho, rows) -> tuple[str | Image.Image, str, str, str, hap.HAPConfig]:
+        """Every input checked, cheapest first; ValueError names the first that is wrong and what is allowed."""
+        source, name = upload_path(image)
+        limits = self.settings.limits
+        prompt, _ = clean_prompt(prompt, set(), limits)  # type, length, empty; special tokens go in hap.run
+        model_name = check_model(model_name, self.settings)
+        values = {k: KNOBS[k].check(k, v) for k, v in dict(
+            retain=retain, groups=groups, first_layers=first_layers, decay=decay, tau_sink=tau_sink,
+            tau_disp=tau_disp, sink_rho=sink_rho).items()}
+        config = hap.HAPConfig(  # validates the combination too, naming the field that is wrong
+            method=_choice("method", method, hap.METHODS), rows=_choice("rows", rows, ("prompt", "last")),
+            temperature=_temperature(temperature), seed=SEED, **values,
         )
+        return source, name, prompt, model_name, config
+
+    def analyze(
+        self,
+        image,
+        prompt: str,
+        model_name: str,
+        method: str,
+        retain: float,
+        groups: float,
+        first_layers: float,
+        decay: float,
+        temperature: float,
+        tau_sink: float,
+        tau_disp: float,
+        sink_rho: float,
+        rows: str,
+        progress: gr.Progress = gr.Progress(),
+    ):
+        """Run the full pipeline; see the module docstring.
+
+        Inputs: image, prompt, model, method, retain, groups, first layers, decay, temperature (0 =
+        uniform), tau_sink, tau_disp, sink_rho, rows ("prompt" or "last"). Outputs: three answer cards (unpruned, chosen
+        method, uniform), kept-token masks, head classes, PAQ, layer shown, per-head maps, per-layer
+        maps, per-group maps, uniform vs PAQ, explanation, JSON summary (with "input": the upload and its
+        conversion); and the state for re-drawing. Any failure is a gr.Error with the message.
+        """
+        try:
+            return self._analyze(image, prompt, model_name, method, retain, groups, first_layers, decay,
+                                 temperature, tau_sink, tau_disp, sink_rho, rows, progress)
+        except gr.Error:
+            raise
+        except (ValueError, OSError) as err:  # invalid input or setting; unknown, refused or unloadable model
+            raise gr.Error(str(err), print_exception=False) from err
+        except (MemoryError, torch.OutOfMemoryError) as err:
+            free_memory()
+            message = str(err) if isinstance(err, MemoryError) and "memory was freed" in str(err) else (
+                f"out of memory ({err.__class__.__name__}); memory was freed. "
+                "Try a smaller image, a smaller model or again later")
+            raise gr.Error(message, print_exception=False) from err
+        except Exception as err:  # a bug: log it here, tell the user without the traceback, keep serving
+            LOG.exception("analyze failed")
+            free_memory()
+            raise gr.Error(f"internal error ({err.__class__.__name__}: {err}); the server is still running",
+                           print_exception=False) from err
+        finally:
+            LOADED.reset()
+
+    def _analyze(self, image, prompt, model_name, method, retain, groups, first_layers, decay, temperature,
+                 tau_sink, tau_disp, sink_rho, rows, progress):
+        source, name, prompt, model_name, config = self.check(
+            image, prompt, model_name, method, retain, groups, first_layers, decay, temperature, tau_sink, tau_disp,
+            sink_rho, rows)
+        try:
+            img = load_image(source, self.settings.limits)
+        except ValueError as err:
+            raise ValueError(f"image {name!r}: {err}") from err
+        info, conversion = describe_input(source, name, img)
         progress(0.02, desc=f"loading {model_name}")
         LOADED.get(model_name)
-        comparison = _compare(image.convert("RGB"), prompt, config, progress)
-    except (ValueError, OSError) as err:  # invalid input or setting, unknown or unreachable model
-        raise gr.Error(str(err), print_exception=False) from err
-    progress(0.85, desc="figures")
-    result = comparison.pruned
-    view = views.model_view(image, LOADED.center_crop())
-    layer = views.default_layer(result)
-    figs = views.figures(result, view, layer)
-    return (
-        *(answer_card(label, r) for label, r in comparison.items()),
-        figs["kept_masks"],
-        figs["head_classes"],
-        figs["paq"],
-        gr.Slider(value=layer, maximum=result.num_layers - 1, interactive=True),
-        figs["head_maps"],
-        figs["layer_maps"],
-        figs["group_maps"],
-        figs["uniform_vs_paq"],
-        explanation(comparison),
-        summary(comparison, model_name),
-        (result, view),
-    )
+        torch.manual_seed(SEED)
+        comparison = _compare(img, prompt, config, progress)
+        progress(0.85, desc="figures")
+        result = comparison.pruned
+        view = views.model_view(img, LOADED.center_crop())
+        layer = views.default_layer(result)
+        figs = views.figures(result, view, layer)
+        data = summary(comparison, model_name)
+        data["input"] = info
+        return (
+            *(answer_card(label, r) for label, r in comparison.items()),
+            figs["kept_masks"],
+            figs["head_classes"],
+            figs["paq"],
+            gr.Slider(value=layer, maximum=result.num_layers - 1, interactive=True),
+            figs["head_maps"],
+            figs["layer_maps"],
+            figs["group_maps"],
+            figs["uniform_vs_paq"],
+            explanation(comparison) + f"\n- Input: {conversion}.",
+            data,
+            (result, view),
+        )
 
 
 def show_layer(state, layer: float):
@@ -213,9 +442,27 @@ def _examples(names: list[str]) -> tuple[list[list], list[list]]:
     return scenes, photos
 
 
-def build_demo(models: list[str] | None = None) -> gr.Blocks:
-    """The Blocks app; `models` overrides the allow-list (its first entry is the default)."""
-    names = models or allowed_models()
+def build_demo(
+    models: list[str] | None = None,
+    *,
+    allow_local: bool | None = None,
+    limits: InputLimits | None = None,
+    queue_size: int | None = None,
+) -> gr.Blocks:
+    """The Blocks app with the environment's `Settings`; the arguments override them.
+
+    `models` is the allow-list (its first entry is the default).
+    """
+    settings = Settings.from_env()
+    settings = replace(
+        settings,
+        models=models or settings.models,
+        allow_local=settings.allow_local if allow_local is None else allow_local,
+        limits=limits or settings.limits,
+        queue_size=queue_size or settings.queue_size,
+    )
+    names = settings.models
+    handler = Handler(settings)
     defaults = Defaults.for_model(names[0])
     with gr.Blocks(title="HAP: head-adaptive visual token pruning") as demo:
         gr.Markdown(
@@ -226,21 +473,23 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
         )
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
-                image = gr.Image(type="pil", label="Image", height=280)
+                image = gr.Image(type="filepath", image_mode=None, label="Image", height=280)
                 prompt = gr.Textbox(label="Prompt", placeholder="what color is the triangle ?", lines=2)
                 model = gr.Dropdown(names, value=names[0], label="Model (loaded on first use)")
                 method = gr.Radio(list(hap.METHODS), value="hap", label="Method")
-                retain = gr.Slider(0.01, 1.0, value=defaults.retain, step=0.001,
+                retain = gr.Slider(*_range("retain"), value=defaults.retain, step=0.001,
                                    label="Budget: fraction of visual tokens kept (average over all layers)")
                 with gr.Accordion("Advanced settings", open=False):
-                    groups = gr.Slider(1, 8, value=3, step=1, label="Groups of layers after the first ones")
-                    first_layers = gr.Slider(0, 8, value=defaults.first_layers, step=1,
+                    groups = gr.Slider(*_range("groups"), value=3, step=1, label="Groups of layers after the first ones")
+                    first_layers = gr.Slider(*_range("first_layers"), value=defaults.first_layers, step=1,
                                              label="First layers on all tokens (0 cuts before layer 0)")
-                    decay = gr.Slider(0.05, 1.0, value=0.5, step=0.05, label="Budget decay between groups")
-                    temperature = gr.Number(0.1, label="Temperature T of softmax(PAQ / T) (0 = uniform)")
-                    tau_sink = gr.Slider(0.0, 1.0, value=0.5, step=0.01, label="Sink threshold on sink share")
-                    tau_disp = gr.Slider(0.0, 1.0, value=0.9, step=0.01, label="Dispersed threshold on dispersion")
-                    sink_rho = gr.Slider(1.0, 100.0, value=10.0, step=0.5,
+                    decay = gr.Slider(*_range("decay"), value=0.5, step=0.05, label="Budget decay between groups")
+                    temperature = gr.Number(0.1, minimum=0, maximum=MAX_TEMPERATURE,
+                                            label="Temperature T of softmax(PAQ / T) (0 = uniform)")
+                    tau_sink = gr.Slider(*_range("tau_sink"), value=0.5, step=0.01, label="Sink threshold on sink share")
+                    tau_disp = gr.Slider(*_range("tau_disp"), value=0.9, step=0.01,
+                                         label="Dispersed threshold on dispersion")
+                    sink_rho = gr.Slider(*_range("sink_rho"), value=10.0, step=0.5,
                                          label="Sink tokens: hidden-state norm above rho x the median")
                     rows = gr.Radio(["prompt", "last"], value="prompt",
                                     label="Prompt rows scoring tokens (all prompt tokens / last token)")
@@ -276,29 +525,40 @@ def build_demo(models: list[str] | None = None) -> gr.Blocks:
         inputs = [image, prompt, model, method, retain, groups, first_layers, decay, temperature,
                   tau_sink, tau_disp, sink_rho, rows]
         outputs = [*cards, kept, classes, paq, layer, head_maps, layer_maps, group_maps, versus, explain, raw, state]
-        run.click(analyze, inputs, outputs, api_name="analyze", concurrency_limit=1, concurrency_id="model")
-        prompt.submit(analyze, inputs, outputs, api_visibility="private", concurrency_limit=1, concurrency_id="model")
+        # preprocess=False: the handler checks every raw value itself (gradio would decode the upload and
+        # range-check sliders with messages that do not name the field); files still arrive through
+        # gradio's upload cache, which refuses paths outside it
+        lane = dict(concurrency_limit=1, concurrency_id="model", preprocess=False)
+        run.click(handler.analyze, inputs, outputs, api_name="analyze", **lane)
+        prompt.submit(handler.analyze, inputs, outputs, api_visibility="private", **lane)
         layer.input(show_layer, [state, layer], head_maps, api_visibility="private", trigger_mode="always_last")
         model.change(model_defaults, model, [first_layers, retain], api_visibility="private")
-    demo.queue(max_size=QUEUE_SIZE)
+    demo.queue(max_size=settings.queue_size)
+    demo.hap_settings = settings
     return demo
+
+
+def _range(name: str) -> tuple[float, float]:
+    return KNOBS[name].low, KNOBS[name].high
 
 
 demo = build_demo()
 
 
-def launch_options() -> dict:
+def launch_options(limits: InputLimits | None = None) -> dict:
     """`demo.launch` keywords of every deployment (tests add the host and port).
 
-    show_error passes the message of errors raised outside the handler (an upload that is not an
-    image fails in gradio's own preprocessing) to the page instead of a generic one.
+    max_file_size: gradio refuses a larger upload (HTTP 413; gradio_client refuses to send it) before
+    storing it; pass the demo's limits when they differ from the environment's. show_error passes the
+    message of errors raised outside the handler to the page instead of a generic one.
     """
-    return dict(theme=gr.themes.Soft(), max_file_size="10mb", show_error=True)
+    limits = limits or Settings.from_env().limits
+    return dict(theme=gr.themes.Soft(), max_file_size=limits.max_bytes, show_error=True)
 
 
 def main() -> None:
     """Serve the demo (127.0.0.1:7860 unless GRADIO_SERVER_NAME / GRADIO_SERVER_PORT say otherwise)."""
-    demo.launch(**launch_options())
+    demo.launch(**launch_options(demo.hap_settings.limits))
 
 
 if __name__ == "__main__":
