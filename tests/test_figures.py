@@ -119,8 +119,8 @@ def test_report_texts(model):
     text = explanation(comparison)
     assert "PAQ" in text and "Group 2" in text
     data = summary(comparison, "tiny")
-    assert data["groups"] == [{"index": g.index, "layers": list(g.layers), "scored_by": g.scored_by, "kept": g.kept}
-                              for g in comparison.pruned.groups]
+    assert [(d["index"], d["layers"], d["scored_by"], d["kept"]) for d in data["groups"]] == [
+        (g.index, list(g.layers), g.scored_by, g.kept) for g in comparison.pruned.groups]
     assert set(data["runs"]) == {"unpruned", "pruned", "uniform"} and "maps" not in data
 
 
