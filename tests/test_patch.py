@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hap
-from tiny_models import CASES, llava_case
+from tiny_models import CASES, inputs_for, llava_case, tiny_llava
 
 QUESTIONS = ["what color is the circle ?", "is there a big red square in the image ?"]
 ARCHS = list(CASES)
@@ -124,6 +124,27 @@ def test_batch_selection_equals_each_sample_alone(arch, method, first):
             for cut, kept in zip(patch.state.cuts, kept_batch):
                 assert torch.equal(cut.kept[0], kept[b])
             assert torch.equal(alone_tokens[0, -4:], tokens[b, -4:])
+
+
+def test_text_only_generation_after_a_pruned_one_is_stock():
+    """A new prompt without an image gets a new cache: nothing of the earlier pruning applies to it."""
+    model, processor = tiny_llava(layers=4)
+    image_inputs = inputs_for(processor, QUESTIONS[:1])
+    text = processor.tokenizer(["what color is the circle ?"], return_tensors="pt")
+    ref, _, _ = greedy(model, text, 5)
+    with hap.patched(model, hap.HAPConfig(retain=0.4, first_layers=1, groups=2)):
+        greedy(model, image_inputs, 3)
+        again, _, _ = greedy(model, text, 5)
+    assert torch.equal(again, ref)
+
+
+def test_an_image_cannot_be_added_to_an_existing_cache():
+    model, make_inputs = llava_case(layers=4)
+    inputs = make_inputs(QUESTIONS[:1], None)
+    with hap.patched(model, hap.HAPConfig(retain=0.4, first_layers=1, groups=2)), torch.no_grad():
+        cache = model(**inputs).cache
+        with pytest.raises(ValueError, match="fresh prefill"):
+            model(**inputs, cache=cache)
 
 
 def test_retain_below_the_reachable_minimum_names_the_fix():

@@ -45,6 +45,7 @@ class Patch:
     step_mask: torch.Tensor | None = None
     overrides: dict = field(default_factory=dict)
     pending: tuple | None = None  # (queries, hidden) of a capture waiting for the layer's cached keys
+    cache: object | None = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
     prefill_started: float = 0.0
     prefill_seconds: float = 0.0
 
@@ -87,12 +88,15 @@ def apply_patch(model, config: HAPConfig, trace: bool = False) -> Patch:
         if config.method == "none" and not trace:
             patch.mode = None
         elif input_ids is not None and bool((input_ids == image_token).any()):
+            cache = kwargs.get("cache")
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError("HAP prunes a fresh prefill: an image cannot be added to an existing KV cache")
             patch.prefill_started = time.perf_counter()
             patch.state = PruneState.start(
                 config, input_ids == image_token, kwargs.get("attention_mask"), shape, trace
             )
             patch.mode = "prefill"
-        elif patch.state is not None and patch.state.schedule is not None and kwargs.get("cache") is not None:
+        elif patch.cache is not None and kwargs.get("cache") is patch.cache and patch.state.schedule is not None:
             patch.mode = "decode"
             patch.step_mask = kwargs.get("attention_mask")
         else:
@@ -111,6 +115,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False) -> Patch:
             kwargs.update(patch.overrides)
             st = patch.state
             if patch.mode == "prefill":
+                patch.cache = kwargs.get("cache")
                 if index in st.lookahead_layers:
                     q, k = _queries(st, layer, hidden, kwargs), _keys(layer, hidden, kwargs)
                     _record(st, layer, index, q, k, hidden, lookahead=True)
