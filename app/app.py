@@ -321,7 +321,7 @@ class Handler:
         """Every input checked, cheapest first; ValueError names the first that is wrong and what is allowed."""
         source, name = upload_path(image)
         limits = self.settings.limits
-        prompt, _ = clean_prompt(prompt, set(), limits)  # type, length, empty; special tokens go in hap.run
+        clean_prompt(prompt, set(), limits)  # type, length, empty; hap.run cleans it (and says what it removed)
         model_name = check_model(model_name, self.settings)
         values = {k: KNOBS[k].check(k, v) for k, v in dict(
             retain=retain, groups=groups, first_layers=first_layers, decay=decay, tau_sink=tau_sink,
@@ -534,7 +534,7 @@ def build_demo(
         layer.input(show_layer, [state, layer], head_maps, api_visibility="private", trigger_mode="always_last")
         model.change(model_defaults, model, [first_layers, retain], api_visibility="private")
     demo.queue(max_size=settings.queue_size)
-    demo.hap_settings = settings
+    demo.hap_handler = handler  # its `settings` are what this demo enforces
     return demo
 
 
@@ -558,7 +558,7 @@ def launch_options(limits: InputLimits | None = None) -> dict:
 
 def main() -> None:
     """Serve the demo (127.0.0.1:7860 unless GRADIO_SERVER_NAME / GRADIO_SERVER_PORT say otherwise)."""
-    demo.launch(**launch_options(demo.hap_settings.limits))
+    demo.launch(**launch_options(demo.hap_handler.settings.limits))
 
 
 if __name__ == "__main__":

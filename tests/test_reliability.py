@@ -1,0 +1,521 @@
+"""Every kind of bad input the app can receive, driven through `/analyze` with gradio_client (and raw
+HTTP where gradio_client cannot send it: NaN, infinity, server-side paths, oversized uploads).
+
+Each case asserts the exact message (what was wrong and what is allowed) or the correct conversion,
+and that the server then still answers the good request with the same result as before (kept
+indices, head classes, answers): nothing leaks from a failed request into the next. The library side
+of the same inputs is tests/test_inputs.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from app_model import ROOT, SHIPPED, default_model, free_port
+from gradio_client import Client, handle_file
+from PIL import Image
+
+from hap.inputs import InputLimits
+
+SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
+SCENE2 = ROOT / "assets" / "examples" / "scene_600001.png"
+PROMPT = "what color is the triangle ?"
+SETTINGS = dict(method="hap", retain=0.2, groups=3, first_layers=0, decay=0.5, temperature=0.1, tau_sink=0.5,
+                tau_disp=0.9, sink_rho=10.0, rows="prompt")
+LIMITS = InputLimits(max_bytes=256 * 2**10, max_pixels=4_000_000, max_prompt_chars=2000)  # small, to reach them
+UNREACHABLE = "hap-test/no-such-model"  # allow-listed hub id that cannot be loaded offline
+OFF_LIST = "llava-hf/bakLlava-v1-hf"
+
+
+def fingerprint(out) -> tuple:
+    """What must not change between identical requests: kept indices, head classes, the three answers."""
+    data = out[12]
+    return ([g["kept"] for g in data["groups"]], data["head_class"],
+            *(data["runs"][k]["answer"] for k in ("unpruned", "pruned", "uniform")))
+
+
+# --------------------------------------------------------------------------------------------- server
+
+
+class Server:
+    def __init__(self, url: str, demo, model: str, local: str, bin_only: str, remote_code: str):
+        self.url, self.demo, self.model = url, demo, model
+        self.local, self.bin_only, self.remote_code = local, bin_only, remote_code
+        self.client = Client(url, verbose=False)
+        self.handler = demo.hap_handler
+        self.baseline = fingerprint(self.analyze())
+
+    def analyze(self, image=SCENE, prompt=PROMPT, model=None, **changes):
+        settings = {**SETTINGS, **changes}
+        if isinstance(image, (str, Path)):
+            image = handle_file(str(image))
+        return self.client.predict(image, prompt, model or self.model, *settings.values(), api_name="/analyze")
+
+    def refused(self, match: str, **request) -> str:
+        """The request fails with a message matching `match` (no traceback), and the server still answers."""
+        with pytest.raises(Exception, match=match) as err:
+            self.analyze(**request)
+        message = str(err.value)
+        assert "Traceback" not in message and "File \"" not in message, message
+        self.still_serving()
+        return message
+
+    def rebaseline(self) -> None:
+        """Back to the default model, reloaded from disk: its answer is the baseline again."""
+        self.baseline = fingerprint(self.analyze())
+        assert fingerprint(self.analyze()) == self.baseline
+
+    def still_serving(self) -> None:
+        assert fingerprint(self.analyze()) == self.baseline
+
+    def raw(self, data: list) -> tuple[str, object]:
+        """POST /call/analyze with a JSON body gradio_client would not send; (event, payload) of the answer."""
+        body = json.dumps({"data": data}, allow_nan=True)  # NaN / Infinity literals as a careless client sends
+        r = httpx.post(f"{self.url}gradio_api/call/analyze", content=body,
+                       headers={"content-type": "application/json"}, timeout=30)
+        r.raise_for_status()
+        stream = httpx.get(f"{self.url}gradio_api/call/analyze/{r.json()['event_id']}", timeout=60).text
+        event = next(line.split(": ", 1)[1] for line in stream.splitlines() if line.startswith("event: "))
+        payload = next(line.split(": ", 1)[1] for line in stream.splitlines() if line.startswith("data: "))
+        return event, json.loads(payload)
+
+    def uploaded(self, path: Path) -> dict:
+        r = httpx.post(f"{self.url}gradio_api/upload", files=[("files", (path.name, path.read_bytes()))], timeout=30)
+        r.raise_for_status()
+        return {"path": r.json()[0], "orig_name": path.name, "meta": {"_type": "gradio.FileData"}}
+
+
+def copy_model(source: Path, target: Path, bin_only: bool = False) -> Path:
+    """A copy of a model folder; `bin_only` keeps the weights as a pickled pytorch_model.bin only."""
+    shutil.copytree(source, target)
+    if bin_only:
+        from safetensors.torch import load_file
+
+        torch.save(load_file(target / "model.safetensors"), target / "pytorch_model.bin")
+        (target / "model.safetensors").unlink()
+    return target
+
+
+def remote_code_model(target: Path, marker: Path) -> Path:
+    """A folder whose config asks for its own modelling code (which would leave `marker` if it ever ran)."""
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["EvilForConditionalGeneration"], "model_type": "evil",
+        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForImageTextToText": "evil.EvilModel"},
+    }))
+    (target / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from app.app import build_demo, launch_options, resolve
+
+    tmp = tmp_path_factory.mktemp("reliability")
+    model = default_model(tmp / "tiny")
+    source = Path(resolve(model))
+    local = str(copy_model(source, tmp / "local-copy"))
+    bin_only = str(copy_model(source, tmp / "bin-only", bin_only=True))
+    remote = str(remote_code_model(tmp / "remote-code", tmp / "remote-code-ran"))
+    # local folders stay off unless the stand-in model (itself a local folder) has to be served
+    demo = build_demo([model, UNREACHABLE, local, bin_only, remote], allow_local=model != SHIPPED, limits=LIMITS)
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
+                            **launch_options(LIMITS))
+    yield Server(url, demo, model, local, bin_only, remote)
+    demo.close()
+
+
+@pytest.fixture
+def local_models_on(server, monkeypatch):
+    """The operator has set HAP_APP_ALLOW_LOCAL=1 (for this test only)."""
+    monkeypatch.setattr(server.handler, "settings", replace(server.handler.settings, allow_local=True))
+
+
+# --------------------------------------------------------------------------------------------- images
+
+
+def _png_bytes(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def _write(tmp: Path, name: str, data: bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(data)
+    return path
+
+
+def _bomb(tmp: Path) -> Path:
+    path = tmp / "bomb.png"
+    Image.new("1", (20000, 20000)).save(path, optimize=True)  # 400 megapixels in a few kB
+    assert path.stat().st_size < LIMITS.max_bytes
+    return path
+
+
+def _over_pixels(tmp: Path) -> Path:
+    path = tmp / "wide.png"
+    Image.new("1", (2500, 2000)).save(path, optimize=True)  # 5 megapixels, under PIL's guard, over the limit
+    return path
+
+
+BAD_IMAGES = [
+    ("zero-bytes", lambda t: _write(t, "empty.png", b""), r"image 'empty.png': the image file empty.png is empty "
+     r"\(0 bytes\); upload a PNG, JPEG"),
+    ("text-as-png", lambda t: _write(t, "notes.png", b"this is not an image\n" * 20),
+     r"image 'notes.png': not a readable image \(UnidentifiedImageError\); allowed formats: PNG, JPEG, GIF, WebP"),
+    ("pdf-as-jpg", lambda t: _write(t, "doc.jpg", b"%PDF-1.4\n%fake\n" * 10), r"not a readable image"),
+    ("svg", lambda t: _write(t, "logo.svg", b'<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>'),
+     r"image 'logo.svg': not a readable image"),
+    ("truncated-png", lambda t: _write(t, "cut.png", SCENE.read_bytes()[: SCENE.stat().st_size // 2]),
+     r"image 'cut.png': the image file is truncated or corrupt \(.*\); allowed formats"),
+    ("truncated-jpeg", lambda t: _write(t, "cut.jpg", _png_bytes(Image.open(SCENE), "JPEG")[:600]),
+     r"image 'cut.jpg': the image file is truncated or corrupt"),
+    ("decompression-bomb", _bomb, r"image 'bomb.png': the image has over \d+ megapixels \(refused from its header\); "
+     r"the limit is 4 megapixels"),
+    ("over-pixel-limit", _over_pixels, r"2500 x 2000 = 5.0 megapixels; the limit is 4 megapixels"),
+]
+
+
+@pytest.mark.parametrize(("make", "match"), [c[1:] for c in BAD_IMAGES], ids=[c[0] for c in BAD_IMAGES])
+def test_bad_image_is_refused_with_what_is_allowed(server, tmp_path, make, match):
+    server.refused(match, image=make(tmp_path))
+
+
+def test_no_image(server):
+    server.refused(r"no image: upload one or click an example", image=None)
+
+
+def test_an_upload_over_the_byte_limit_is_refused_before_it_is_stored(server, tmp_path):
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8))
+    path = tmp_path / "noise.png"
+    noise.save(path)
+    assert path.stat().st_size > LIMITS.max_bytes
+    with pytest.raises(ValueError, match=rf"exceeds the maximum file size of {LIMITS.max_bytes} bytes"):
+        server.analyze(image=path)  # gradio_client reads the limit from the server and does not send it
+    r = httpx.post(f"{server.url}gradio_api/upload", files=[("files", ("noise.png", path.read_bytes()))], timeout=30)
+    assert r.status_code == 413 and f"maximum allowed size of {LIMITS.max_bytes} bytes" in r.text
+    server.still_serving()
+
+
+def test_a_server_path_that_was_not_uploaded_is_refused(server):
+    image = {"path": str(SCENE), "meta": {"_type": "gradio.FileData"}}
+    event, payload = server.raw([image, PROMPT, server.model, *SETTINGS.values()])
+    assert event == "error" and "it was not uploaded by a user" in payload["error"]
+    server.still_serving()
+
+
+def test_an_image_that_is_not_a_file_is_refused(server):
+    event, payload = server.raw(["/etc/hostname", PROMPT, server.model, *SETTINGS.values()])
+    assert event == "error" and "validation error for ImageData" in payload["error"], payload  # gradio's own check
+    server.still_serving()
+
+
+def _alpha(img: Image.Image) -> Image.Image:
+    rgba = img.convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize(img.size))
+    return rgba
+
+
+def _sixteen_bit(img: Image.Image) -> Image.Image:
+    return Image.fromarray(np.asarray(img.convert("L"), dtype=np.uint16) * 257)
+
+
+CONVERTED = [  # (id, make the file, expected input format and mode)
+    ("1x1", lambda t: _save(Image.new("RGB", (1, 1), "red"), t / "dot.png"), ("PNG", "RGB")),
+    ("grayscale", lambda t: _save(Image.open(SCENE).convert("L"), t / "gray.png"), ("PNG", "L")),
+    ("palette", lambda t: _save(Image.open(SCENE).convert("P"), t / "palette.png"), ("PNG", "P")),
+    ("rgba", lambda t: _save(_alpha(Image.open(SCENE)), t / "alpha.png"), ("PNG", "RGBA")),
+    ("cmyk", lambda t: _save(Image.open(SCENE).convert("CMYK"), t / "print.jpg"), ("JPEG", "CMYK")),
+    ("16-bit", lambda t: _save(_sixteen_bit(Image.open(SCENE)), t / "deep.png"), ("PNG", "I;16")),
+    ("webp", lambda t: _save(Image.open(SCENE), t / "scene.webp", lossless=True), ("WEBP", "RGB")),
+]
+
+
+def _save(img: Image.Image, path: Path, **kw) -> Path:
+    img.save(path, **kw)
+    return path
+
+
+@pytest.mark.parametrize(("make", "expected"), [c[1:] for c in CONVERTED], ids=[c[0] for c in CONVERTED])
+def test_every_image_mode_is_converted_and_answered(server, tmp_path, make, expected):
+    out = server.analyze(image=make(tmp_path))
+    info = out[12]["input"]
+    assert (info["format"], info["mode"]) == expected
+    assert out[12]["num_visual"] == 144 and out[1].startswith("#### Pruned (hap)")
+    line = out[11].splitlines()[-1]
+    assert line.startswith(f"- Input: {expected[0]} {expected[1]}")
+    assert ("converted to RGB" in line) == (expected[1] != "RGB")
+    if expected[1] == "RGBA":
+        assert "transparent pixels on white" in line
+    server.still_serving()
+
+
+def test_an_animated_gif_gives_its_first_frame(server, tmp_path):
+    gif = tmp_path / "anim.gif"
+    Image.open(SCENE).save(gif, save_all=True, append_images=[Image.open(SCENE2)], duration=100, loop=0)
+    first = tmp_path / "first.png"
+    with Image.open(gif) as img:
+        img.convert("RGB").save(first)  # frame 0 exactly as GIF stores it (quantised)
+    out = server.analyze(image=gif)
+    assert out[12]["input"]["animated"] and "first frame of the animation" in out[11]
+    assert fingerprint(out) == fingerprint(server.analyze(image=first))
+    server.still_serving()
+
+
+def test_exif_rotation_is_applied(server, tmp_path):
+    upright = Image.open(SCENE).resize((168, 84))
+    stored = upright.transpose(Image.Transpose.ROTATE_90)  # the pixels as a camera held sideways writes them
+    exif = Image.Exif()
+    exif[0x0112] = 6  # display rotated 90 degrees clockwise
+    jpeg, png, plain = tmp_path / "camera.jpg", tmp_path / "camera.png", tmp_path / "upright.png"
+    stored.save(jpeg, exif=exif, quality=95)
+    stored.save(png, exif=exif)
+    upright.save(plain)
+    info = server.analyze(image=jpeg)[12]["input"]
+    assert (info["width"], info["height"], info["exif_orientation"]) == (168, 84, 6)
+    out = server.analyze(image=png)  # lossless: exactly the upright image once rotated
+    assert "EXIF orientation 6 applied" in out[11]
+    assert fingerprint(out) == fingerprint(server.analyze(image=plain))
+    server.still_serving()
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+BAD_PROMPTS = [
+    ("empty", "", r"the prompt is empty: type a question about the image"),
+    ("whitespace", " \n\t  ", r"the prompt is empty"),
+    ("only-control", "\x00\x07\x1b\u200b", r"the prompt is empty"),
+    ("only-image-tokens", "<image><image>", r"the prompt is empty"),
+    ("over-the-context", "what " * 399, r"prompt too long: \d+ tokens \+ max_new_tokens=32 exceed the model's 512 "
+     r"positions; shorten the prompt"),
+    ("over-the-char-limit", "x" * 2001, r"the prompt has 2001 characters; the limit is 2000"),
+    ("number", 123, r"prompt must be text, not int"),
+    ("null", None, r"prompt must be text, not NoneType"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "match"), [c[1:] for c in BAD_PROMPTS], ids=[c[0] for c in BAD_PROMPTS])
+def test_bad_prompt_is_refused(server, prompt, match):
+    server.refused(match, prompt=prompt)
+
+
+def test_control_characters_are_removed_and_said(server):
+    out = server.analyze(prompt="what\x00 color is\u200f the triangle ?\x07")
+    assert "removed control or invisible formatting characters" in out[11]
+    assert fingerprint(out) == server.baseline  # the same question once cleaned
+    server.still_serving()
+
+
+def test_typed_image_tokens_add_no_image_slot(server):
+    plain = server.analyze()[12]
+    out = server.analyze(prompt="what color <image> is the <image><image> triangle ?")
+    data = out[12]
+    assert data["num_visual"] == plain["num_visual"] == 144
+    assert data["prompt_text"].count("<image>") == plain["prompt_text"].count("<image>") == 1
+    assert "removed the special token '<image>' from the prompt" in out[11]
+    server.still_serving()
+
+
+def test_right_to_left_and_non_ascii_text_is_kept(server):
+    prompt = "ما لون المثلث ؟ מה הצבע ? 三角形は何色 ?"
+    out = server.analyze(prompt=prompt)
+    assert prompt in out[12]["prompt_text"] and out[1].startswith("#### Pruned (hap)")
+    server.still_serving()
+
+
+# --------------------------------------------------------------------------------------------- settings
+
+BAD_SETTINGS = [  # (field, value, message); every numeric knob: below, above, negative, wrong type
+    ("retain", 0, r"retain=0 is less than minimum 0.01; allowed: a number in \[0.01, 1\]"),
+    ("retain", 1.5, r"retain=1.5 is greater than maximum 1; allowed: a number in \[0.01, 1\]"),
+    ("retain", -0.2, r"retain=-0.2 is less than minimum 0.01"),
+    ("retain", "0.5", r"retain='0.5' \(str\) must be a number in \[0.01, 1\]"),
+    ("retain", None, r"retain=None \(NoneType\) must be a number in \[0.01, 1\]"),
+    ("groups", 0, r"groups=0 is less than minimum 1; allowed: a whole number in \[1, 8\]"),
+    ("groups", 9, r"groups=9 is greater than maximum 8"),
+    ("groups", 2.5, r"groups=2.5 must be a whole number in \[1, 8\]"),
+    ("groups", True, r"groups=True \(bool\) must be a whole number in \[1, 8\]"),
+    ("first_layers", -1, r"first_layers=-1 is less than minimum 0; allowed: a whole number in \[0, 8\]"),
+    ("first_layers", 9, r"first_layers=9 is greater than maximum 8"),
+    ("first_layers", [1], r"first_layers=\[1\] \(list\) must be a whole number"),
+    ("decay", 0, r"decay=0 is less than minimum 0.05; allowed: a number in \[0.05, 1\]"),
+    ("decay", 2, r"decay=2 is greater than maximum 1"),
+    ("temperature", -1, r"temperature=-1 must be a number > 0, or 0 for uniform averaging; allowed: \[0, 1000\]"),
+    ("temperature", "hot", r"temperature='hot' must be a number > 0"),
+    ("temperature", 1e9, r"temperature=1000000000(\.0)? must be a number > 0.*allowed: \[0, 1000\]"),
+    ("tau_sink", 1.5, r"tau_sink=1.5 is greater than maximum 1; allowed: a number in \[0, 1\]"),
+    ("tau_disp", -0.1, r"tau_disp=-0.1 is less than minimum 0"),
+    ("sink_rho", 0.5, r"sink_rho=0.5 is less than minimum 1; allowed: a number in \[1, 100\]"),
+    ("sink_rho", {"x": 1}, r"sink_rho=\{'x': 1\} \(dict\) must be a number"),
+    ("method", "evil", r"method='evil' is not allowed; choose one of hap, uniform, fastv, pdrop, random, none"),
+    ("rows", "middle", r"rows='middle' is not allowed; choose one of prompt, last"),
+    ("first_layers", 6, r"first_layers=6 must be < the decoder's 6 layers"),  # in range, but not for this model
+    ("first_layers", 2, r"retain=0.2 is unreachable: with first_layers=2 of 6 decoder layers"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "match"), BAD_SETTINGS,
+                         ids=[f"{n}={v!r}" for n, v, _ in BAD_SETTINGS])
+def test_bad_setting_names_the_field_and_the_range(server, name, value, match):
+    server.refused(match, **{name: value})
+
+
+NON_FINITE = [("retain", math.nan, r"retain=nan is not a number; allowed: a number in \[0.01, 1\]"),
+              ("temperature", math.nan, r"temperature=nan must be a number > 0"),
+              ("sink_rho", math.inf, r"sink_rho=inf is greater than maximum 100"),
+              ("groups", -math.inf, r"groups=-inf is less than minimum 1")]
+
+
+@pytest.mark.parametrize(("name", "value", "match"), NON_FINITE, ids=[f"{n}={v}" for n, v, _ in NON_FINITE])
+def test_nan_and_infinity_sent_as_raw_json(server, tmp_path, name, value, match):
+    """gradio_client refuses to encode NaN; a hand-written client sends the literal, and gets the field named."""
+    image = server.uploaded(SCENE)
+    event, payload = server.raw([image, PROMPT, server.model, *{**SETTINGS, name: value}.values()])
+    assert event == "error"
+    assert re.search(match, payload["error"]), payload
+    server.still_serving()
+
+
+def test_a_budget_that_rounds_to_zero_keeps_one_token_per_group_and_says_so(server):
+    out = server.analyze(retain=0.01, decay=0.05)
+    kept = [len(g["kept"]) for g in out[12]["groups"]]
+    assert min(kept) == 1 and len(kept) == 3
+    assert "budget rounds to" in out[11] and "keeping 1 (at least one per group)" in out[11]
+    assert any("keeping 1" in n for n in out[12]["notes"])
+    server.still_serving()
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+def test_a_model_off_the_allow_list_is_refused(server):
+    message = server.refused(rf"model '{OFF_LIST}' is not on this server's allow-list \(HAP_APP_MODELS\); "
+                             rf"choose one of {re.escape(server.model)}", model=OFF_LIST)
+    assert UNREACHABLE in message
+
+
+@pytest.mark.parametrize("name", ["/etc", "../../../etc", "~/.cache/huggingface", str(ROOT / SHIPPED) + "/"])
+def test_a_path_off_the_allow_list_is_refused(server, name):
+    server.refused(rf"model '{re.escape(name)}' is not on this server's allow-list", model=name)
+
+
+def test_a_local_folder_is_refused_unless_the_operator_enables_local_folders(server):
+    if server.handler.settings.allow_local:
+        pytest.skip("the shipped model is absent: this server serves a local stand-in, so local folders are on")
+    server.refused(r"is a local folder, and loading local folders is off on this server \(the operator enables it "
+                   r"with HAP_APP_ALLOW_LOCAL=1\)", model=server.local)
+
+
+def test_an_unreachable_model_fails_cleanly(server):
+    server.refused(r"cannot load hub id 'hap-test/no-such-model'", model=UNREACHABLE)
+
+
+def test_pickled_weights_are_refused_and_the_loaded_model_keeps_working(server, local_models_on):
+    from app.app import LOADED
+
+    before = fingerprint(server.analyze(model=server.local))  # another allowed model, now the loaded one
+    loaded = LOADED.model
+    with pytest.raises(Exception, match=r"cannot load local folder .*bin-only: .*no file named model.safetensors"):
+        server.analyze(model=server.bin_only)
+    assert LOADED.name == server.local and LOADED.model is loaded  # still the previous one, not reloaded
+    assert fingerprint(server.analyze(model=server.local)) == before
+    server.rebaseline()  # the default model is loaded again, from disk (a training run may have replaced it)
+
+
+def test_remote_code_is_never_run(server, local_models_on):
+    server.refused(r"is a EvilForConditionalGeneration|cannot load local folder .*remote-code",
+                   model=server.remote_code)
+    assert not (Path(server.remote_code).parent / "remote-code-ran").exists()
+
+
+# --------------------------------------------------------------------------------------------- memory, errors
+
+
+def test_out_of_memory_is_reported_freed_and_the_next_request_succeeds(server, monkeypatch):
+    import app.app as app_module
+    from app.app import LOADED
+
+    freed = []
+    monkeypatch.setattr(app_module, "free_memory", lambda: freed.append(1))
+
+    def exhausted(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(type(LOADED.model), "generate", exhausted)
+    with pytest.raises(Exception, match=r"out of memory on cpu while answering \(OutOfMemoryError\); memory was "
+                                        r"freed\. Try a smaller image"):
+        server.analyze()
+    assert freed and not hasattr(LOADED.model, "_hap")  # freed, and the patch is gone
+    monkeypatch.undo()
+    server.still_serving()
+
+
+def test_out_of_memory_outside_generation_is_reported_too(server, monkeypatch):
+    import app.app as app_module
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(app_module.views, "figures", exhausted)
+    with pytest.raises(Exception, match=r"out of memory \(MemoryError\); memory was freed"):
+        server.analyze()
+    monkeypatch.undo()
+    server.still_serving()
+
+
+def test_an_unexpected_error_is_a_message_not_a_traceback(server, monkeypatch):
+    import app.app as app_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("figure backend exploded")
+
+    monkeypatch.setattr(app_module.views, "figures", broken)
+    with pytest.raises(Exception, match=r"internal error \(RuntimeError: figure backend exploded\); the server is "
+                                        r"still running") as err:
+        server.analyze()
+    assert "Traceback" not in str(err.value)
+    monkeypatch.undo()
+    server.still_serving()
+
+
+# --------------------------------------------------------------------------------------------- determinism
+
+
+def test_same_inputs_give_the_same_selection_request_after_request(server):
+    a = fingerprint(server.analyze())
+    other = fingerprint(server.analyze(image=SCENE2, method="fastv", retain=0.1, rows="last"))
+    assert fingerprint(server.analyze()) == a == server.baseline != other
+    randoms = [fingerprint(server.analyze(method="random")) for _ in range(2)]
+    assert randoms[0] == randoms[1]  # the random baseline is seeded
+
+
+# --------------------------------------------------------------------------------------------- settings
+
+
+def test_settings_come_from_the_environment():
+    from app.app import HUB_MODELS, TINY_MODEL, Settings, launch_options
+
+    default = Settings.from_env({})
+    assert default.models == [TINY_MODEL, *HUB_MODELS] and not default.allow_local and default.queue_size == 16
+    assert default.limits == InputLimits(max_bytes=10 * 2**20, max_pixels=40_000_000, max_prompt_chars=2000)
+    env = {"HAP_APP_MODELS": " a/b , c/d ", "HAP_APP_ALLOW_LOCAL": "1", "HAP_APP_MAX_MB": "2",
+           "HAP_APP_MAX_MEGAPIXELS": "12.5", "HAP_APP_MAX_PROMPT": "300", "HAP_APP_QUEUE_SIZE": "4"}
+    s = Settings.from_env(env)
+    assert (s.models, s.allow_local, s.queue_size) == (["a/b", "c/d"], True, 4)
+    assert s.limits == InputLimits(max_bytes=2 * 2**20, max_pixels=12_500_000, max_prompt_chars=300)
+    assert launch_options(s.limits)["max_file_size"] == 2 * 2**20
+    for name, value in [("HAP_APP_MAX_MB", "ten"), ("HAP_APP_MAX_MB", "-1"), ("HAP_APP_QUEUE_SIZE", "2.5"),
+                        ("HAP_APP_QUEUE_SIZE", "0"), ("HAP_APP_ALLOW_LOCAL", "maybe"), ("HAP_APP_MAX_PROMPT", "nan")]:
+        with pytest.raises(ValueError, match=name):
+            Settings.from_env({name: value})
