@@ -469,7 +469,10 @@ def build_demo(
             "# HAP: head-adaptive visual token pruning\n"
             "Upload an image (or click an example), ask a question, choose a budget and press **Run**. "
             "HAP scores every attention head by how well it aligns the prompt with the image (PAQ), fuses "
-            "heads with those weights, and keeps only the best visual tokens inside the decoder."
+            "heads with those weights, and keeps only the best visual tokens inside the decoder.\n\n"
+            f"Images: {FORMATS}, up to {settings.limits.max_bytes / 2**20:g} MB and "
+            f"{settings.limits.max_pixels / 1e6:g} megapixels; prompts up to {settings.limits.max_prompt_chars} "
+            "characters. One request runs at a time; when the queue is full, retry in a few seconds."
         )
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
