@@ -106,7 +106,6 @@ def test_resume_restores_state(tmp_path):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not (SHIPPED / "config.json").exists(), reason="no shipped model")
 def test_shipped_model_answers_heldout_questions():
     processor = AutoProcessor.from_pretrained(SHIPPED)
