@@ -483,13 +483,15 @@ def build_demo(
                 retain = gr.Slider(*_range("retain"), value=defaults.retain, step=0.001,
                                    label="Budget: fraction of visual tokens kept (average over all layers)")
                 with gr.Accordion("Advanced settings", open=False):
-                    groups = gr.Slider(*_range("groups"), value=3, step=1, label="Groups of layers after the first ones")
+                    groups = gr.Slider(*_range("groups"), value=3, step=1,
+                                       label="Groups of layers after the first ones")
                     first_layers = gr.Slider(*_range("first_layers"), value=defaults.first_layers, step=1,
                                              label="First layers on all tokens (0 cuts before layer 0)")
                     decay = gr.Slider(*_range("decay"), value=0.5, step=0.05, label="Budget decay between groups")
                     temperature = gr.Number(0.1, minimum=0, maximum=MAX_TEMPERATURE,
                                             label="Temperature T of softmax(PAQ / T) (0 = uniform)")
-                    tau_sink = gr.Slider(*_range("tau_sink"), value=0.5, step=0.01, label="Sink threshold on sink share")
+                    tau_sink = gr.Slider(*_range("tau_sink"), value=0.5, step=0.01,
+                                         label="Sink threshold on sink share")
                     tau_disp = gr.Slider(*_range("tau_disp"), value=0.9, step=0.01,
                                          label="Dispersed threshold on dispersion")
                     sink_rho = gr.Slider(*_range("sink_rho"), value=10.0, step=0.5,

@@ -21,7 +21,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from app_model import ROOT, SHIPPED, default_model, free_port
+import app_model
+from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 from PIL import Image
 
@@ -128,7 +129,8 @@ def server(tmp_path_factory):
     bin_only = str(copy_model(source, tmp / "bin-only", bin_only=True))
     remote = str(remote_code_model(tmp / "remote-code", tmp / "remote-code-ran"))
     # local folders stay off unless the stand-in model (itself a local folder) has to be served
-    demo = build_demo([model, UNREACHABLE, local, bin_only, remote], allow_local=model != SHIPPED, limits=LIMITS)
+    demo = build_demo([model, UNREACHABLE, local, bin_only, remote], allow_local=model != app_model.SHIPPED,
+                      limits=LIMITS)
     _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
                             **launch_options(LIMITS))
     yield Server(url, demo, model, local, bin_only, remote)
@@ -405,16 +407,19 @@ def test_a_model_off_the_allow_list_is_refused(server):
     assert UNREACHABLE in message
 
 
-@pytest.mark.parametrize("name", ["/etc", "../../../etc", "~/.cache/huggingface", str(ROOT / SHIPPED) + "/"])
+@pytest.mark.parametrize("name", ["/etc", "../../../etc", "~/.cache/huggingface", f"{ROOT / app_model.SHIPPED}/"])
 def test_a_path_off_the_allow_list_is_refused(server, name):
     server.refused(rf"model '{re.escape(name)}' is not on this server's allow-list", model=name)
 
 
-def test_a_local_folder_is_refused_unless_the_operator_enables_local_folders(server):
-    if server.handler.settings.allow_local:
-        pytest.skip("the shipped model is absent: this server serves a local stand-in, so local folders are on")
-    server.refused(r"is a local folder, and loading local folders is off on this server \(the operator enables it "
-                   r"with HAP_APP_ALLOW_LOCAL=1\)", model=server.local)
+def test_a_local_folder_is_refused_unless_the_operator_enables_local_folders(server, monkeypatch):
+    # off already unless the shipped model is absent (then the stand-in, a local folder, needs it on)
+    monkeypatch.setattr(server.handler, "settings", replace(server.handler.settings, allow_local=False))
+    with pytest.raises(Exception, match=r"model '.*local-copy' is a local folder, and loading local folders is off "
+                                        r"on this server \(the operator enables it with HAP_APP_ALLOW_LOCAL=1\)"):
+        server.analyze(model=server.local)
+    monkeypatch.undo()
+    server.still_serving()
 
 
 def test_an_unreachable_model_fails_cleanly(server):
