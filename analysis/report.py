@@ -58,6 +58,7 @@ def compare(
     config: hap.HAPConfig,
     max_new_tokens: int = 32,
     on_stage: Callable[[float, str], None] | None = None,
+    limits: hap.InputLimits = hap.DEFAULT_LIMITS,
 ) -> Comparison:
     """Run the stock model, `config` (traced) and uniform averaging with `config`'s budget.
 
@@ -67,7 +68,7 @@ def compare(
     stage = on_stage or (lambda fraction, description: None)
 
     def run(cfg: hap.HAPConfig, trace: bool) -> hap.Result:
-        return hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace)
+        return hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace, limits=limits)
 
     stage(0.15, f"{config.method}: prefill + attention capture, head scoring, pruned generation")
     pruned = run(config, trace=True)

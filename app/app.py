@@ -19,8 +19,6 @@ read when the demo is built; a bad value stops the start with a message naming t
                             QueueError "Queue is full! Please try again.", the page shows "This application
                             is currently busy. Please try again.")
 
-The pixel and prompt limits can only be tightened here: `hap.run` applies its own defaults too.
-
 Every request is checked in full by the handler (gradio's own preprocessing is off, so an API call
 gets the same messages as the page): the image goes through `hap.inputs.load_image` (any PIL mode,
 first frame, EXIF rotation; empty, truncated, non-image and oversized files refused), each numeric
@@ -300,14 +298,14 @@ def describe_input(source, name: str, img: Image.Image) -> tuple[dict, str]:
 
 
 @gpu
-def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, progress: gr.Progress):
+def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress):
     """The GPU part: the three runs on the loaded model.
 
     On ZeroGPU this runs in a forked worker, so the model is loaded before (in the main process,
     where it persists between calls) and read from LOADED here, not loaded inside.
     """
     return compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
-                   lambda fraction, description: progress(fraction, desc=description))
+                   lambda fraction, description: progress(fraction, desc=description), limits)
 
 
 class Handler:
@@ -391,7 +389,7 @@ class Handler:
         progress(0.02, desc=f"loading {model_name}")
         LOADED.get(model_name)
         torch.manual_seed(SEED)
-        comparison = _compare(img, prompt, config, progress)
+        comparison = _compare(img, prompt, config, self.settings.limits, progress)
         progress(0.85, desc="figures")
         result = comparison.pruned
         view = views.model_view(img, LOADED.center_crop())

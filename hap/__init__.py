@@ -8,6 +8,7 @@ or patch once and use the stock API: `with hap.patched(model, cfg): model.genera
 
 from .budget import DecoderShape, Schedule, solve_schedule
 from .config import METHODS, HAPConfig
+from .inputs import DEFAULT_LIMITS, InputLimits
 from .load import ModelLoadError, load_model
 from .patch import apply as patch
 from .patch import patched
@@ -15,10 +16,12 @@ from .patch import remove as unpatch
 from .run import Group, Maps, Result, run
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "METHODS",
     "DecoderShape",
     "Group",
     "HAPConfig",
+    "InputLimits",
     "Maps",
     "ModelLoadError",
     "Result",

@@ -120,7 +120,7 @@ def clean_prompt(prompt, special_tokens: set[str], limits: InputLimits = DEFAULT
     kept = kept.replace("\t", " ")
     if kept != prompt:
         notes.append("removed control or invisible formatting characters from the prompt")
-    for token in sorted(special_tokens, key=len, reverse=True):
+    for token in sorted(special_tokens, key=lambda t: (-len(t), t)):  # longest first, then a fixed order
         if token and token in kept:
             kept = kept.replace(token, " ")
             notes.append(f"removed the special token {token!r} from the prompt")

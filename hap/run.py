@@ -127,6 +127,19 @@ def run(
     config.validate()
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= 1024:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer in [1, 1024]")
+    try:
+        return _run(model, processor, image, prompt, config, max_new_tokens, trace, limits)
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        free_memory()
+        device = next(model.parameters()).device
+        raise MemoryError(
+            f"out of memory on {device.type} while answering ({err.__class__.__name__}); memory was freed. "
+            "Try a smaller image, fewer new tokens or a smaller model"
+        ) from err
+
+
+def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens: int, trace: bool,
+         limits: InputLimits) -> Result:
     t0 = time.perf_counter()
     inputs, text, notes = build_inputs(processor, load_image(image, limits), prompt, limits)
     device = next(model.parameters()).device
@@ -145,13 +158,6 @@ def run(
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
         generate_s = time.perf_counter() - t1
-    except (torch.OutOfMemoryError, MemoryError) as err:
-        patch.state = None
-        free_memory()
-        raise MemoryError(
-            f"out of memory on {device.type} while answering ({err.__class__.__name__}); memory was freed. "
-            "Try a smaller image, fewer new tokens or a smaller model"
-        ) from err
     finally:
         remove(model)
     answer = processor.decode(out[0, T:], skip_special_tokens=True).strip()
