@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path("results/benchmark"))
     p.add_argument("--first-layers", type=int, default=0)
     p.add_argument("--groups", type=int, default=3)
+    p.add_argument("--decay", type=float, default=hap.HAPConfig().decay)
     p.add_argument("--temperature", type=float, default=hap.HAPConfig().temperature)
     p.add_argument("--rows", default="prompt", choices=("prompt", "last"))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     model, processor = hap.load_model(args.model, device="cpu")
     items = list(heldout_items(range(a, b), args.per_scene))
     batches = [items[i : i + args.batch_size] for i in range(0, len(items), args.batch_size)]
-    base = dict(first_layers=args.first_layers, groups=args.groups, temperature=args.temperature, rows=args.rows)
+    base = dict(first_layers=args.first_layers, groups=args.groups, decay=args.decay, temperature=args.temperature,
+                rows=args.rows)
 
     t0 = time.perf_counter()
     correct: dict[tuple[str, float], list[bool]] = defaultdict(list)
