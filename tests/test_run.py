@@ -63,11 +63,13 @@ def test_cli_prints_and_writes_json(saved, tmp_path, capsys):
     out = tmp_path / "out.json"
     code = main(["run", "--model", str(folder), "--image", str(image), "--prompt", "what shape is the red object ?",
                  "--method", "hap", "--retain", "0.111", "--first-layers", "0", "--json", str(out),
-                 "--max-new-tokens", "3"])
+                 "--max-new-tokens", "3", "--figures", str(tmp_path / "figures")])
     printed = capsys.readouterr().out
     assert code == 0 and "answer:" in printed and "group 2: layers [4, 6)" in printed
     data = json.loads(out.read_text())
     assert data["method"] == "hap" and abs(data["retain"] - 0.111) < 0.01 and len(data["groups"]) == 3
+    pngs = sorted((tmp_path / "figures").glob("*.png"))
+    assert len(pngs) == 7 and all(p.stat().st_size > 2000 for p in pngs) and "wrote 7 figures" in printed
 
 
 @pytest.mark.parametrize(
