@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random", "none")
 ROWS = ("prompt", "last")
@@ -66,10 +66,6 @@ class HAPConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 def _is_real(value: object) -> bool:

@@ -150,10 +150,6 @@ class PruneState:
             return None
         return self.schedule.cuts.index(layer)
 
-    @property
-    def first_cut(self) -> int | None:
-        return None if self.schedule is None else self.schedule.cuts[0]
-
     def row_positions(self, seq_len: int) -> torch.Tensor:
         """long [P] current positions of the prompt rows (the last P tokens)."""
         P = self.row_valid.shape[1]
