@@ -4,6 +4,7 @@
     python -m analysis.speed --shape llava-7b                  # LLaVA-1.5-7B shape, bf16 on a GPU
     python -m analysis.speed --shape qwen2.5-vl-7b             # Qwen2.5-VL-7B shape (M-RoPE, GQA)
     python -m analysis.speed --shape llava-7b --layers 4       # the 7B width at reduced depth, on a CPU
+    python -m analysis.speed --shape llava-7b qwen2.5-vl-7b    # the GPU check: both 7B shapes, a few minutes
 
 Random weights (no download): speed does not depend on them. The visual tokens are random
 features handed to the model in place of the vision tower's output (576 of them, a 24 x 24
@@ -121,7 +122,7 @@ def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> tup
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=SHAPES, default="mid")
+    p.add_argument("--shape", choices=SHAPES, nargs="+", default=["mid"], help="one or more shapes, run in turn")
     p.add_argument("--layers", type=int, default=None, help="override the decoder depth (reduced depth on a CPU)")
     p.add_argument("--retain", type=float, nargs="+", default=[0.222, 0.111, 0.056])
     p.add_argument("--methods", nargs="+", default=["fastv", "pdrop", "uniform", "hap", "random"])
@@ -136,7 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = random_vlm(args.shape, args.layers, dtype, device)
+    for name in args.shape:
+        bench_shape(name, args, device, dtype)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
+    """Time every method and budget on one random-weight model and print the table."""
+    model = random_vlm(name, args.layers, dtype, device)
     inputs = make_inputs(model, args.text_tokens, device)
     shape = decoder_shape(model)
     n = GRID * GRID
@@ -171,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     median = {key: statistics.median(t for t, _ in v) for key, v in times.items()}
     peak = {key: max(m for _, m in v) for key, v in times.items()}
     base = median[("none", 1.0)]
-    print(f"shape={args.shape} layers={shape.layers} device={device} dtype={dtype} threads={args.threads} "
+    print(f"shape={name} layers={shape.layers} device={device} dtype={dtype} threads={args.threads} "
           f"visual={n} text={args.text_tokens} first_layers={first} repeats={args.repeats}")
     print(f"none: prefill {base * 1000:.1f} ms, peak {peak[('none', 1.0)]:.2f} GiB; text only (no visual token): "
           f"{median[('text only', 0.0)] * 1000:.1f} ms")
