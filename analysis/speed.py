@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--retain", type=float, nargs="+", default=[0.222, 0.111, 0.056])
     p.add_argument("--methods", nargs="+", default=["fastv", "pdrop", "uniform", "hap", "random"])
     p.add_argument("--first-layers", type=int, default=None,
-                   help="K; default: the largest K that reaches the smallest budget (0 on the 8-layer mid shape)")
+                   help="K for every method (FastV cuts once, at K); default: the largest K that reaches the "
+                        "smallest budget (0 on the 8-layer mid shape: the cut before layer 0 is scored by "
+                        "layer 0's own attention)")
     p.add_argument("--groups", type=int, default=3)
     p.add_argument("--text-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
@@ -157,8 +159,7 @@ def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.d
     skipped = []
     for retain in args.retain:
         for method in args.methods:
-            config = hap.HAPConfig(method=method, retain=retain, groups=args.groups,
-                                   first_layers=max(first, 1) if method == "fastv" else first)
+            config = hap.HAPConfig(method=method, retain=retain, groups=args.groups, first_layers=first)
             try:
                 schedules[(method, retain)] = hap.solve_schedule(
                     n, shape, first_layers=config.first_layers, groups=1 if method == "fastv" else config.groups,
