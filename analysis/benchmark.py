@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import hap
-from analysis.evaluate import chat_prompt
+from hap.run import chat_prompt
 from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)

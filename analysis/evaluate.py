@@ -13,12 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from analysis.scenes import QTYPES, Question, Scene, heldout_items
-
-
-def chat_prompt(processor, question: str) -> str:
-    """The single-turn chat prompt ``USER: <image>\\n<question> ASSISTANT:``."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    return processor.apply_chat_template(messages, add_generation_prompt=True)
+from hap.run import chat_prompt
 
 
 @torch.no_grad()

@@ -36,7 +36,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlavaForConditionalGeneration, LlavaProcessor
 from transformers.utils import logging as hf_logging
 
-from analysis.evaluate import chat_prompt, evaluate
+from analysis.evaluate import evaluate
+from hap.run import chat_prompt
 from analysis.scenes import (COLORS, N_PATCHES, QTYPES, SHAPES, TRAIN_SEED_START, Scene,
                              heldout_items, make_questions, make_scene)
 from analysis.tiny_vlm import build_config, build_processor

@@ -98,13 +98,18 @@ class Result:
         return plain(asdict(self))
 
 
+def chat_prompt(processor, question: str) -> str:
+    """The processor's single-turn chat prompt: one image slot, then the question, then the assistant prefix."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True)
+
+
 def build_inputs(processor, image: Image.Image, prompt: str, limits: InputLimits) -> tuple[dict, str, list[str]]:
     """Chat-template the cleaned prompt with one image slot and run the processor."""
     tok = processor.tokenizer
     specials = {t for t in (*tok.all_special_tokens, getattr(processor, "image_token", None)) if t}
     prompt, notes = clean_prompt(prompt, specials, limits)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    text = chat_prompt(processor, prompt)
     return processor(images=image, text=text, return_tensors="pt"), text, notes
 
 

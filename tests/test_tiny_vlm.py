@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-from analysis.evaluate import chat_prompt, evaluate
+from analysis.evaluate import evaluate
+from hap.run import chat_prompt
 from analysis.scenes import TRAIN_SEED_START, heldout_items, make_questions, make_scene
 from analysis.tiny_vlm import build_config, build_processor
 
