@@ -1,26 +1,31 @@
-"""Seeded synthetic scenes and one-word questions with ground-truth patch masks.
+"""Seeded synthetic scenes and one-word questions of seven kinds, each with the patches that answer it.
 
-A scene is a 168x168 RGB image (patch 14 -> a 12x12 grid = 144 visual tokens, the LLaVA
-visual token order is row-major over that grid) on a noisy, blocky grey background with
-2-5 non-overlapping coloured shapes. Everything is a deterministic function of an integer
-seed (numpy ``Generator``).
+A scene is a 168x168 RGB image (patch 14 -> a 12x12 grid = 144 visual tokens; the LLaVA visual
+token order is row-major over that grid) with 3-6 non-overlapping coloured shapes on a noisy,
+blocky background that is either dark or light. The top-left patch always holds the same
+black-and-white checker marker (a token that is always there and never informative: the raw
+material of a learned attention sink, docs/method.md §3). Everything is a deterministic function
+of an integer seed (numpy ``Generator``).
 
 Seed ranges (disjoint by construction):
-  * held-out / benchmark seeds: ``0 <= seed < TRAIN_SEED_START`` (1_000_000);
-  * training seeds:            ``seed >= TRAIN_SEED_START``.
+  * held-out seeds: ``0 <= seed < TRAIN_SEED_START`` (1_000_000); validation and test ranges are
+    chosen inside it by the scripts (validation 400000-499999, test 500000+ by convention);
+  * training seeds: ``seed >= TRAIN_SEED_START``.
 
-Question types (one-word answers):
-  * ``color``: ``what color is the <shape> ?``      -- the shape is unique in the scene;
-  * ``shape``: ``what shape is the <color> object ?`` -- the colour is unique in the scene;
-  * ``exist``: ``is there a <color> <shape> ?``     -- yes/no, 50% hard negatives (the colour
-    or the shape, never both, occurs in the scene).
-Counting questions are not generated.
+Question kinds (``QTYPES``; one-word answers) and the patches that answer them (``target_mask``):
+  * ``color``      ``what color is the <shape> ?`` (shape unique)                 -> that object;
+  * ``shape``      ``what shape is the <color> object ?`` (colour unique)         -> that object;
+  * ``exist``      ``is there a <color> <shape> ?`` (yes/no, 50% hard negatives)  -> the object(s), or none;
+  * ``relation``   ``is the <c> <s> left of / right of / above / below the <c> <s> ?`` (yes/no; both
+                   objects unique, clearly apart on that axis)                    -> both objects;
+  * ``count``      ``how many <color> objects ?`` (zero-three)                    -> every counted object;
+  * ``background`` ``is the background dark or light ?``                          -> every background patch;
+  * ``text``       ``the object is <color> . what color is it ?`` / ``the object is a <shape> . what
+                   shape is it ?`` (answerable from the prompt alone)             -> none.
 
-Masks: a patch belongs to an object's mask when the object covers more than
-``MASK_THRESHOLD`` (10%) of the patch's pixels. ``target_mask`` is the union of the masks of
-the object(s) the question is about; for a negative ``exist`` question there is no such
-object and ``target_mask`` is empty. ``other_mask`` is the union of the masks of all other
-objects (for a negative ``exist`` question: all objects), minus ``target_mask``.
+Masks: a patch belongs to an object's mask when the object covers more than ``MASK_THRESHOLD``
+(10%) of its pixels. ``other_mask`` is the union of the masks of every object not answering the
+question, minus ``target_mask``.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ IMAGE_SIZE = 168
 PATCH = 14
 GRID = IMAGE_SIZE // PATCH  # 12
 N_PATCHES = GRID * GRID  # 144
+MARKER_PATCH = 0  # row-major index of the fixed checker marker (top-left)
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -43,23 +49,27 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "purple": (150, 55, 190),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
-QTYPES: tuple[str, ...] = ("color", "shape", "exist")
+RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
+NUMBERS: tuple[str, ...] = ("zero", "one", "two", "three")
+BACKGROUNDS: tuple[str, ...] = ("dark", "light")
+QTYPES: tuple[str, ...] = ("color", "shape", "exist", "relation", "count", "background", "text")
 
-MIN_OBJECTS, MAX_OBJECTS = 2, 5
-MIN_RADIUS, MAX_RADIUS = 14, 22
+MIN_OBJECTS, MAX_OBJECTS = 3, 6
+MIN_RADIUS, MAX_RADIUS = 12, 18
+MIN_APART = 16  # px between centres along a relation's axis
 MASK_THRESHOLD = 0.1  # fraction of a patch an object must cover to be in its mask
 LABEL_THRESHOLD = 0.3  # fraction of a patch an object must cover to label it (stage-1 labels)
 TRAIN_SEED_START = 1_000_000
+GREY = {"dark": (45, 95), "light": (150, 200)}  # range of the mean grey of background blocks
 
 _YX = np.mgrid[0:IMAGE_SIZE, 0:IMAGE_SIZE].astype(np.float32) + 0.5  # pixel centres, [2,H,W]
+_CHECKER = np.where(np.add.outer(np.arange(PATCH) // 7, np.arange(PATCH) // 7) % 2 == 0, 235, 20)
 
 
 @dataclass
 class SceneObject:
-    """One shape in a scene.
-
-    ``coverage`` is a float array [144]: the fraction of each patch's pixels the object covers.
-    """
+    """One shape in a scene. ``coverage`` is a float array [144]: the fraction of each patch's
+    pixels the object covers."""
 
     shape: str
     color: str
@@ -75,11 +85,12 @@ class SceneObject:
 
 @dataclass
 class Scene:
-    """A rendered scene. ``image`` is a 168x168 RGB PIL image."""
+    """A rendered scene. ``image`` is a 168x168 RGB PIL image; ``background`` is dark or light."""
 
     seed: int
     image: Image.Image
     objects: list[SceneObject]
+    background: str
 
     @property
     def coverage(self) -> np.ndarray:
@@ -100,6 +111,12 @@ class Scene:
         shape_idx = np.array([SHAPES.index(o.shape) + 1 for o in self.objects])
         return (np.where(covered, color_idx[best], 0).astype(np.int64),
                 np.where(covered, shape_idx[best], 0).astype(np.int64))
+
+    def background_mask(self) -> np.ndarray:
+        """Bool [144]: patches no object touches (the marker patch excluded)."""
+        out = ~_union(self.objects)
+        out[MARKER_PATCH] = False
+        return out
 
 
 @dataclass
@@ -134,30 +151,39 @@ def _patch_coverage(pixel_mask: np.ndarray) -> np.ndarray:
     return blocks.mean(axis=(1, 3)).reshape(-1)
 
 
-def _background(rng: np.random.Generator) -> np.ndarray:
-    """Float [H, W, 3]: blocky low-saturation texture plus pixel noise."""
+def _background(rng: np.random.Generator, kind: str) -> np.ndarray:
+    """Float [H, W, 3]: blocky low-saturation texture of a dark or light grey, plus pixel noise."""
     block = int(rng.integers(6, 15))
     n = -(-IMAGE_SIZE // block)
-    grey = rng.uniform(70, 170, size=(n, n, 1))
+    grey = rng.uniform(*GREY[kind], size=(n, n, 1))
     tint = rng.uniform(-12, 12, size=(n, n, 3))
     coarse = np.repeat(np.repeat(grey + tint, block, 0), block, 1)[:IMAGE_SIZE, :IMAGE_SIZE]
     return coarse + rng.normal(0, 10, size=(IMAGE_SIZE, IMAGE_SIZE, 3))
 
 
+def _clear_of_marker(cx: float, cy: float, r: float) -> bool:
+    """True when a shape's bounding box keeps 2 px away from the marker patch."""
+    return cx - r > PATCH + 2 or cy - r > PATCH + 2
+
+
 def make_scene(seed: int) -> Scene:
-    """Render the scene of ``seed``: 2-5 non-overlapping shapes on a textured background."""
+    """Render the scene of ``seed``: 3-6 non-overlapping shapes on a dark or light background,
+    the checker marker in the top-left patch."""
     rng = np.random.default_rng([seed, 0])
-    pixels = _background(rng)
+    background = BACKGROUNDS[int(rng.integers(2))]
+    pixels = _background(rng, background)
+    pixels[:PATCH, :PATCH] = _CHECKER[..., None]
     n_objects = int(rng.integers(MIN_OBJECTS, MAX_OBJECTS + 1))
     placed: list[tuple[float, float, float]] = []
     objects: list[SceneObject] = []
     color_names = list(COLORS)
-    for _ in range(200):  # rejection sampling of positions
+    for _ in range(400):  # rejection sampling of positions
         if len(objects) == n_objects:
             break
         r = float(rng.uniform(MIN_RADIUS, MAX_RADIUS))
         cx, cy = (float(v) for v in rng.uniform(r + 1, IMAGE_SIZE - r - 1, size=2))
-        if any((cx - px) ** 2 + (cy - py) ** 2 < (r + pr + 3) ** 2 for px, py, pr in placed):
+        if not _clear_of_marker(cx, cy, r) or any(
+                (cx - px) ** 2 + (cy - py) ** 2 < (r + pr + 3) ** 2 for px, py, pr in placed):
             continue
         placed.append((cx, cy, r))
         shape = SHAPES[int(rng.integers(len(SHAPES)))]
@@ -167,7 +193,7 @@ def make_scene(seed: int) -> Scene:
         pixels[pix] = shade + rng.normal(0, 8, size=(int(pix.sum()), 3))
         objects.append(SceneObject(shape, color, cx, cy, r, _patch_coverage(pix)))
     image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
-    return Scene(seed=seed, image=image, objects=objects)
+    return Scene(seed=seed, image=image, objects=objects, background=background)
 
 
 def _union(objects: list[SceneObject]) -> np.ndarray:
@@ -179,14 +205,24 @@ def _union(objects: list[SceneObject]) -> np.ndarray:
 
 
 def _question(scene: Scene, text: str, answer: str, qtype: str,
-              targets: list[SceneObject]) -> Question:
-    target = _union(targets)
+              targets: list[SceneObject], target: np.ndarray | None = None) -> Question:
+    """A question whose answering patches are the targets' masks (or ``target`` when given)."""
+    target = _union(targets) if target is None else target
     other = _union([o for o in scene.objects if all(o is not t for t in targets)]) & ~target
     return Question(text, answer, qtype, target, other)
 
 
+def _relation_holds(relation: str, a: SceneObject, b: SceneObject) -> bool | None:
+    """Whether ``a`` is ``relation`` ``b``; None when the two are too close on that axis to say."""
+    horizontal = relation in ("left of", "right of")
+    delta = (a.cx - b.cx) if horizontal else (a.cy - b.cy)
+    if abs(delta) < MIN_APART:
+        return None
+    return (delta < 0) if relation in ("left of", "above") else (delta > 0)
+
+
 def _candidates(scene: Scene, qtype: str, rng: np.random.Generator) -> list[Question]:
-    """All questions of one type that are well-posed for ``scene`` (exist: one coin flip)."""
+    """All questions of one kind that are well-posed for ``scene`` (yes/no kinds: one coin flip)."""
     objs = scene.objects
     if qtype == "color":
         return [_question(scene, f"what color is the {s} ?", o.color, qtype, [o])
@@ -196,33 +232,72 @@ def _candidates(scene: Scene, qtype: str, rng: np.random.Generator) -> list[Ques
         return [_question(scene, f"what shape is the {c} object ?", o.shape, qtype, [o])
                 for c in COLORS for o in objs if o.color == c
                 and sum(p.color == c for p in objs) == 1]
+    if qtype == "exist":
+        return _exist_candidates(scene, rng)
+    if qtype == "relation":
+        return _relation_candidates(scene, rng)
+    if qtype == "count":
+        counts = {c: [o for o in objs if o.color == c] for c in COLORS}
+        return [_question(scene, f"how many {c} objects ?", NUMBERS[len(members)], qtype, members)
+                for c, members in counts.items() if len(members) < len(NUMBERS)]
+    if qtype == "background":
+        return [_question(scene, "is the background dark or light ?", scene.background, qtype,
+                          [], scene.background_mask())]
+    if qtype == "text":
+        color, shape = list(COLORS)[int(rng.integers(len(COLORS)))], SHAPES[int(rng.integers(3))]
+        return [_question(scene, f"the object is {color} . what color is it ?", color, qtype, []),
+                _question(scene, f"the object is a {shape} . what shape is it ?", shape, qtype, [])]
+    raise ValueError(f"unknown question kind {qtype!r}; choose one of {', '.join(QTYPES)}")
+
+
+def _exist_candidates(scene: Scene, rng: np.random.Generator) -> list[Question]:
+    objs = scene.objects
     present = {(o.color, o.shape) for o in objs}
     if rng.random() < 0.5:
-        return [_question(scene, f"is there a {c} {s} ?", "yes", qtype,
+        return [_question(scene, f"is there a {c} {s} ?", "yes", "exist",
                           [o for o in objs if (o.color, o.shape) == (c, s)])
                 for c, s in sorted(present)]
     colors, shapes = {c for c, _ in present}, {s for _, s in present}
     hard = [(c, s) for c in COLORS for s in SHAPES
             if (c, s) not in present and (c in colors or s in shapes)]
-    return [_question(scene, f"is there a {c} {s} ?", "no", qtype, []) for c, s in hard]
+    return [_question(scene, f"is there a {c} {s} ?", "no", "exist", []) for c, s in hard]
 
 
-def make_questions(scene: Scene, seed: int, n: int | None = None) -> list[Question]:
-    """Sample ``n`` questions about ``scene`` (default: one per type), types balanced.
+def _relation_candidates(scene: Scene, rng: np.random.Generator) -> list[Question]:
+    """Pairs of uniquely named objects and a relation that clearly holds (yes) or clearly fails
+    (no), chosen by one coin flip."""
+    objs = scene.objects
+    unique = [o for o in objs if sum((p.color, p.shape) == (o.color, o.shape) for p in objs) == 1]
+    want = bool(rng.random() < 0.5)
+    out = []
+    for a in unique:
+        for b in unique:
+            for rel in RELATIONS:
+                holds = None if a is b else _relation_holds(rel, a, b)
+                if holds is want:
+                    out.append(_question(
+                        scene, f"is the {a.color} {a.shape} {rel} the {b.color} {b.shape} ?",
+                        "yes" if want else "no", "relation", [a, b]))
+    return out
 
-    Types cycle in a seeded random order; a type with no well-posed question for this
-    scene is skipped. Questions may repeat when ``n`` exceeds the distinct candidates.
+
+def make_questions(scene: Scene, seed: int, n: int | None = None,
+                   kinds: tuple[str, ...] = QTYPES) -> list[Question]:
+    """Sample ``n`` questions about ``scene`` (default: one per kind), kinds balanced.
+
+    Kinds cycle in a seeded random order; a kind with no well-posed question for this scene is
+    skipped. Questions may repeat when ``n`` exceeds the distinct candidates.
     """
     rng = np.random.default_rng([seed, 1])
-    n = len(QTYPES) if n is None else n
-    order = [QTYPES[i] for i in rng.permutation(len(QTYPES))]
+    n = len(kinds) if n is None else n
+    order = [kinds[i] for i in rng.permutation(len(kinds))]
     out: list[Question] = []
     i = 0
     while len(out) < n:
         qtype = order[i % len(order)]
         i += 1
         cands = _candidates(scene, qtype, rng)
-        if cands:  # 'exist' always has candidates on a positive coin flip, so this ends
+        if cands:  # background and text always have candidates, so this ends
             out.append(cands[int(rng.integers(len(cands)))])
     return out
 
@@ -237,9 +312,39 @@ def heldout_items(seeds: range, per_scene: int) -> Iterator[tuple[Scene, Questio
             yield scene, q
 
 
-def export_examples(folder: str, seeds: range = range(600_000, 600_006)) -> list[dict]:
-    """Write held-out example scenes as PNGs plus ``scenes.json`` (file, seed, prompt, answer,
-    qtype); question types rotate over the scenes."""
+METADATA_KEY = "hap-scene"  # PNG text chunk holding a scene's description (JSON)
+
+
+def describe(scene: Scene, question: Question | None = None) -> dict:
+    """A scene's ground truth as plain JSON: grid, background, objects with their patches (row-major
+    indices into the 12x12 grid) and, for a question, its text, answer, kind and answering patches."""
+    out = {
+        "seed": scene.seed, "grid": GRID, "background": scene.background,
+        "marker_patch": MARKER_PATCH,
+        "objects": [{"shape": o.shape, "color": o.color, "cx": round(o.cx, 2), "cy": round(o.cy, 2),
+                     "radius": round(o.radius, 2), "patches": np.flatnonzero(o.mask()).tolist()}
+                    for o in scene.objects],
+    }
+    if question is not None:
+        out["question"] = {"text": question.text, "answer": question.answer, "kind": question.qtype,
+                           "answering_patches": np.flatnonzero(question.target_mask).tolist()}
+    return out
+
+
+def save_scene(scene: Scene, path, question: Question | None = None) -> None:
+    """Write the scene as a PNG whose text metadata (`METADATA_KEY`) holds `describe(...)`."""
+    import json
+
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text(METADATA_KEY, json.dumps(describe(scene, question)))
+    scene.image.save(path, pnginfo=info)
+
+
+def export_examples(folder: str, seeds: range = range(600_000, 600_014)) -> list[dict]:
+    """Write held-out example scenes (question kinds in turn, so every kind appears) as PNGs with
+    their ground truth in the metadata, plus ``scenes.json`` (file, seed, prompt, answer, qtype)."""
     import json
     from pathlib import Path
 
@@ -249,10 +354,10 @@ def export_examples(folder: str, seeds: range = range(600_000, 600_006)) -> list
     for i, seed in enumerate(seeds):
         scene = make_scene(seed)
         wanted = QTYPES[i % len(QTYPES)]
-        questions = make_questions(scene, seed, 3 * len(QTYPES))
+        questions = make_questions(scene, seed, 4 * len(QTYPES))
         q = next((q for q in questions if q.qtype == wanted), questions[0])
         name = f"scene_{seed}.png"
-        scene.image.save(out / name)
+        save_scene(scene, out / name, q)
         entries.append({"file": name, "seed": seed, "prompt": q.text, "answer": q.answer,
                         "qtype": q.qtype})
     (out / "scenes.json").write_text(json.dumps(entries, indent=1) + "\n")

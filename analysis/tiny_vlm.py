@@ -18,14 +18,16 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                           LlavaProcessor, PreTrainedTokenizerFast)
 
-from analysis.scenes import COLORS, IMAGE_SIZE, PATCH, SHAPES
+from analysis.scenes import BACKGROUNDS, COLORS, IMAGE_SIZE, NUMBERS, PATCH, RELATIONS, SHAPES
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<image>"]
 TEMPLATE_WORDS = ["user", "assistant", ":"]
 TASK_WORDS = ["what", "color", "colour", "shape", "is", "the", "object", "there", "a", "an",
               "?", "yes", "no", "of", "which", "how", "many", "are", "in", "image", "this",
-              ".", ",", "circles", "squares", "triangles", "objects", "any"]
-VOCAB: list[str] = SPECIAL_TOKENS + TEMPLATE_WORDS + TASK_WORDS + list(COLORS) + list(SHAPES)
+              ".", ",", "circles", "squares", "triangles", "objects", "any", "it", "or", "background"]
+VOCAB: list[str] = (SPECIAL_TOKENS + TEMPLATE_WORDS + TASK_WORDS + list(COLORS) + list(SHAPES)
+                    + sorted({w for rel in RELATIONS for w in rel.split()} - set(TASK_WORDS))
+                    + list(NUMBERS) + list(BACKGROUNDS))
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

@@ -38,12 +38,14 @@ from transformers.utils import logging as hf_logging
 
 from analysis.evaluate import evaluate
 from hap.run import chat_prompt
-from analysis.scenes import (COLORS, N_PATCHES, QTYPES, SHAPES, TRAIN_SEED_START, Scene,
-                             heldout_items, make_questions, make_scene)
+from analysis.diagnostics import diagnose
+from analysis.scenes import (COLORS, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES, TRAIN_SEED_START,
+                             Question, Scene, heldout_items, make_questions, make_scene)
 from analysis.tiny_vlm import build_config, build_processor
 
 STAGE1_EVAL_START = 900_000  # held-out scenes for the stage-1 probe start here
 STAGE2_EVAL_START = 0  # held-out scenes for periodic stage-2 evaluation start here
+DIAG_START = 300_000  # held-out scenes of the fixed diagnostics batch start here
 
 
 @dataclass
@@ -69,17 +71,19 @@ class Settings:
     s2_frozen: float = 0.30  # fraction of stage-2 time with the vision tower frozen
     s2_vision_lr: float = 0.1  # vision lr multiplier once unfrozen
     s2_target: float = 0.99  # early stop when every type reaches this
+    s2_weight_decay: float = 0.3  # on the matrices (sinks grow with weight decay, head-heterogeneity note)
     s1_probe_scenes: int = 128
     s1_max_steps: int | None = None
     s2_max_steps: int | None = None
-    eval_minutes: float = 4.0
+    eval_minutes: float = 7.0
     eval_scenes: int = 100
-    eval_per_scene: int = 3
+    eval_per_scene: int = 7
+    diag_per_kind: int = 10
     ckpt_minutes: float = 3.0
     log_every: int = 20
 
 
-FULL_MODEL = dict(text_layers=6, text_heads=4, text_hidden=128, text_mlp=384,
+FULL_MODEL = dict(text_layers=6, text_heads=8, text_hidden=128, text_mlp=384,
                   vision_hidden=128, vision_layers=3, vision_heads=4)
 SMOKE_MODEL = dict(text_layers=2, text_heads=2, text_hidden=32, text_mlp=64,
                    vision_hidden=32, vision_layers=1, vision_heads=2)
@@ -89,7 +93,7 @@ def smoke_settings() -> Settings:
     return Settings(model=SMOKE_MODEL, s1_batch=4, s1_warmup=2, s1_minutes=0.2, s1_min_steps=2,
                     s1_check_every=2, s1_max_steps=6, s2_images=2, s2_questions=4, s2_warmup=2,
                     s2_minutes=0.3, s2_max_steps=8, s1_probe_scenes=4, eval_minutes=0.0,
-                    eval_scenes=4, ckpt_minutes=0.0, log_every=2)
+                    eval_scenes=4, ckpt_minutes=0.0, log_every=2, diag_per_kind=1)
 
 
 @dataclass
@@ -128,6 +132,20 @@ def next_scenes(state: State, n: int, max_objects: int | None = None) -> list[Sc
 
 
 # ----------------------------------------------------------------------------- stage 1
+
+def diagnostic_items(per_kind: int) -> list[tuple[Scene, Question]]:
+    """A fixed, kind-balanced list of held-out (scene, question) pairs for the diagnostics."""
+    items, seed = [], DIAG_START
+    wanted = {kind: per_kind for kind in QTYPES}
+    while any(wanted.values()):
+        scene = make_scene(seed)
+        for q in make_questions(scene, seed):
+            if wanted[q.qtype]:
+                wanted[q.qtype] -= 1
+                items.append((scene, q))
+        seed += 1
+    return items
+
 
 class PatchHead(torch.nn.Module):
     """Linear per-patch classifier: hidden -> colour logits [6] + shape logits [4]."""
@@ -292,6 +310,7 @@ class Trainer:
         self.state = State()
         self.optimizer = self._make_optimizer()
         self._probe_seeds = range(STAGE1_EVAL_START, STAGE1_EVAL_START + settings.s1_probe_scenes)
+        self._diag_items = diagnostic_items(settings.diag_per_kind)
         if resume and (run_dir / "state.json").exists():
             self._load()
         print(f"parameters: {sum(p.numel() for p in self.model.parameters()):,}", flush=True)
@@ -306,7 +325,9 @@ class Trainer:
             vision = list(self.model.model.vision_tower.parameters())
             ids = {id(p) for p in vision}
             rest = [p for p in self.model.parameters() if id(p) not in ids]
-            groups = [{"params": rest, "lr_mult": 1.0},
+            decay = self.cfg.s2_weight_decay
+            groups = [{"params": [p for p in rest if p.ndim >= 2], "lr_mult": 1.0, "weight_decay": decay},
+                      {"params": [p for p in rest if p.ndim < 2], "lr_mult": 1.0, "weight_decay": 0.0},
                       {"params": vision, "lr_mult": self.cfg.s2_vision_lr}]
             lr = self.cfg.s2_lr
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -386,7 +407,15 @@ class Trainer:
 
     def _eval(self) -> dict:
         seeds = range(STAGE2_EVAL_START, STAGE2_EVAL_START + self.cfg.eval_scenes)
-        return evaluate(self.model, self.processor, heldout_items(seeds, self.cfg.eval_per_scene))
+        result = evaluate(self.model, self.processor, heldout_items(seeds, self.cfg.eval_per_scene))
+        diag = diagnose(self.model, self.processor, self._diag_items)
+        record = {"step": self.state.step, "minutes": round(self.state.elapsed / 60, 2),
+                  "fraction": round(self.state.elapsed / (self.cfg.s2_minutes * 60), 3),
+                  "accuracy": result, "diagnostics": diag}
+        with open(self.run_dir / "diagnostics.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+        print(f"[s2] step {self.state.step} diagnostics {json.dumps(diag)}", flush=True)
+        return result
 
     def stage2(self) -> None:
         cfg, st = self.cfg, self.state
@@ -399,7 +428,7 @@ class Trainer:
             frozen = st.elapsed < cfg.s2_frozen * budget
             vision.requires_grad_(not frozen)
             curriculum = st.elapsed < cfg.s2_curriculum * budget
-            scenes = next_scenes(st, cfg.s2_images, max_objects=2 if curriculum else None)
+            scenes = next_scenes(st, cfg.s2_images, max_objects=MIN_OBJECTS if curriculum else None)
             questions = [make_questions(s, s.seed, cfg.s2_questions) for s in scenes]
             loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions))
             self._set_lr(cfg.s2_lr, lr_factor(st.step, st.elapsed, cfg.s2_warmup, budget, cfg.s2_final_lr))

@@ -48,46 +48,86 @@ def test_masks_match_object_positions():
             rows, cols = np.nonzero(mask.reshape(GRID, GRID))
             assert abs(rows.mean() * PATCH + PATCH / 2 - obj.cy) < PATCH
             assert abs(cols.mean() * PATCH + PATCH / 2 - obj.cx) < PATCH
-            assert 3 <= mask.sum() <= 16  # radius 14-22 px: 2x2 .. 4x4 patches
+            assert 2 <= mask.sum() <= 16  # radius 12-18 px: about 2x2 .. 4x4 patches
             colour = pixels[int(obj.cy), int(obj.cx)]
             assert np.abs(colour - np.array(COLORS[obj.color])).max() < 60
+
+
+def _check_answer(scene, q) -> None:
+    """Recompute the answer and the answering patches of ``q`` from the scene's objects."""
+    words = q.text.split()
+    objs = scene.objects
+    present = {(o.color, o.shape) for o in objs}
+    union = np.zeros(GRID * GRID, bool)
+    for o in objs:
+        union |= o.mask()
+    if q.qtype == "color":
+        (obj,) = [o for o in objs if o.shape == words[-2]]
+        assert q.answer == obj.color and (q.target_mask == obj.mask()).all()
+    elif q.qtype == "shape":
+        (obj,) = [o for o in objs if o.color == words[-3]]
+        assert q.answer == obj.shape and (q.target_mask == obj.mask()).all()
+    elif q.qtype == "exist":
+        color, shape = words[-3], words[-2]
+        assert q.answer == ("yes" if (color, shape) in present else "no")
+        assert q.target_mask.any() == (q.answer == "yes")
+        if q.answer == "no":
+            assert any(c == color or s == shape for c, s in present)  # hard negative
+    elif q.qtype == "relation":
+        (a,) = [o for o in objs if (o.color, o.shape) == (words[2], words[3])]
+        (b,) = [o for o in objs if (o.color, o.shape) == (words[-3], words[-2])]
+        rel = " ".join(words[4:-4])
+        d = {"left of": b.cx - a.cx, "right of": a.cx - b.cx, "above": b.cy - a.cy, "below": a.cy - b.cy}[rel]
+        assert abs(d) >= S.MIN_APART and q.answer == ("yes" if d > 0 else "no")
+        assert (q.target_mask == (a.mask() | b.mask())).all()
+    elif q.qtype == "count":
+        members = [o for o in objs if o.color == words[2]]
+        assert q.answer == S.NUMBERS[len(members)]
+        expected = np.zeros(GRID * GRID, bool)
+        for o in members:
+            expected |= o.mask()
+        assert (q.target_mask == expected).all()
+    elif q.qtype == "background":
+        assert q.answer == scene.background
+        assert (q.target_mask == ~union & (np.arange(GRID * GRID) != S.MARKER_PATCH)).all()
+        assert (q.other_mask == union).all()  # the objects are what does not answer it
+        return
+    else:
+        assert q.qtype == "text" and q.answer == words[3 if words[3] != "a" else 4]
+        assert not q.target_mask.any()
+    assert not (q.target_mask & q.other_mask).any()
+    assert ((q.target_mask | q.other_mask) == union).all()
 
 
 def test_answers_consistent_with_objects():
     seen = set()
     for seed in SEEDS:
         scene = make_scene(seed)
-        present = {(o.color, o.shape) for o in scene.objects}
-        for q in make_questions(scene, seed, 12):
+        for q in make_questions(scene, seed, 16):
             seen.add(q.qtype)
-            words = q.text.split()
-            assert not (q.target_mask & q.other_mask).any()
-            if q.qtype == "color":
-                (obj,) = [o for o in scene.objects if o.shape == words[-2]]
-                assert q.answer == obj.color
-                assert (q.target_mask == obj.mask()).all()
-            elif q.qtype == "shape":
-                (obj,) = [o for o in scene.objects if o.color == words[-3]]
-                assert q.answer == obj.shape
-                assert (q.target_mask == obj.mask()).all()
-            else:
-                color, shape = words[-3], words[-2]
-                assert q.answer == ("yes" if (color, shape) in present else "no")
-                if q.answer == "no":
-                    assert not q.target_mask.any()
-                    assert any(c == color or s == shape for c, s in present)  # hard negative
-                else:
-                    assert q.target_mask.any()
-            union = np.zeros(GRID * GRID, bool)
-            for o in scene.objects:
-                union |= o.mask()
-            assert ((q.target_mask | q.other_mask) == union).all()
+            _check_answer(scene, q)
     assert seen == set(S.QTYPES)
 
 
-def test_exist_answers_balanced():
-    answers = [q.answer for _, q in heldout_items(range(300), 3) if q.qtype == "exist"]
-    assert 0.4 < answers.count("yes") / len(answers) < 0.6
+def test_marker_and_background():
+    pixels = [np.asarray(make_scene(seed).image)[:PATCH, :PATCH] for seed in SEEDS]
+    assert all((p == pixels[0]).all() for p in pixels)  # the marker patch never changes
+    assert pixels[0].min() < 40 and pixels[0].max() > 200
+    kinds = {make_scene(seed).background for seed in SEEDS}
+    assert kinds == {"dark", "light"}
+    for seed in SEEDS:
+        scene = make_scene(seed)
+        grey = np.asarray(scene.image).astype(float)[scene.background_mask().reshape(GRID, 1, GRID, 1)
+                                                     .repeat(PATCH, 1).repeat(PATCH, 3).reshape(IMAGE_SIZE, IMAGE_SIZE)].mean()
+        assert (grey < 110) == (scene.background == "dark")
+        assert all(not o.mask()[S.MARKER_PATCH] for o in scene.objects)
+
+
+def test_yes_no_answers_balanced():
+    items = list(heldout_items(range(300), 7))
+    for kind in ("exist", "relation"):
+        answers = [q.answer for _, q in items if q.qtype == kind]
+        assert 0.4 < answers.count("yes") / len(answers) < 0.6, kind
 
 
 def test_patch_labels():
@@ -126,5 +166,24 @@ def test_shipped_examples_match_generator():
         assert entry["seed"] < TRAIN_SEED_START
         scene = make_scene(entry["seed"])
         assert Image.open(folder / entry["file"]).tobytes() == scene.image.tobytes()
-        matches = [q for q in make_questions(scene, entry["seed"], 9) if q.text == entry["prompt"]]
+        matches = [q for q in make_questions(scene, entry["seed"], 28) if q.text == entry["prompt"]]
         assert matches and matches[0].answer == entry["answer"]
+        meta = json.loads(Image.open(folder / entry["file"]).text[S.METADATA_KEY])
+        assert meta == json.loads(json.dumps(S.describe(scene, matches[0])))
+    assert {e["qtype"] for e in json.loads((folder / "scenes.json").read_text())} == set(S.QTYPES)
+
+
+def test_metadata_round_trip(tmp_path):
+    import json
+
+    from PIL import Image
+
+    scene = make_scene(12)
+    q = next(q for q in make_questions(scene, 12, 28) if q.qtype == "relation")
+    S.save_scene(scene, tmp_path / "s.png", q)
+    image = Image.open(tmp_path / "s.png")
+    assert image.convert("RGB").tobytes() == scene.image.tobytes()
+    meta = json.loads(image.text[S.METADATA_KEY])
+    assert meta["question"]["answering_patches"] == np.flatnonzero(q.target_mask).tolist()
+    assert meta["question"]["kind"] == "relation" and meta["grid"] == GRID
+    assert [o["patches"] for o in meta["objects"]] == [np.flatnonzero(o.mask()).tolist() for o in scene.objects]

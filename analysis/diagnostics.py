@@ -1,0 +1,178 @@
+"""Head-heterogeneity diagnostics of a LLaVA-style model on scene questions (logged while training).
+
+For a fixed list of (scene, question) items, one eager forward each gives, per decoder layer:
+  * the max / median L2 norm of the visual tokens' input hidden states, and where the max sits
+    (a stable position means a norm-level sink is forming);
+  * each head's visual distribution (prompt rows after the image, renormalised over the 144
+    visual tokens): the share of head/question pairs with > 0.3 of it on one token, the most
+    frequent arg-max position, a histogram of normalised entropy;
+  * PAQ and head classes (docs/method.md §2-3) with the norm sink test and with the
+    attention-consensus sink test (`consensus_sinks`);
+  * Spearman(PAQ, ground-truth grounding) over heads;
+and a pruning probe: keep 8 visual tokens (hidden from every query, positions unchanged), ranked
+by the PAQ-weighted fused map, by the uniform head average, or by the ground truth (oracle).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import torch
+
+from analysis.scenes import N_PATCHES, Question, Scene
+from hap.heads import classify, head_stats, sink_tokens, visual_distribution
+from hap.run import chat_prompt
+
+PROBE_TOKENS = 8
+PROBE_TEMPERATURE = 0.1
+FOCUS = 0.3  # a head "focuses" on a token holding more than this share of its visual attention
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):
+            tie = v == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def consensus_sinks(dist: torch.Tensor, share: float = 0.5, quorum: float = 0.25) -> torch.Tensor:
+    """Attention-consensus sink test: `dist [heads, visual]` (every head of every layer, rows summing
+    to 1) -> bool `[visual]`: tokens holding at least `share` of the visual attention of at least
+    `quorum` of all heads."""
+    return ((dist >= share).float().mean(0) >= quorum)
+
+
+def _forward(model, processor, scene: Scene, question: Question, mask: torch.Tensor | None = None):
+    inputs = processor(images=[scene.image], text=[chat_prompt(processor, question.text)],
+                       return_tensors="pt")
+    kwargs = {}
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    out = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+                output_attentions=mask is None, output_hidden_states=mask is None, **kwargs)
+    return inputs["input_ids"][0], out
+
+
+def _keep_mask(length: int, image: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Float [1, 1, T, T] causal mask hiding the visual tokens not in `keep` from every query."""
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    hidden = image[~torch.isin(torch.arange(len(image)), keep)]
+    allowed[:, hidden] = False
+    allowed |= torch.eye(length, dtype=torch.bool)
+    return torch.zeros(1, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@torch.no_grad()
+def diagnose(model, processor, items: list[tuple[Scene, Question]], rho: float = 10.0,
+             tau_sink: float = 0.5, tau_disp: float = 0.9) -> dict:
+    """Every diagnostic of the module docstring for `items` (see there); plain JSON-able dict."""
+    was_training, impl = model.training, model.config._attn_implementation
+    model.eval()
+    model.set_attn_implementation("eager")
+    image_id = model.config.image_token_id
+    answer_ids = [processor.tokenizer.convert_tokens_to_ids(q.answer) for _, q in items]
+    per_item = []
+    for scene, q in items:
+        ids, out = _forward(model, processor, scene, q)
+        image = (ids == image_id).nonzero()[:, 0]
+        rows = torch.arange(int(image[-1]) + 1, len(ids))
+        attn = torch.stack([a[0][:, rows][:, :, image] for a in out.attentions])  # [L, H, P, V]
+        hidden = torch.stack([h[0, image] for h in out.hidden_states[:-1]])  # [L, V, d]
+        valid = torch.ones(1, len(rows), dtype=torch.bool)
+        dist = torch.stack([visual_distribution(a[None], valid)[0] for a in attn])  # [L, H, V]
+        consensus = consensus_sinks(dist.flatten(0, 1))
+        stats = {}
+        for name, detector in (("norm", lambda l: sink_tokens(hidden[l][None], rho)[0]),
+                               ("consensus", lambda l: consensus)):
+            per_layer = [head_stats(attn[l][None], valid, detector(l)[None]) for l in range(len(attn))]
+            stats[name] = {
+                "paq": torch.stack([s.paq[0] for s in per_layer]),  # [L, H]
+                "classes": [classify(s, tau_sink, tau_disp)[0] for s in per_layer],
+                "dispersion": torch.stack([s.dispersion[0] for s in per_layer]),
+            }
+        norms = hidden.float().norm(dim=-1)  # [L, V]
+        per_item.append(dict(ids=ids, image=image, dist=dist, norms=norms, stats=stats,
+                             consensus=consensus.nonzero()[:, 0].tolist(), question=q))
+    result = _summarise(per_item)
+    result["probe"] = _probe(model, processor, items, per_item, answer_ids)
+    model.set_attn_implementation(impl)
+    model.train(was_training)
+    return result
+
+
+def _grounding(dist: torch.Tensor, target: np.ndarray) -> np.ndarray | None:
+    """Share of each head's visual attention on the answering patches / their share of the area:
+    `dist [L, H, V]` -> `[L, H]`, None for a question with no answering patch."""
+    if not target.any():
+        return None
+    share = (dist.numpy() * target[None, None]).sum(-1)
+    return share / (target.sum() / N_PATCHES)
+
+
+def _summarise(per_item: list[dict]) -> dict:
+    layers = per_item[0]["norms"].shape[0]
+    norm_ratio, argmax_pos = [], []
+    for l in range(layers):
+        ratios = [float(p["norms"][l].max() / p["norms"][l].median()) for p in per_item]
+        where = Counter(int(p["norms"][l].argmax()) for p in per_item).most_common(1)[0]
+        norm_ratio.append(round(float(np.median(ratios)), 3))
+        argmax_pos.append({"position": where[0], "share": round(where[1] / len(per_item), 3)})
+    dists = torch.stack([p["dist"] for p in per_item])  # [Q, L, H, V]
+    top = dists.max(-1)
+    focus_pos = Counter(int(i) for i in top.indices[top.values > FOCUS].flatten())
+    out: dict = {
+        "norm_ratio_per_layer": norm_ratio,
+        "norm_argmax_per_layer": argmax_pos,
+        "share_focused_on_one_token": round(float((top.values > FOCUS).float().mean()), 3),
+        "focus_positions": dict(focus_pos.most_common(5)),
+        "consensus_sinks": dict(Counter(i for p in per_item for i in p["consensus"]).most_common(5)),
+    }
+    for name in ("norm", "consensus"):
+        classes = Counter(c for p in per_item for layer in p["stats"][name]["classes"] for c in layer)
+        total = sum(classes.values())
+        out[f"classes_{name}"] = {c: round(classes[c] / total, 3) for c in ("sink", "dispersed", "optimal")}
+    disp = torch.stack([p["stats"]["norm"]["dispersion"] for p in per_item]).flatten().numpy()
+    out["entropy_histogram"] = np.histogram(disp, bins=10, range=(0, 1))[0].tolist()
+    paq, ground = [], []
+    for p in per_item:
+        g = _grounding(p["dist"], p["question"].target_mask)
+        if g is not None:
+            paq.append(p["stats"]["consensus"]["paq"].numpy()), ground.append(g)
+    if paq:
+        out["grounding_spearman"] = round(spearman(np.mean(paq, 0).ravel(), np.mean(ground, 0).ravel()), 3)
+    return out
+
+
+def fused_scores(dist: torch.Tensor, paq: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`dist [L, H, V]`, `paq [L, H]` -> `[V]`: heads weighted by softmax(PAQ / T) over all heads
+    (T = inf: the uniform average)."""
+    flat = paq.flatten()
+    w = torch.full_like(flat, 1 / len(flat)) if math.isinf(temperature) else torch.softmax(flat / temperature, 0)
+    return (w[:, None] * dist.flatten(0, 1)).sum(0)
+
+
+def _probe(model, processor, items, per_item: list[dict], answer_ids: list[int]) -> dict:
+    """Accuracy of the first answer token with `PROBE_TOKENS` visual tokens kept, by ranking."""
+    hits = Counter()
+    for (scene, q), p, want in zip(items, per_item, answer_ids):
+        paq = p["stats"]["consensus"]["paq"]
+        uniform = fused_scores(p["dist"], paq, math.inf)
+        target = torch.from_numpy(q.target_mask).float()
+        rankings = {"paq": fused_scores(p["dist"], paq, PROBE_TEMPERATURE), "uniform": uniform,
+                    "oracle": target * 10 + uniform}
+        for name, score in rankings.items():
+            keep = score.topk(PROBE_TOKENS).indices
+            mask = _keep_mask(len(p["ids"]), p["image"], keep)
+            _, out = _forward(model, processor, scene, q, mask)
+            hits[name] += int(out.logits[0, -1].argmax()) == want
+    return {name: round(hits[name] / len(items), 3) for name in ("paq", "uniform", "oracle")}
