@@ -20,7 +20,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-from analysis.scenes import N_PATCHES, Question, Scene
+from analysis.ground_truth import head_grounding
+from analysis.scenes import Question, Scene
 from hap.heads import classify, head_stats, sink_tokens, visual_distribution
 from hap.run import chat_prompt
 
@@ -110,15 +111,6 @@ def diagnose(model, processor, items: list[tuple[Scene, Question]], rho: float =
     return result
 
 
-def _grounding(dist: torch.Tensor, target: np.ndarray) -> np.ndarray | None:
-    """Share of each head's visual attention on the answering patches / their share of the area:
-    `dist [L, H, V]` -> `[L, H]`, None for a question with no answering patch."""
-    if not target.any():
-        return None
-    share = (dist.numpy() * target[None, None]).sum(-1)
-    return share / (target.sum() / N_PATCHES)
-
-
 def _summarise(per_item: list[dict]) -> dict:
     layers = per_item[0]["norms"].shape[0]
     norm_ratio, argmax_pos = [], []
@@ -145,7 +137,7 @@ def _summarise(per_item: list[dict]) -> dict:
     out["entropy_histogram"] = np.histogram(disp, bins=10, range=(0, 1))[0].tolist()
     paq, ground = [], []
     for p in per_item:
-        g = _grounding(p["dist"], p["question"].target_mask)
+        g = head_grounding(p["dist"].numpy(), p["question"].target_mask)
         if g is not None:
             paq.append(p["stats"]["consensus"]["paq"].numpy()), ground.append(g)
     if paq:
