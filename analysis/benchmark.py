@@ -5,8 +5,8 @@ PAQ against ground-truth grounding, and kept-token recall of the queried object.
 
 Every method runs through the same executor and the same FLOPs accounting at each budget (the
 layer-averaged retained fraction). The small model has 6 decoder layers, so budgets as low as
-0.056 are reachable only when the first cut comes before layer 0 (`--first-layers 0`, the default
-here): layers [0, K) would otherwise keep all 144 tokens and alone average more than the budget.
+0.056 are reachable only when the first cut comes before layer 0 (`--first-layers 0`, the library
+default on a decoder this shallow): layers [0, K) would otherwise keep all 144 tokens and alone average more than the budget.
 
 Outputs in --out: benchmark.json (binding keys: accuracy[method][retain], relative[method][retain],
 grounding_spearman, n_questions), benchmark.md (tables), accuracy.png, paq_grounding.png.
@@ -25,11 +25,13 @@ import numpy as np
 import torch
 
 import hap
+from hap.knobs import knob
 from hap.run import chat_prompt
 from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random")
+KNOB_FLAGS = ("first_layers", "groups", "decay", "temperature", "rows")  # shared by every method of the run
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
@@ -107,11 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", default="500000:500200", help="held-out scene seeds A:B")
     p.add_argument("--per-scene", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("results/benchmark"))
-    p.add_argument("--first-layers", type=int, default=0)
-    p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--decay", type=float, default=hap.HAPConfig().decay)
-    p.add_argument("--temperature", type=float, default=hap.HAPConfig().temperature)
-    p.add_argument("--rows", default="prompt", choices=("prompt", "last"))
+    for name in KNOB_FLAGS:
+        knob(name).add_to(p)  # unset: the library default (first_layers 0 on the 6-layer model)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--retain", type=float, nargs="+", default=list(RETAINS))
     p.add_argument("--batch-size", type=int, default=32)
@@ -122,8 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     model, processor = hap.load_model(args.model, device="cpu")
     items = list(heldout_items(range(a, b), args.per_scene))
     batches = [items[i : i + args.batch_size] for i in range(0, len(items), args.batch_size)]
-    base = dict(first_layers=args.first_layers, groups=args.groups, decay=args.decay, temperature=args.temperature,
-                rows=args.rows)
+    given = hap.HAPConfig(**{name: getattr(args, name) for name in KNOB_FLAGS if getattr(args, name) is not None})
+    base = {name: getattr(given.resolved(model.config.text_config.num_hidden_layers), name) for name in KNOB_FLAGS}
 
     t0 = time.perf_counter()
     correct: dict[tuple[str, float], list[bool]] = defaultdict(list)

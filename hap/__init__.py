@@ -6,9 +6,10 @@
 or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
 """
 
-from .budget import DecoderShape, Schedule, solve_schedule
-from .config import METHODS, HAPConfig
+from .budget import DecoderShape, Schedule, plan, solve_schedule
+from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
+from .knobs import KNOBS, METHODS, Knob, knob
 from .load import ModelLoadError, load_model
 from .patch import apply as patch
 from .patch import patched
@@ -22,13 +23,17 @@ __all__ = [
     "Group",
     "HAPConfig",
     "InputLimits",
+    "KNOBS",
+    "Knob",
     "Maps",
     "ModelLoadError",
     "Result",
     "Schedule",
+    "knob",
     "load_model",
     "patch",
     "patched",
+    "plan",
     "run",
     "solve_schedule",
     "unpatch",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .budget import DecoderShape, Schedule, solve_schedule
+from .budget import DecoderShape, Schedule, plan
 from .config import HAPConfig
 from .fusion import fusion_weights, group_map, head_fusion, select_top, token_scores
 from .heads import HeadStats, head_stats, sink_tokens, visual_distribution
@@ -84,7 +84,10 @@ class PruneState:
         shape: DecoderShape,
         trace: bool,
     ) -> "PruneState":
-        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None."""
+        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None.
+
+        The state keeps `config` with its model-dependent defaults resolved for `shape`."""
+        config = config.resolved(shape.layers)
         B, T = visual_mask.shape
         counts = visual_mask.sum(-1)
         if not bool((counts == counts[0]).all()):
@@ -104,19 +107,7 @@ class PruneState:
             if P < 1:
                 raise ValueError("no prompt token follows the image: put the image before the question")
             row_valid = positions[T - P :][None, :] > last_visual[:, None]
-        text_tokens = T - N
-        schedule = None
-        if policy.groups:
-            schedule = solve_schedule(
-                N,
-                shape,
-                first_layers=config.first_layers,
-                groups=policy.groups,
-                decay=config.decay,
-                retain=config.target_retain,
-                flops_ratio=config.flops_ratio,
-                text_tokens=text_tokens,
-            )
+        schedule = plan(config, shape, N, T - N)
         scoring, lookahead = set(), set()
         if schedule is not None:
             starts = [0] + schedule.cuts

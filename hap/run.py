@@ -192,6 +192,7 @@ def _result(
     st = patch.state
     shape = decoder_shape(model)
     L = shape.layers
+    config = config.resolved(L)
     H = model.config.text_config.num_attention_heads
     nan_lh = torch.full((L, H), math.nan)
     stats = {k: nan_lh.clone() for k in ("paq", "sink_share", "dispersion", "visual_share")}
@@ -245,7 +246,7 @@ def _result(
         visual_per_layer=visual_per_layer,
         retained_tokens=retained,
         retain=retained / N,
-        target_retain=config.target_retain,
+        target_retain=config.retain,
         flops_ratio=flops,
         target_flops_ratio=config.flops_ratio,
         paq=stats["paq"],

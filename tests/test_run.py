@@ -75,7 +75,7 @@ def test_cli_prints_and_writes_json(saved, tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [(["--model", "/no/such/model"], "cannot load"), (["--retain", "0"], "retain=0.0"),
-     (["--retain", "0.05"], "unreachable")],
+     (["--retain", "0.05", "--first-layers", "2"], "unreachable")],
 )
 def test_cli_errors_are_one_line_and_exit_2(saved, capsys, args, message):
     folder, image = saved
