@@ -14,8 +14,7 @@ import torch
 
 import hap
 from hap.fusion import fusion_weights
-
-from .figures import class_counts, default_layer
+from hap.views import class_counts, default_layer
 
 LABELS = {"unpruned": "Unpruned", "pruned": "Pruned", "uniform": "Uniform averaging"}
 
@@ -97,7 +96,7 @@ def explanation(comparison: Comparison) -> str:
     """Markdown: the teaching text followed by what this input shows."""
     result = comparison.pruned
     lines = [TEACHING, "**In this run.**"]
-    counts = class_counts(result)
+    counts = class_counts(result.head_class)
     layers = sum(1 for row in result.head_class if any(row))
     lines.append(
         f"- {counts['optimal']} optimal, {counts['dispersed']} dispersed and {counts['sink']} sink heads over "
@@ -113,7 +112,7 @@ def explanation(comparison: Comparison) -> str:
         )
     else:
         lines.append("- Sink tokens found: " + ", ".join(f"layer {l}: {n}" for l, n in sinks) + ".")
-    layer = default_layer(result)
+    layer = default_layer(result.groups, result.paq)
     paq = result.paq[layer]
     if not bool(torch.isnan(paq).all()):
         temperature = result.config["temperature"]
