@@ -84,9 +84,10 @@ def grounding(state, batch) -> dict[str, np.ndarray]:
     the object's share of the patches (1 = no preference); `other` is the same on the scene's
     other objects. Returns arrays `[questions, layers, heads]` (NaN where a question has no target).
     """
-    layers = sorted(state.layers)
-    dist = torch.stack([state.layers[l].head_attention for l in layers], 1).numpy()  # [B, L, H, N]
-    out = {k: torch.stack([getattr(state.layers[l].stats, k) for l in layers], 1).numpy()
+    traced = state.tracer.layers
+    layers = sorted(traced)
+    dist = torch.stack([traced[l].head_attention for l in layers], 1).numpy()  # [B, L, H, N]
+    out = {k: torch.stack([getattr(traced[l], k) for l in layers], 1).numpy()
            for k in ("paq", "sink_share", "dispersion", "visual_share")}
     target = np.stack([q.target_mask for _, q in batch]).astype(float)  # [B, N]
     other = np.stack([q.other_mask for _, q in batch]).astype(float)

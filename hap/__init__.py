@@ -14,7 +14,8 @@ from .load import ModelLoadError, load_model
 from .patch import apply as patch
 from .patch import patched
 from .patch import remove as unpatch
-from .run import Group, Maps, Result, run
+from .run import run
+from .trace import Group, Maps, Result
 
 __all__ = [
     "DEFAULT_LIMITS",

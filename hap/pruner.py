@@ -11,7 +11,6 @@ so in a sequence of length T they are always the last P positions.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -19,36 +18,10 @@ import torch
 
 from .budget import DecoderShape, Schedule, plan
 from .config import HAPConfig
-from .fusion import fusion_weights, group_map, head_fusion, select_top, token_scores
-from .heads import HeadStats, head_stats, sink_tokens, visual_distribution
+from .fusion import fusion_weights, select_top
+from .heads import head_stats, sink_tokens
 from .methods import Policy, cut_scores, policy_for, scoring_layers
-
-
-@dataclass
-class LayerTrace:
-    """What was captured at one decoder layer, per sample (sample-major tensors on the CPU)."""
-
-    stats: HeadStats  # each [batch, heads]
-    head_maps: torch.Tensor  # [batch, heads, visual_total] token score per head, NaN where pruned
-    head_attention: torch.Tensor  # [batch, heads, visual_total] mean over prompt rows of the row's
-    #                               attention renormalised over the visual tokens present (sums to 1)
-    fused_map: torch.Tensor  # [batch, visual_total] PAQ head fusion, NaN where pruned
-    uniform_map: torch.Tensor  # [batch, visual_total] plain head average, NaN where pruned
-    sink_count: torch.Tensor  # [batch] visual tokens flagged as massive-activation sinks
-    tokens_present: int  # visual tokens in the sequence when the layer was captured
-
-
-@dataclass
-class CutTrace:
-    """One cut: the scoring layers, the fused maps that scored it and what it kept."""
-
-    layer: int  # first layer of the group that runs on the kept tokens
-    scored_layers: list[int]
-    kept: torch.Tensor  # long [batch, k] original visual indices, ascending
-    fused_map: torch.Tensor | None  # [batch, visual_total] PAQ-fused group map (layer fusion), NaN where absent
-    uniform_map: torch.Tensor | None  # [batch, visual_total] uniform-average counterpart
-    paq: torch.Tensor | None = None  # [batch, scored layers, heads] the PAQ that weighted this cut
-    weights: torch.Tensor | None = None  # [batch, scored layers, heads] the fusion weights the cut used
+from .trace import CutTrace, Tracer
 
 
 @dataclass
@@ -67,9 +40,8 @@ class PruneState:
     capture_layers: set[int]  # layers whose prompt rows are recomputed (on the tokens they run on)
     scoring_layers: set[int]  # the captured layers that score some cut
     lookahead_layers: set[int]  # layers also captured before their own cut, to score it (a cut before layer 0)
-    trace: bool
+    tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
-    layers: dict[int, LayerTrace] = field(default_factory=dict)
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0
@@ -130,7 +102,7 @@ class PruneState:
             capture_layers=capture,
             scoring_layers=scoring,
             lookahead_layers=lookahead,
-            trace=trace,
+            tracer=Tracer(N, config.temperature) if trace else None,
             prompt_len=T,
         )
 
@@ -169,20 +141,8 @@ class PruneState:
         stats = head_stats(attn, self.row_valid, sink)
         if lookahead or layer in self.scoring_layers:
             self._maps[(layer, lookahead)] = (attn, stats.paq)
-        if self.trace and not lookahead:
-            per_head = token_scores(attn.flatten(0, 1), self.row_valid.repeat_interleave(attn.shape[1], 0))
-            fused = head_fusion(attn[:, None], stats.paq[:, None], self.config.temperature)[:, 0]
-            uniform = head_fusion(attn[:, None], stats.paq[:, None], math.inf)[:, 0]
-            self.layers[layer] = LayerTrace(
-                stats=HeadStats(*(t.detach().cpu() for t in (stats.sink_share, stats.dispersion,
-                                                              stats.visual_share, stats.paq))),
-                head_maps=self._to_grid(per_head.view(attn.shape[0], attn.shape[1], -1)),
-                head_attention=self._to_grid(visual_distribution(attn, self.row_valid)),
-                fused_map=self._to_grid(token_scores(fused, self.row_valid)),
-                uniform_map=self._to_grid(token_scores(uniform, self.row_valid)),
-                sink_count=sink.sum(-1).cpu(),
-                tokens_present=attn.shape[-1],
-            )
+        if self.tracer is not None and not lookahead:
+            self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
         self.scoring_seconds += time.perf_counter() - t0
 
     def cut(self, layer: int) -> torch.Tensor:
@@ -192,14 +152,12 @@ class PruneState:
         starts = [0] + self.schedule.cuts
         scored = scoring_layers(self.policy, (starts[g], layer))
         attn = paq = None
-        fused_map = uniform_map = None
         keys = [(l, l == layer) for l in scored]
         if scored:
             attn = torch.stack([self._maps[key][0] for key in keys], 1)  # [B, Lg, H, P, N_cur]
             paq = torch.stack([self._maps[key][1] for key in keys], 1)  # [B, Lg, H]
-            if self.trace:
-                fused_map = self._to_grid(token_scores(group_map(attn, paq, self.config.temperature), self.row_valid))
-                uniform_map = self._to_grid(token_scores(group_map(attn, paq, math.inf), self.row_valid))
+            if self.tracer is not None:
+                self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
         scores = cut_scores(self.policy, attn, paq, self.row_valid, n_cur, self.config.seed, g)
         k = min(self.schedule.kept[g], n_cur)
@@ -215,19 +173,11 @@ class PruneState:
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
         weights = None if paq is None else fusion_weights(paq, self.policy.temperature).cpu()
-        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), fused_map, uniform_map,
-                                  None if paq is None else paq.cpu(), weights))
+        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(), weights))
         for key in keys:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0
         return kept_positions
-
-    def _to_grid(self, values: torch.Tensor) -> torch.Tensor:
-        """Scatter `[..., N_cur]` values of the present tokens onto `[..., N]`, NaN where pruned (CPU)."""
-        out = torch.full((*values.shape[:-1], self.num_visual), math.nan)
-        idx = self.kept_orig.cpu()
-        idx = idx.view(idx.shape[0], *([1] * (values.dim() - 2)), idx.shape[1]).expand_as(values)
-        return out.scatter(-1, idx, values.detach().float().cpu())
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.
