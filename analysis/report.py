@@ -1,18 +1,16 @@
-"""One image and prompt through the chosen method and its two references, and the text that explains it.
-
-`compare` runs the stock model, the chosen method (traced, for the figures) and uniform head
-averaging at the same budget; `answer_card`, `explanation` and `summary` turn the results into the
-app's answer cards, teaching panel and JSON. Only `compare` touches the model (through `hap.run`).
+"""The text that explains one comparison (`hap.compare`: the stock model, the chosen method and uniform
+head averaging at the same budget): `answer_card`, `explanation` and `summary` turn the results into
+the app's answer cards, teaching panel and JSON. Nothing here touches a model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 import hap
+from hap.compare import Comparison
 from hap.fusion import fusion_weights
 from hap.views import class_counts, default_layer
 
@@ -35,47 +33,6 @@ aligned heads decide which tokens survive; layers are then fused per group by th
 weights (*Attention maps*). Compare the uniform and PAQ-weighted maps, then the kept tokens of
 each group over the image and the three answers.
 """
-
-
-@dataclass
-class Comparison:
-    """The three runs of one input: stock model, chosen method, uniform averaging at the same budget."""
-
-    unpruned: hap.Result
-    pruned: hap.Result
-    uniform: hap.Result
-
-    def items(self) -> list[tuple[str, hap.Result]]:
-        return [("unpruned", self.unpruned), ("pruned", self.pruned), ("uniform", self.uniform)]
-
-
-def compare(
-    model,
-    processor,
-    image,
-    prompt: str,
-    config: hap.HAPConfig,
-    max_new_tokens: int = 32,
-    on_stage: Callable[[float, str], None] | None = None,
-    limits: hap.InputLimits = hap.DEFAULT_LIMITS,
-) -> Comparison:
-    """Run the stock model, `config` (traced) and uniform averaging with `config`'s budget.
-
-    `on_stage(fraction, description)` is called before each run (a progress bar). A run the
-    chosen method already is (method "none" or "uniform") is not repeated.
-    """
-    stage = on_stage or (lambda fraction, description: None)
-
-    def run(cfg: hap.HAPConfig, trace: bool) -> hap.Result:
-        return hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace, limits=limits)
-
-    stage(0.15, f"{config.method}: prefill + attention capture, head scoring, pruned generation")
-    pruned = run(config, trace=True)
-    stage(0.45, "unpruned reference generation")
-    unpruned = pruned if config.method == "none" else run(replace(config, method="none"), trace=False)
-    stage(0.65, "uniform head averaging at the same budget")
-    uniform = pruned if config.method == "uniform" else run(replace(config, method="uniform"), trace=False)
-    return Comparison(unpruned, pruned, uniform)
 
 
 def answer_card(label: str, result: hap.Result) -> str:

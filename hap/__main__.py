@@ -11,6 +11,7 @@ from .config import HAPConfig
 from .knobs import KNOBS, SEED
 from .load import ModelLoadError, load_model
 from .run import run
+from .views import export_png
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-llava")
 
@@ -57,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result.to_json(), indent=1))
         print(f"wrote {args.json}")
     if args.figures:
-        from analysis.figures import export_png
-
         crop = bool(getattr(processor.image_processor, "do_center_crop", False))
         paths = export_png(result, args.figures, image=args.image, center_crop=crop)
         print(f"wrote {len(paths)} figures to {args.figures}")

@@ -10,7 +10,8 @@ from tiny_models import noise_image, tiny_llava
 
 import hap
 from analysis import figures as F
-from analysis.report import compare, explanation, summary
+from analysis.report import explanation, summary
+from hap.compare import compare
 
 PROMPT = "what color is the circle ?"
 

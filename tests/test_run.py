@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +85,10 @@ def test_cli_errors_are_one_line_and_exit_2(saved, capsys, args, message):
     code = main(["run", *[x for kv in base.items() for x in kv]])
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after any loading progress bar
     assert code == 2 and last.startswith("error: ") and message in last
+
+
+def test_cli_answers_on_the_shipped_model_with_no_knob_given(capsys):
+    shipped = Path(__file__).resolve().parent.parent / "assets"
+    code = main(["run", "--image", str(shipped / "examples" / "scene_600000.png"), "--prompt", "what color is the circle ?"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "answer:" in printed and "layers: 6" in printed and "(target 0.25)" in printed
