@@ -1,4 +1,4 @@
-"""FLOPs accounting, layer groups and per-group visual-token budgets (DESIGN.md 4.1-4.2 and 5).
+"""FLOPs accounting, layer groups and per-group visual-token budgets (docs/method.md §4, §8).
 
 One convention for every method: per decoder layer and n tokens in the sequence, multiply-accumulates
 

@@ -1,4 +1,4 @@
-"""The pruning state of one prefill: which tokens are present, what was captured, what each cut keeps.
+"""The pruning state of one prefill: which tokens are present, what was captured, what each cut keeps (docs/method.md §9).
 
 Architecture-free: adapters (`hap.patch.*`) feed it tensors at each decoder layer and apply the
 index lists it returns to hidden states, masks, positions and the cache. Positions below are

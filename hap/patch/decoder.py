@@ -1,4 +1,4 @@
-"""The hook machinery shared by the adapters of Hugging Face VLMs whose decoder is a stack of
+"""The hook machinery (docs/method.md §9) shared by the adapters of Hugging Face VLMs whose decoder is a stack of
 Llama-style layers (`input_layernorm`, `self_attn.{q,k}_proj`, RoPE from `position_embeddings`,
 a dynamic KV cache): LLaVA with a Llama or Qwen2 decoder, Qwen2-VL, Qwen2.5-VL. Each adapter
 (`llava.py`, `qwen2_vl.py`) says where the decoder and the image token are and how the visual
