@@ -71,6 +71,49 @@ def plot(name: str) -> gr.Plot:
     return gr.Plot(label=VIEW[name].label, elem_id=f"plot-{name}")
 
 
+def request_column(names: list[str]) -> tuple[list[gr.components.Component], dict, gr.Button]:
+    """The left column: ([image, prompt, model], the knob controls by name, the Run button)."""
+    image = gr.Image(type="filepath", image_mode=None, label="Image", height=280)
+    prompt = gr.Textbox(label="Prompt", placeholder="what color is the triangle ?", lines=2)
+    model = gr.Dropdown(names, value=names[0], label="Model (loaded on first use)")
+    knobs = knob_controls(knob_defaults(names[0]))
+    return [image, prompt, model], knobs, gr.Button("Run", variant="primary", elem_id="run")
+
+
+def answer_column() -> dict[str, gr.components.Component]:
+    """The right column: the answer cards, the kept tokens and the explanation, by output name."""
+    with gr.Row(equal_height=True):
+        out = {k: gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}", container=True) for k in CARDS}
+    out["kept_masks"] = plot("kept_masks")
+    with gr.Accordion("What am I looking at?", open=True):
+        out["explanation"] = gr.Markdown(TEACHING, elem_id="explanation")
+    return out
+
+
+def example_rows(names: list[str], request: list[gr.components.Component]) -> None:
+    """Clickable examples that fill image, prompt and model."""
+    scenes, photos = examples(names)
+    with gr.Row():
+        if scenes:
+            gr.Examples(scenes, request, label="Synthetic scenes (the shipped tiny model)")
+        if photos:
+            gr.Examples(photos, request, label="Photographs (real checkpoints; need the weights)")
+
+
+def analysis_sections() -> dict[str, gr.components.Component]:
+    """Head heterogeneity, the maps over the image (with the layer slider) and the raw JSON, by output name."""
+    gr.Markdown("## Head heterogeneity")
+    with gr.Row():
+        out = {name: plot(name) for name in ("head_classes", "paq")}
+    gr.Markdown("## Attention maps over the image")
+    out["layer"] = gr.Slider(0, 1, value=0, step=1, label="Layer for the per-head maps", interactive=False,
+                             elem_id="layer-slider")
+    out.update({name: plot(name) for name in ("head_maps", "layer_maps", "group_maps", "uniform_vs_paq")})
+    with gr.Accordion("Raw result (JSON)", open=False):
+        out["summary"] = gr.JSON(label="Result")
+    return out
+
+
 def build_demo(
     models: list[str] | None = None,
     *,
@@ -82,58 +125,27 @@ def build_demo(
 
     `models` is the allow-list (its first entry is the default).
     """
-    settings = Settings.from_env()
-    settings = replace(
-        settings,
-        models=models or settings.models,
-        allow_local=settings.allow_local if allow_local is None else allow_local,
-        limits=limits or settings.limits,
-        queue_size=queue_size or settings.queue_size,
-    )
-    names = settings.models
+    env = Settings.from_env()
+    settings = replace(env, models=models or env.models, allow_local=env.allow_local if allow_local is None
+                       else allow_local, limits=limits or env.limits, queue_size=queue_size or env.queue_size)
     handler = Handler(settings)
-    out: dict[str, gr.components.Component] = {}
     with gr.Blocks(title="HAP: head-adaptive visual token pruning") as demo:
         gr.Markdown(intro(settings.limits))
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
-                image = gr.Image(type="filepath", image_mode=None, label="Image", height=280)
-                prompt = gr.Textbox(label="Prompt", placeholder="what color is the triangle ?", lines=2)
-                model = gr.Dropdown(names, value=names[0], label="Model (loaded on first use)")
-                knobs = knob_controls(knob_defaults(names[0]))
-                run = gr.Button("Run", variant="primary", elem_id="run")
+                request, knobs, run = request_column(settings.models)
             with gr.Column(scale=2):
-                with gr.Row(equal_height=True):
-                    out.update({k: gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}",
-                                               container=True) for k in CARDS})
-                out["kept_masks"] = plot("kept_masks")
-                with gr.Accordion("What am I looking at?", open=True):
-                    out["explanation"] = gr.Markdown(TEACHING, elem_id="explanation")
-        scenes, photos = examples(names)
-        with gr.Row():
-            if scenes:
-                gr.Examples(scenes, [image, prompt, model], label="Synthetic scenes (the shipped tiny model)")
-            if photos:
-                gr.Examples(photos, [image, prompt, model], label="Photographs (real checkpoints; need the weights)")
-        gr.Markdown("## Head heterogeneity")
-        with gr.Row():
-            out.update({name: plot(name) for name in ("head_classes", "paq")})
-        gr.Markdown("## Attention maps over the image")
-        out["layer"] = gr.Slider(0, 1, value=0, step=1, label="Layer for the per-head maps", interactive=False,
-                                 elem_id="layer-slider")
-        out.update({name: plot(name) for name in ("head_maps", "layer_maps", "group_maps", "uniform_vs_paq")})
-        with gr.Accordion("Raw result (JSON)", open=False):
-            out["summary"] = gr.JSON(label="Result")
-        out["state"] = gr.State()
-
+                out = answer_column()
+        example_rows(settings.models, request)
+        out.update(analysis_sections(), state=gr.State())
         outputs = [out[name] for name in OUTPUTS]
-        analyze = handler.endpoint(out)
+        _, prompt, model = request
         # preprocess=False: the handler checks every raw value itself (gradio would decode the upload and
         # range-check controls with messages that do not name the field); files still arrive through
         # gradio's upload cache, which refuses paths outside it
         lane = dict(inputs_kwargs=knobs, concurrency_limit=1, concurrency_id="model", preprocess=False)
-        run.click(analyze, [image, prompt, model], outputs, api_name="analyze", **lane)
-        prompt.submit(analyze, [image, prompt, model], outputs, api_visibility="private", **lane)
+        run.click(handler.endpoint(out), request, outputs, api_name="analyze", **lane)
+        prompt.submit(handler.endpoint(out), request, outputs, api_visibility="private", **lane)
         out["layer"].input(show_layer, [out["state"], out["layer"]], out["head_maps"], api_visibility="private",
                            trigger_mode="always_last")
         model.change(model_defaults, model, [knobs[name] for name in RULED], api_visibility="private")

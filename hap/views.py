@@ -353,10 +353,7 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
 
     panels = multiples.panels
     if not panels:
-        fig = go.Figure()
-        fig.add_annotation(text=NO_CUTS, showarrow=False)
-        fig.update_layout(title=title, height=200, xaxis_visible=False, yaxis_visible=False)
-        return fig
+        return _no_cuts_plotly(title)
     cols = min(multiples.cols, len(panels))
     rows_n = math.ceil(len(panels) / cols)
     fig = make_subplots(rows_n, cols, subplot_titles=[p.title.replace("\n", "<br>") for p in panels],
@@ -377,6 +374,16 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
                       margin=dict(l=10, r=10, t=90, b=10),
                       coloraxis=dict(colorscale=[[at, f"rgba({r},{g},{b},{a})"] for at, (r, g, b, a) in MAP_STOPS],
                                      cmin=0, cmax=1, colorbar=dict(title="score /<br>highest", len=0.6)))
+    return fig
+
+
+def _no_cuts_plotly(title: str) -> go.Figure:
+    """An empty figure that says there is nothing to show."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.add_annotation(text=NO_CUTS, showarrow=False)
+    fig.update_layout(title=title, height=200, xaxis_visible=False, yaxis_visible=False)
     return fig
 
 

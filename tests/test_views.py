@@ -116,7 +116,8 @@ def test_kept_masks_name_each_token_kept_or_pruned():
         [["pruned", "pruned", "kept"], ["pruned", "pruned", "pruned"]],
     ]
     assert fig.layout.title.text == "Kept visual tokens (hap)"
-    assert [a.text for a in fig.layout.annotations] == ["group 0 (layers 1-2): 3/6 kept", "group 1 (layers 3-3): 1/6 kept"]
+    assert [a.text for a in fig.layout.annotations] == ["group 0 (layers 1-2): 3/6 kept",
+                                                        "group 1 (layers 3-3): 1/6 kept"]
 
 
 def test_masks_dim_exactly_the_pruned_patches():
