@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        config = HAPConfig(**{k.name: getattr(args, k.name) for k in (*KNOBS, SEED) if getattr(args, k.name) is not None})
+        given = {k.name: getattr(args, k.name) for k in (*KNOBS, SEED)}
+        config = HAPConfig(**{name: value for name, value in given.items() if value is not None})
         model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
         result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens)
     except (ValueError, ModelLoadError, FileNotFoundError) as err:

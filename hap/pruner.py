@@ -1,4 +1,5 @@
-"""The pruning state of one prefill: which tokens are present, what was captured, what each cut keeps (docs/method.md §9).
+"""The pruning state of one prefill (docs/method.md §9): which tokens are present, what was captured,
+what each cut keeps.
 
 Architecture-free: adapters (`hap.patch.*`) feed it tensors at each decoder layer and apply the
 index lists it returns to hidden states, masks, positions and the cache. Positions below are
@@ -45,7 +46,8 @@ class PruneState:
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0
-    _maps: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (layer, lookahead) -> (attn, paq)
+    # (layer, lookahead) -> (attn, paq) of a captured layer, until the cut it scores
+    _maps: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def start(
@@ -70,36 +72,20 @@ class PruneState:
         device = visual_mask.device
         positions = torch.arange(T, device=device)
         visual_pos = positions.expand(B, T)[visual_mask].view(B, N)
-        last_visual = visual_pos[:, -1]
         policy = policy_for(config)
-        if policy.rows == "last":
-            row_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
-        else:
-            P = int((T - 1 - last_visual).max())
-            if P < 1:
-                raise ValueError("no prompt token follows the image: put the image before the question")
-            row_valid = positions[T - P :][None, :] > last_visual[:, None]
         schedule = plan(config, shape, N, T - N)
-        scoring, lookahead = set(), set()
-        if schedule is not None:
-            starts = [0] + schedule.cuts
-            for g, cut in enumerate(schedule.cuts):
-                if starts[g] == cut and not policy.random:
-                    lookahead.add(cut)
-                else:
-                    scoring.update(scoring_layers(policy, (starts[g], cut)))
-        capture = set(range(shape.layers)) if trace else set(scoring)
+        scoring, lookahead = _scoring_sets(policy, schedule)
         return cls(
             config=config,
             policy=policy,
             schedule=schedule,
             num_visual=N,
-            row_valid=row_valid,
+            row_valid=_prompt_rows(policy.rows, visual_pos[:, -1], T),
             seq_index=positions.expand(B, T).clone(),
             visual_pos=visual_pos,
             kept_orig=torch.arange(N, device=device).expand(B, N).clone(),
             attention_mask=attention_mask,
-            capture_layers=capture,
+            capture_layers=set(range(shape.layers)) if trace else set(scoring),
             scoring_layers=scoring,
             lookahead_layers=lookahead,
             tracer=Tracer(N, config.temperature) if trace else None,
@@ -189,3 +175,28 @@ class PruneState:
             return None
         index = self.segment_index[layer]
         return torch.cat([attention_mask.gather(1, index), attention_mask[:, self.prompt_len :]], 1)
+
+
+def _prompt_rows(rows: str, last_visual: torch.Tensor, T: int) -> torch.Tensor:
+    """bool [batch, P] valid prompt rows: the last P positions, those after each sample's last visual token
+    (`last_visual` long [batch]) for rows "prompt", the last token alone for "last"."""
+    B = last_visual.shape[0]
+    if rows == "last":
+        return torch.ones(B, 1, dtype=torch.bool, device=last_visual.device)
+    P = int((T - 1 - last_visual).max())
+    if P < 1:
+        raise ValueError("no prompt token follows the image: put the image before the question")
+    return torch.arange(T - P, T, device=last_visual.device)[None, :] > last_visual[:, None]
+
+
+def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], set[int]]:
+    """(layers whose maps score a cut after they ran, layers captured before their own cut to score it)."""
+    scoring, lookahead = set(), set()
+    if schedule is not None:
+        starts = [0] + schedule.cuts
+        for g, cut in enumerate(schedule.cuts):
+            if starts[g] == cut and not policy.random:
+                lookahead.add(cut)
+            else:
+                scoring.update(scoring_layers(policy, (starts[g], cut)))
+    return scoring, lookahead

@@ -112,6 +112,7 @@ def test_cli_errors_are_one_line_and_exit_2(saved, capsys, args, message):
 
 def test_cli_answers_on_the_shipped_model_with_no_knob_given(capsys):
     shipped = Path(__file__).resolve().parent.parent / "assets"
-    code = main(["run", "--image", str(shipped / "examples" / "scene_600000.png"), "--prompt", "what color is the circle ?"])
+    image = shipped / "examples" / "scene_600000.png"
+    code = main(["run", "--image", str(image), "--prompt", "what color is the circle ?"])
     printed = capsys.readouterr().out
     assert code == 0 and "answer:" in printed and "layers: 6" in printed and "(target 0.25)" in printed
