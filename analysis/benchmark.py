@@ -19,6 +19,7 @@ import json
 import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +105,7 @@ def grounding(state, batch) -> dict[str, np.ndarray]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="assets/tiny-llava")
     p.add_argument("--seeds", default="500000:500200", help="held-out scene seeds A:B")
@@ -116,7 +117,45 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--retain", type=float, nargs="+", default=list(RETAINS))
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
+    return p
+
+
+@dataclass
+class Tally:
+    """What `evaluate` gathers over the batches."""
+
+    correct: dict[tuple[str, float], list[bool]] = field(default_factory=lambda: defaultdict(list))
+    recall: dict[tuple[str, float], list[float]] = field(default_factory=lambda: defaultdict(list))
+    heads: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))  # grounding(...) parts
+    heads_last: list[np.ndarray] = field(default_factory=list)  # PAQ with the last token as the only row
+
+
+def evaluate(model, processor, batches: list, base: dict, methods: list[str], retains: list[float]) -> Tally:
+    """Answer every batch unpruned (traced, for the head grounding) and with each method at each budget."""
+    tally = Tally()
+    for batch in batches:
+        truth = [q.answer for _, q in batch]
+        answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=True)
+        tally.correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
+        for k, v in grounding(state, batch).items():
+            tally.heads[k].append(v)
+        _, state_last = run_batch(
+            model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": "last"}), trace=True
+        )
+        tally.heads_last.append(grounding(state_last, batch)["paq"])
+        for retain in retains:
+            for method in methods:
+                config = hap.HAPConfig(method=method, retain=retain, **base)
+                answers, state = run_batch(model, processor, batch, config, trace=False)
+                tally.correct[(method, retain)] += [x == y for x, y in zip(answers, truth)]
+                for b, (_, q) in enumerate(batch):
+                    if q.target_mask.any():
+                        tally.recall[(method, retain)].append(layer_recall(state, b, q.target_mask))
+    return tally
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     a, b = (int(v) for v in args.seeds.split(":"))
     model, processor = hap.load_model(args.model, device="cpu")
@@ -124,31 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [items[i : i + args.batch_size] for i in range(0, len(items), args.batch_size)]
     given = hap.HAPConfig(**{name: getattr(args, name) for name in KNOB_FLAGS if getattr(args, name) is not None})
     base = {name: getattr(given.resolved(model.config.text_config.num_hidden_layers), name) for name in KNOB_FLAGS}
-
     t0 = time.perf_counter()
-    correct: dict[tuple[str, float], list[bool]] = defaultdict(list)
-    recall: dict[tuple[str, float], list[float]] = defaultdict(list)
-    heads: dict[str, list[np.ndarray]] = defaultdict(list)
-    heads_last: list[np.ndarray] = []
-    for batch in batches:
-        truth = [q.answer for _, q in batch]
-        answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=True)
-        correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
-        for k, v in grounding(state, batch).items():
-            heads[k].append(v)
-        _, state_last = run_batch(
-            model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": "last"}), trace=True
-        )
-        heads_last.append(grounding(state_last, batch)["paq"])
-        for retain in args.retain:
-            for method in args.methods:
-                config = hap.HAPConfig(method=method, retain=retain, **base)
-                answers, state = run_batch(model, processor, batch, config, trace=False)
-                correct[(method, retain)] += [x == y for x, y in zip(answers, truth)]
-                for b, (_, q) in enumerate(batch):
-                    if q.target_mask.any():
-                        recall[(method, retain)].append(layer_recall(state, b, q.target_mask))
+    tally = evaluate(model, processor, batches, base, args.methods, args.retain)
     seconds = time.perf_counter() - t0
+    correct, recall = tally.correct, tally.recall
 
     qtypes = [q.qtype for _, q in items]
 
@@ -174,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in args.retain} for m in args.methods},
         "seconds": seconds,
     }
-    report.update(head_report({k: np.concatenate(v) for k, v in heads.items()}, np.concatenate(heads_last)))
+    report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()}, np.concatenate(tally.heads_last)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmark.json").write_text(json.dumps(report, indent=1))
     (args.out / "benchmark.md").write_text(markdown(report))
