@@ -1,9 +1,9 @@
 """HAP: Head-Adaptive visual token Pruning for vision-language models.
 
     model, processor = hap.load_model("llava-hf/llava-1.5-7b-hf")
-    result = hap.run(model, processor, image, "What is in the image?", hap.HAPConfig(retain=0.056))
+    result = hap.run(model, processor, image, "What is in the image?", hap.HAPConfig(retain=0.056, first_layers=1))
 
-or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
+(`hap.HAPConfig()` alone uses per-model defaults, see `hap.knobs`), or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
 """
 
 from .budget import DecoderShape, Schedule, plan, solve_schedule
