@@ -6,7 +6,8 @@ PAQ against ground-truth grounding, and kept-token recall of the queried object.
 Every method runs through the same executor and the same FLOPs accounting at each budget (the
 layer-averaged retained fraction). The small model has 6 decoder layers, so budgets as low as
 0.056 are reachable only when the first cut comes before layer 0 (`--first-layers 0`, the library
-default on a decoder this shallow): layers [0, K) would otherwise keep all 144 tokens and alone average more than the budget.
+default on a decoder this shallow): layers [0, K) would otherwise keep all 144 tokens and alone
+average more than the budget.
 
 Outputs in --out: benchmark.json (binding keys: accuracy[method][retain], relative[method][retain],
 grounding_spearman, n_questions), benchmark.md (tables), accuracy.png, paq_grounding.png.

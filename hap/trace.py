@@ -186,35 +186,35 @@ class Outcome:
     tracer: Tracer | None
 
 
-def to_result(run: Outcome, answer: str, text: str, grid: tuple[int, int], notes: list[str]) -> Result:
+def to_result(outcome: Outcome, answer: str, text: str, grid: tuple[int, int], notes: list[str]) -> Result:
     """The Result of sample 0: per-layer statistics and maps from the tracer (NaN for layers it did not
     capture), groups from the cuts, retained tokens and FLOPs from the schedule (the unpruned ones without)."""
-    L, H, N = run.shape.layers, run.heads, run.num_visual
-    layers = {l: _sample(tr, 0) for l, tr in (run.tracer.layers if run.tracer else {}).items()}
+    L, H, N = outcome.shape.layers, outcome.heads, outcome.num_visual
+    layers = {l: _sample(tr, 0) for l, tr in (outcome.tracer.layers if outcome.tracer else {}).items()}
     stats = {k: _per_layer(layers, k, (L, H)) for k in STATS}
-    groups, group_maps = _groups(run, N)
-    schedule = run.schedule
+    groups, group_maps = _groups(outcome, N)
+    schedule = outcome.schedule
     visual_per_layer = schedule.visual_per_layer if schedule else [N] * L
     retained = sum(visual_per_layer) / L
     return Result(
         answer=answer,
-        method=run.config.method,
-        config=run.config.to_dict(),
+        method=outcome.config.method,
+        config=outcome.config.to_dict(),
         prompt_text=text,
         num_layers=L,
         num_heads=H,
         num_visual=N,
-        text_tokens=run.prompt_len - N,
+        text_tokens=outcome.prompt_len - N,
         visual_grid=grid,
         groups=groups,
         visual_per_layer=visual_per_layer,
         retained_tokens=retained,
         retain=retained / N,
-        target_retain=run.config.retain,
-        flops_ratio=schedule.flops_ratio(run.prompt_len - N, run.shape) if schedule else 1.0,
-        target_flops_ratio=run.config.flops_ratio,
+        target_retain=outcome.config.retain,
+        flops_ratio=schedule.flops_ratio(outcome.prompt_len - N, outcome.shape) if schedule else 1.0,
+        target_flops_ratio=outcome.config.flops_ratio,
         **stats,
-        head_class=_classes(stats, sorted(layers), run.config, L, H),
+        head_class=_classes(stats, sorted(layers), outcome.config, L, H),
         sink_tokens=[int(layers[l].sink_count) if l in layers else -1 for l in range(L)],
         maps=Maps(
             head=_per_layer(layers, "head_maps", (L, H, N)),
@@ -253,16 +253,16 @@ def _classes(stats: dict[str, torch.Tensor], captured: list[int], config: HAPCon
     return classes
 
 
-def _groups(run: Outcome, N: int) -> tuple[list[Group], tuple[torch.Tensor, torch.Tensor]]:
+def _groups(outcome: Outcome, N: int) -> tuple[list[Group], tuple[torch.Tensor, torch.Tensor]]:
     """Groups of sample 0 and their (PAQ-fused, uniform) maps, each [groups, N] (NaN rows: no maps traced)."""
-    if run.schedule is None:
+    if outcome.schedule is None:
         return [], (torch.empty(0, N), torch.empty(0, N))
     groups = []
-    maps = torch.full((2, len(run.cuts), N), math.nan)
-    for g, (layers, cut) in enumerate(zip(run.schedule.ranges, run.cuts)):
+    maps = torch.full((2, len(outcome.cuts), N), math.nan)
+    for g, (layers, cut) in enumerate(zip(outcome.schedule.ranges, outcome.cuts)):
         cut = _sample(cut, 0)
         paq, weights = ([] if t is None else t.tolist() for t in (cut.paq, cut.weights))
         groups.append(Group(g, layers, cut.scored_layers, cut.kept.tolist(), paq, weights))
-        if run.tracer is not None and cut.layer in run.tracer.cut_maps:
-            maps[:, g] = torch.stack([m[0] for m in run.tracer.cut_maps[cut.layer]])
+        if outcome.tracer is not None and cut.layer in outcome.tracer.cut_maps:
+            maps[:, g] = torch.stack([m[0] for m in outcome.tracer.cut_maps[cut.layer]])
     return groups, (maps[0], maps[1])
