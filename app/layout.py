@@ -23,6 +23,9 @@ from .settings import Settings, examples, knob_defaults
 MAIN_KNOBS = ("method", "retain", "flops_ratio")  # shown above the fold; the rest under "Advanced settings"
 SLIDER_STEPS = 1000  # steps of a slider over a knob's range
 RULED = [k.name for k in KNOBS if k.rule is not None]  # knobs whose default depends on the model
+# Knobs without a default (not given = None). gradio's number box shows None as 0 and sends 0, which such a
+# knob never takes (its range starts above 0): the page sends None for it instead (`unset_zeros`).
+UNSET = [k.name for k in KNOBS if k.optional and k.rule is None]
 
 INTRO = (
     "# HAP: head-adaptive visual token pruning\n"
@@ -36,13 +39,20 @@ INTRO = (
 
 def control(knob: Knob, value: object) -> gr.components.Component:
     """The control of one knob, with the registry's range and `value`."""
-    common = dict(value=value, label=knob.name, info=knob.help, elem_id=f"knob-{knob.name}")
+    info = f"{knob.help} (0: not set)" if knob.name in UNSET else knob.help
+    common = dict(value=value, label=knob.name, info=info, elem_id=f"knob-{knob.name}")
     if knob.choices is not None:
         return gr.Radio(list(knob.choices), **common)
     if knob.kind is float and knob.low is not None and knob.high is not None and value is not None:
         step = (knob.high - knob.low) / SLIDER_STEPS
         return gr.Slider(knob.low + (step if knob.low_open else 0.0), knob.high, step=step, **common)
     return gr.Number(minimum=knob.low, maximum=knob.high, precision=0 if knob.kind is int else None, **common)
+
+
+def unset_zeros(offset: int) -> str:
+    """Page-side JavaScript run on the event's inputs (`offset` of them before the knobs): 0 -> null for UNSET."""
+    positions = [offset + i for i, k in enumerate(KNOBS) if k.name in UNSET]
+    return f"(...v) => {{ for (const i of {positions}) {{ if (v[i] === 0) v[i] = null; }} return v; }}"
 
 
 def model_defaults(model_name: str) -> list:
@@ -143,7 +153,8 @@ def build_demo(
         # preprocess=False: the handler checks every raw value itself (gradio would decode the upload and
         # range-check controls with messages that do not name the field); files still arrive through
         # gradio's upload cache, which refuses paths outside it
-        lane = dict(inputs_kwargs=knobs, concurrency_limit=1, concurrency_id="model", preprocess=False)
+        lane = dict(inputs_kwargs=knobs, concurrency_limit=1, concurrency_id="model", preprocess=False,
+                    js=unset_zeros(len(request)))
         run.click(handler.endpoint(out), request, outputs, api_name="analyze", **lane)
         prompt.submit(handler.endpoint(out), request, outputs, api_visibility="private", **lane)
         out["layer"].input(show_layer, [out["state"], out["layer"]], out["head_maps"], api_visibility="private",
