@@ -5,8 +5,9 @@ PAQ against ground-truth grounding, and kept-token recall of the queried object.
 
 Every method runs through the same executor and the same FLOPs accounting at each budget (the
 layer-averaged retained fraction). The small model has 6 decoder layers, so budgets as low as
-0.056 are reachable only when the first cut comes before layer 0 (`--first-layers 0`, the default
-here): layers [0, K) would otherwise keep all 144 tokens and alone average more than the budget.
+0.056 are reachable only when the first cut comes before layer 0 (`--first-layers 0`, the library
+default on a decoder this shallow): layers [0, K) would otherwise keep all 144 tokens and alone
+average more than the budget.
 
 Outputs in --out: benchmark.json (binding keys: accuracy[method][retain], relative[method][retain],
 grounding_spearman, n_questions), benchmark.md (tables), accuracy.png, paq_grounding.png.
@@ -19,17 +20,20 @@ import json
 import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import hap
+from hap.knobs import knob
 from hap.run import chat_prompt
 from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random")
+KNOB_FLAGS = ("first_layers", "groups", "decay", "temperature", "rows")  # shared by every method of the run
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
@@ -82,9 +86,10 @@ def grounding(state, batch) -> dict[str, np.ndarray]:
     the object's share of the patches (1 = no preference); `other` is the same on the scene's
     other objects. Returns arrays `[questions, layers, heads]` (NaN where a question has no target).
     """
-    layers = sorted(state.layers)
-    dist = torch.stack([state.layers[l].head_attention for l in layers], 1).numpy()  # [B, L, H, N]
-    out = {k: torch.stack([getattr(state.layers[l].stats, k) for l in layers], 1).numpy()
+    traced = state.tracer.layers
+    layers = sorted(traced)
+    dist = torch.stack([traced[l].head_attention for l in layers], 1).numpy()  # [B, L, H, N]
+    out = {k: torch.stack([getattr(traced[l], k) for l in layers], 1).numpy()
            for k in ("paq", "sink_share", "dispersion", "visual_share")}
     target = np.stack([q.target_mask for _, q in batch]).astype(float)  # [B, N]
     other = np.stack([q.other_mask for _, q in batch]).astype(float)
@@ -101,54 +106,68 @@ def grounding(state, batch) -> dict[str, np.ndarray]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="assets/tiny-llava")
     p.add_argument("--seeds", default="500000:500200", help="held-out scene seeds A:B")
     p.add_argument("--per-scene", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("results/benchmark"))
-    p.add_argument("--first-layers", type=int, default=0)
-    p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--decay", type=float, default=hap.HAPConfig().decay)
-    p.add_argument("--temperature", type=float, default=hap.HAPConfig().temperature)
-    p.add_argument("--rows", default="prompt", choices=("prompt", "last"))
+    for name in KNOB_FLAGS:
+        knob(name).add_to(p)  # unset: the library default (first_layers 0 on the 6-layer model)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--retain", type=float, nargs="+", default=list(RETAINS))
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
+    return p
+
+
+@dataclass
+class Tally:
+    """What `evaluate` gathers over the batches."""
+
+    correct: dict[tuple[str, float], list[bool]] = field(default_factory=lambda: defaultdict(list))
+    recall: dict[tuple[str, float], list[float]] = field(default_factory=lambda: defaultdict(list))
+    heads: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))  # grounding(...) parts
+    heads_last: list[np.ndarray] = field(default_factory=list)  # PAQ with the last token as the only row
+
+
+def evaluate(model, processor, batches: list, base: dict, methods: list[str], retains: list[float]) -> Tally:
+    """Answer every batch unpruned (traced, for the head grounding) and with each method at each budget."""
+    tally = Tally()
+    for batch in batches:
+        truth = [q.answer for _, q in batch]
+        answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=True)
+        tally.correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
+        for k, v in grounding(state, batch).items():
+            tally.heads[k].append(v)
+        _, state_last = run_batch(
+            model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": "last"}), trace=True
+        )
+        tally.heads_last.append(grounding(state_last, batch)["paq"])
+        for retain in retains:
+            for method in methods:
+                config = hap.HAPConfig(method=method, retain=retain, **base)
+                answers, state = run_batch(model, processor, batch, config, trace=False)
+                tally.correct[(method, retain)] += [x == y for x, y in zip(answers, truth)]
+                for b, (_, q) in enumerate(batch):
+                    if q.target_mask.any():
+                        tally.recall[(method, retain)].append(layer_recall(state, b, q.target_mask))
+    return tally
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     a, b = (int(v) for v in args.seeds.split(":"))
     model, processor = hap.load_model(args.model, device="cpu")
     items = list(heldout_items(range(a, b), args.per_scene))
     batches = [items[i : i + args.batch_size] for i in range(0, len(items), args.batch_size)]
-    base = dict(first_layers=args.first_layers, groups=args.groups, decay=args.decay, temperature=args.temperature,
-                rows=args.rows)
-
+    given = hap.HAPConfig(**{name: getattr(args, name) for name in KNOB_FLAGS if getattr(args, name) is not None})
+    base = {name: getattr(given.resolved(model.config.text_config.num_hidden_layers), name) for name in KNOB_FLAGS}
     t0 = time.perf_counter()
-    correct: dict[tuple[str, float], list[bool]] = defaultdict(list)
-    recall: dict[tuple[str, float], list[float]] = defaultdict(list)
-    heads: dict[str, list[np.ndarray]] = defaultdict(list)
-    heads_last: list[np.ndarray] = []
-    for batch in batches:
-        truth = [q.answer for _, q in batch]
-        answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=True)
-        correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
-        for k, v in grounding(state, batch).items():
-            heads[k].append(v)
-        _, state_last = run_batch(
-            model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": "last"}), trace=True
-        )
-        heads_last.append(grounding(state_last, batch)["paq"])
-        for retain in args.retain:
-            for method in args.methods:
-                config = hap.HAPConfig(method=method, retain=retain, **base)
-                answers, state = run_batch(model, processor, batch, config, trace=False)
-                correct[(method, retain)] += [x == y for x, y in zip(answers, truth)]
-                for b, (_, q) in enumerate(batch):
-                    if q.target_mask.any():
-                        recall[(method, retain)].append(layer_recall(state, b, q.target_mask))
+    tally = evaluate(model, processor, batches, base, args.methods, args.retain)
     seconds = time.perf_counter() - t0
+    correct, recall = tally.correct, tally.recall
 
     qtypes = [q.qtype for _, q in items]
 
@@ -174,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in args.retain} for m in args.methods},
         "seconds": seconds,
     }
-    report.update(head_report({k: np.concatenate(v) for k, v in heads.items()}, np.concatenate(heads_last)))
+    report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()}, np.concatenate(tally.heads_last)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmark.json").write_text(json.dumps(report, indent=1))
     (args.out / "benchmark.md").write_text(markdown(report))

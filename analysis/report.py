@@ -1,21 +1,18 @@
-"""One image and prompt through the chosen method and its two references, and the text that explains it.
-
-`compare` runs the stock model, the chosen method (traced, for the figures) and uniform head
-averaging at the same budget; `answer_card`, `explanation` and `summary` turn the results into the
-app's answer cards, teaching panel and JSON. Only `compare` touches the model (through `hap.run`).
+"""The text that explains one comparison (`hap.compare`: the stock model, the chosen method and uniform
+head averaging at the same budget): `answer_card`, `explanation` and `summary` turn the results into
+the app's answer cards, teaching panel and JSON. Nothing here touches a model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 import hap
+from hap.compare import Comparison
 from hap.fusion import fusion_weights
-
-from .figures import class_counts, default_layer
+from hap.views import class_counts, default_layer
 
 LABELS = {"unpruned": "Unpruned", "pruned": "Pruned", "uniform": "Uniform averaging"}
 
@@ -38,47 +35,6 @@ each group over the image and the three answers.
 """
 
 
-@dataclass
-class Comparison:
-    """The three runs of one input: stock model, chosen method, uniform averaging at the same budget."""
-
-    unpruned: hap.Result
-    pruned: hap.Result
-    uniform: hap.Result
-
-    def items(self) -> list[tuple[str, hap.Result]]:
-        return [("unpruned", self.unpruned), ("pruned", self.pruned), ("uniform", self.uniform)]
-
-
-def compare(
-    model,
-    processor,
-    image,
-    prompt: str,
-    config: hap.HAPConfig,
-    max_new_tokens: int = 32,
-    on_stage: Callable[[float, str], None] | None = None,
-    limits: hap.InputLimits = hap.DEFAULT_LIMITS,
-) -> Comparison:
-    """Run the stock model, `config` (traced) and uniform averaging with `config`'s budget.
-
-    `on_stage(fraction, description)` is called before each run (a progress bar). A run the
-    chosen method already is (method "none" or "uniform") is not repeated.
-    """
-    stage = on_stage or (lambda fraction, description: None)
-
-    def run(cfg: hap.HAPConfig, trace: bool) -> hap.Result:
-        return hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace, limits=limits)
-
-    stage(0.15, f"{config.method}: prefill + attention capture, head scoring, pruned generation")
-    pruned = run(config, trace=True)
-    stage(0.45, "unpruned reference generation")
-    unpruned = pruned if config.method == "none" else run(replace(config, method="none"), trace=False)
-    stage(0.65, "uniform head averaging at the same budget")
-    uniform = pruned if config.method == "uniform" else run(replace(config, method="uniform"), trace=False)
-    return Comparison(unpruned, pruned, uniform)
-
-
 def answer_card(label: str, result: hap.Result) -> str:
     """Markdown: the answer with its retained tokens, FLOPs ratio and latency."""
     t = result.timings
@@ -97,7 +53,7 @@ def explanation(comparison: Comparison) -> str:
     """Markdown: the teaching text followed by what this input shows."""
     result = comparison.pruned
     lines = [TEACHING, "**In this run.**"]
-    counts = class_counts(result)
+    counts = class_counts(result.head_class)
     layers = sum(1 for row in result.head_class if any(row))
     lines.append(
         f"- {counts['optimal']} optimal, {counts['dispersed']} dispersed and {counts['sink']} sink heads over "
@@ -113,7 +69,7 @@ def explanation(comparison: Comparison) -> str:
         )
     else:
         lines.append("- Sink tokens found: " + ", ".join(f"layer {l}: {n}" for l, n in sinks) + ".")
-    layer = default_layer(result)
+    layer = default_layer(result.groups, result.paq)
     paq = result.paq[layer]
     if not bool(torch.isnan(paq).all()):
         temperature = result.config["temperature"]

@@ -38,6 +38,7 @@ from transformers import (
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import hap
+from hap.knobs import knob
 from hap.patch.decoder import decoder_shape
 
 IMAGE_TOKEN = 151655
@@ -120,7 +121,8 @@ def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> tup
             hap.unpatch(model)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
+    """Run the benchmark; returns {shape: rows} as printed (one dict per method and budget, see `table`)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=SHAPES, nargs="+", default=["mid"], help="one or more shapes, run in turn")
     p.add_argument("--layers", type=int, default=None, help="override the decoder depth (reduced depth on a CPU)")
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="K for every method (FastV cuts once, at K); default: the largest K that reaches the "
                         "smallest budget (0 on the 8-layer mid shape: the cut before layer 0 is scored by "
                         "layer 0's own attention)")
-    p.add_argument("--groups", type=int, default=3)
+    knob("groups").add_to(p, default=knob("groups").default)
     p.add_argument("--text-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
@@ -139,65 +141,80 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    report = {}
     for name in args.shape:
-        bench_shape(name, args, device, dtype)
+        report[name] = bench_shape(name, args, device, dtype)
         if device == "cuda":
             torch.cuda.empty_cache()
+    return report
 
 
-def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype) -> None:
-    """Time every method and budget on one random-weight model and print the table."""
+def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype) -> list[dict]:
+    """Time every method and budget on one random-weight model, print the table and return its rows."""
     model = random_vlm(name, args.layers, dtype, device)
     inputs = make_inputs(model, args.text_tokens, device)
     shape = decoder_shape(model)
-    n = GRID * GRID
     first = args.first_layers
     if first is None:  # the largest K whose full layers still leave room for the smallest budget
         first = max(k for k in range(shape.layers) if k / shape.layers < min(args.retain))
-    configs: dict[tuple[str, float], hap.HAPConfig | None] = {("none", 1.0): None}
-    schedules: dict[tuple[str, float], hap.Schedule] = {}
-    skipped = []
+    schedules, skipped = {}, []
+    runs: dict[tuple[str, float], tuple[dict, hap.HAPConfig | None]] = {("none", 1.0): (inputs, None)}
     for retain in args.retain:
         for method in args.methods:
             config = hap.HAPConfig(method=method, retain=retain, groups=args.groups, first_layers=first)
             try:
-                schedules[(method, retain)] = hap.solve_schedule(
-                    n, shape, first_layers=config.first_layers, groups=1 if method == "fastv" else config.groups,
-                    decay=config.decay, retain=retain,
-                )
+                schedules[(method, retain)] = hap.plan(config, shape, GRID * GRID, args.text_tokens)
             except ValueError as err:
                 skipped.append(f"{method} at {retain}: {err}")
                 continue
-            configs[(method, retain)] = config
-    runs = {key: (inputs, config) for key, config in configs.items()}
+            runs[(method, retain)] = (inputs, config)
     runs[("text only", 0.0)] = (make_inputs(model, args.text_tokens, device, with_image=False), None)
-    for _ in range(2):  # warm-up
+    median, peak = measure(model, runs, args.repeats, device)
+    print(f"shape={name} layers={shape.layers} device={device} dtype={dtype} threads={args.threads} "
+          f"visual={GRID * GRID} text={args.text_tokens} first_layers={first} repeats={args.repeats}")
+    print(f"none: prefill {median[('none', 1.0)] * 1000:.1f} ms, peak {peak[('none', 1.0)]:.2f} GiB; text only "
+          f"(no visual token): {median[('text only', 0.0)] * 1000:.1f} ms")
+    rows = table(schedules, median, peak, args.text_tokens, shape)
+    print(f"{'method':8} {'retain':>7} {'kept':>7} {'ms':>8} {'speedup':>8} {'ideal':>7} {'meas/ideal':>10} "
+          f"{'peak GiB':>9} {'overhead':>9}")
+    for r in rows:
+        overhead = "" if r["overhead"] is None else f"{100 * r['overhead']:8.1f}%"
+        print(f"{r['method']:8} {r['retain']:7.3f} {r['kept']:7.1f} {r['seconds'] * 1000:8.1f} {r['speedup']:8.2f} "
+              f"{r['ideal']:7.2f} {r['speedup'] / r['ideal']:10.2f} {r['peak_gib']:9.2f} {overhead:>9}")
+    for line in skipped:
+        print(f"skipped {line}")
+    return rows
+
+
+def measure(model, runs: dict, repeats: int, device: str) -> tuple[dict, dict]:
+    """Median seconds and peak GiB of each run `{key: (inputs, config)}`, interleaved round-robin
+    over `repeats` rounds after two warm-up rounds."""
+    for _ in range(2):
         for batch, config in runs.values():
             timed(model, batch, config, device)
     times: dict[tuple[str, float], list[tuple[float, float]]] = {key: [] for key in runs}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for key, (batch, config) in runs.items():
             times[key].append(timed(model, batch, config, device))
     median = {key: statistics.median(t for t, _ in v) for key, v in times.items()}
     peak = {key: max(m for _, m in v) for key, v in times.items()}
-    base = median[("none", 1.0)]
-    print(f"shape={name} layers={shape.layers} device={device} dtype={dtype} threads={args.threads} "
-          f"visual={n} text={args.text_tokens} first_layers={first} repeats={args.repeats}")
-    print(f"none: prefill {base * 1000:.1f} ms, peak {peak[('none', 1.0)]:.2f} GiB; text only (no visual token): "
-          f"{median[('text only', 0.0)] * 1000:.1f} ms")
-    print(f"{'method':8} {'retain':>7} {'kept':>7} {'ms':>8} {'speedup':>8} {'ideal':>7} {'meas/ideal':>10} "
-          f"{'peak GiB':>9} {'overhead':>9}")
+    return median, peak
+
+
+def table(schedules: dict, median: dict, peak: dict, text_tokens: int, shape: hap.DecoderShape) -> list[dict]:
+    """One row per (method, retain): kept tokens, seconds, measured speed-up over `none`, FLOPs-ideal
+    speed-up, peak GiB and, for HAP, its extra time over `random` as a fraction of HAP's prefill."""
+    rows = []
     for (method, retain), schedule in schedules.items():
-        ideal = 1 / schedule.flops_ratio(args.text_tokens, shape)
-        speedup = base / median[(method, retain)]
-        overhead = ""
-        if method == "hap" and ("random", retain) in median:
-            extra = median[(method, retain)] - median[("random", retain)]
-            overhead = f"{100 * extra / median[(method, retain)]:8.1f}%"
-        print(f"{method:8} {retain:7.3f} {schedule.retained_tokens:7.1f} {median[(method, retain)] * 1000:8.1f} "
-              f"{speedup:8.2f} {ideal:7.2f} {speedup / ideal:10.2f} {peak[(method, retain)]:9.2f} {overhead:>9}")
-    for line in skipped:
-        print(f"skipped {line}")
+        seconds = median[(method, retain)]
+        random = median.get(("random", retain))
+        rows.append(dict(
+            method=method, retain=retain, kept=schedule.retained_tokens, seconds=seconds,
+            speedup=median[("none", 1.0)] / seconds, ideal=1 / schedule.flops_ratio(text_tokens, shape),
+            peak_gib=peak[(method, retain)],
+            overhead=(seconds - random) / seconds if method == "hap" and random is not None else None,
+        ))
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
 """HAP: Head-Adaptive visual token Pruning for vision-language models.
 
     model, processor = hap.load_model("llava-hf/llava-1.5-7b-hf")
-    result = hap.run(model, processor, image, "What is in the image?", hap.HAPConfig(retain=0.056))
+    result = hap.run(model, processor, image, "What is in the image?", hap.HAPConfig(retain=0.056, first_layers=1))
 
-or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
+(`hap.HAPConfig()` alone uses per-model defaults, see `hap.knobs`), or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
 """
 
-from .budget import DecoderShape, Schedule, solve_schedule
-from .config import METHODS, HAPConfig
+from .budget import DecoderShape, Schedule, plan, solve_schedule
+from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
+from .knobs import KNOBS, METHODS, Knob, knob
 from .load import ModelLoadError, load_model
 from .patch import apply as patch
 from .patch import patched
 from .patch import remove as unpatch
-from .run import Group, Maps, Result, run
+from .run import run
+from .trace import Group, Maps, Result
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -22,13 +24,17 @@ __all__ = [
     "Group",
     "HAPConfig",
     "InputLimits",
+    "KNOBS",
+    "Knob",
     "Maps",
     "ModelLoadError",
     "Result",
     "Schedule",
+    "knob",
     "load_model",
     "patch",
     "patched",
+    "plan",
     "run",
     "solve_schedule",
     "unpatch",

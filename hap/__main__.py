@@ -7,9 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from .config import METHODS, ROWS, HAPConfig
+from .config import HAPConfig
+from .knobs import KNOBS, SEED
 from .load import ModelLoadError, load_model
 from .run import run
+from .views import export_png
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-llava")
 
@@ -21,20 +23,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local folder (default: the shipped small model)")
     r.add_argument("--image", required=True, help="image file")
     r.add_argument("--prompt", required=True)
-    r.add_argument("--method", default="hap", choices=METHODS)
     budget = r.add_mutually_exclusive_group()
-    budget.add_argument("--retain", type=float, help="visual tokens kept, averaged over all decoder layers (fraction)")
-    budget.add_argument("--flops-ratio", type=float, help="target prefill FLOPs / unpruned")
-    defaults = HAPConfig()
-    r.add_argument("--first-layers", type=int, default=defaults.first_layers)
-    r.add_argument("--groups", type=int, default=defaults.groups)
-    r.add_argument("--decay", type=float, default=defaults.decay)
-    r.add_argument("--temperature", type=float, default=defaults.temperature)
-    r.add_argument("--tau-sink", type=float, default=defaults.tau_sink)
-    r.add_argument("--tau-disp", type=float, default=defaults.tau_disp)
-    r.add_argument("--sink-rho", type=float, default=defaults.sink_rho)
-    r.add_argument("--rows", default=defaults.rows, choices=ROWS)
-    r.add_argument("--seed", type=int, default=defaults.seed)
+    for k in (*KNOBS, SEED):
+        k.add_to(budget if k.name in ("retain", "flops_ratio") else r)
     r.add_argument("--max-new-tokens", type=int, default=32)
     r.add_argument("--device", default="auto")
     r.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
@@ -46,11 +37,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        config = HAPConfig(
-            method=args.method, retain=args.retain, flops_ratio=args.flops_ratio, first_layers=args.first_layers,
-            groups=args.groups, decay=args.decay, temperature=args.temperature, tau_sink=args.tau_sink,
-            tau_disp=args.tau_disp, sink_rho=args.sink_rho, rows=args.rows, seed=args.seed,
-        )
+        given = {k.name: getattr(args, k.name) for k in (*KNOBS, SEED)}
+        config = HAPConfig(**{name: value for name, value in given.items() if value is not None})
         model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
         result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens)
     except (ValueError, ModelLoadError, FileNotFoundError) as err:
@@ -71,8 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result.to_json(), indent=1))
         print(f"wrote {args.json}")
     if args.figures:
-        from analysis.figures import export_png
-
         crop = bool(getattr(processor.image_processor, "do_center_crop", False))
         paths = export_png(result, args.figures, image=args.image, center_crop=crop)
         print(f"wrote {len(paths)} figures to {args.figures}")

@@ -1,4 +1,4 @@
-"""FLOPs accounting, layer groups and per-group visual-token budgets (DESIGN.md 4.1-4.2 and 5).
+"""FLOPs accounting, layer groups and per-group visual-token budgets (docs/method.md §4, §8).
 
 One convention for every method: per decoder layer and n tokens in the sequence, multiply-accumulates
 
@@ -16,6 +16,9 @@ layers of the visual tokens present in each.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .config import HAPConfig
+from .methods import policy_for
 
 FLOPS_CONVENTION = "MACs per layer: 2nd^2 + 2n*d*d_kv + 2n^2d + 3ndm (= 4nd^2+2n^2d+3ndm without GQA)"
 
@@ -170,3 +173,16 @@ def solve_schedule(
     kept = _round_counts(_counts(hi, decay, groups, num_visual), num_visual, notes)
     return Schedule(num_visual, L, cuts, kept, retain, notes)
 
+
+
+def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: int = 0) -> Schedule | None:
+    """The schedule `config` asks for on a decoder of `shape` and a sequence of `num_visual` visual and
+    `text_tokens` text tokens; None when the method does not prune. The one planner of the pruner, the
+    lmms-eval plugin and the speed script: model-dependent defaults resolve here (`HAPConfig.resolved`),
+    FastV gets its single cut at K, and an unreachable budget raises ValueError naming the knobs."""
+    config = config.resolved(shape.layers)
+    groups = policy_for(config).groups
+    if not groups:
+        return None
+    return solve_schedule(num_visual, shape, first_layers=config.first_layers, groups=groups, decay=config.decay,
+                          retain=config.retain, flops_ratio=config.flops_ratio, text_tokens=text_tokens)

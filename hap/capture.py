@@ -1,4 +1,4 @@
-"""Prompt-row attention recomputed from q and k, so the model itself keeps running on SDPA (DESIGN.md 4.6).
+"""Prompt-row attention recomputed from q and k, so the model itself keeps running on SDPA (docs/method.md §1).
 
 For the layers whose maps are needed, only the prompt rows are recomputed:
 softmax(q_P k^T / sqrt(d_h)) with RoPE already applied to q and k, the causal mask, the padding

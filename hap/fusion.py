@@ -1,4 +1,4 @@
-"""PAQ-weighted fusion of attention maps, token scores and top-k selection (DESIGN.md 4.3-4.4).
+"""PAQ-weighted fusion of attention maps, token scores and top-k selection (docs/method.md §5, §6).
 
 A group's maps are stacked as `attn [batch, layers, heads, prompt, visual]` with `paq [batch,
 layers, heads]`. The weights w = softmax(PAQ / T) run over all (layer, head) pairs of the group;

@@ -1,6 +1,6 @@
 """Per-head statistics from prompt-row attention: sink share, dispersion, visual share, PAQ, class.
 
-DESIGN.md section 3. Input everywhere is the attention of one decoder layer's prompt rows over the
+docs/method.md §2-§3. Input everywhere is the attention of one decoder layer's prompt rows over the
 visual columns, `attn [batch, heads, prompt, visual]`, whose rows were softmaxed over ALL keys (so a
 row sums to the head's visual share, not to 1). `row_valid [batch, prompt]` marks the rows that are
 real prompt tokens of that sample (left padding makes prompts of different lengths share one

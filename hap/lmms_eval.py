@@ -41,7 +41,6 @@ Loglikelihood tasks are refused while pruning (the pruned forward returns fewer 
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 
@@ -52,63 +51,31 @@ with warnings.catch_warnings():  # lmms-eval's llava_hf modules run a process-wi
     from lmms_eval.models.chat.llava_hf import LlavaHf as _LlavaHfChat
     from lmms_eval.models.simple.llava_hf import LlavaHf as _LlavaHfSimple
 
-from .budget import solve_schedule
+from .budget import plan
 from .config import HAPConfig
-from .methods import policy_for
+from .knobs import KNOBS, SEED, knob
 from .patch import apply as _apply_patch
 from .patch.decoder import decoder_shape
 
 MODEL_NAME = "llava_hf_hap"
-_OPTIONAL_FLOAT = ("retain", "flops_ratio")
-_FLOAT = ("decay", "temperature", "tau_sink", "tau_disp", "sink_rho")
-_INT = ("first_layers", "groups", "seed")
-_STR = ("method", "rows")
-HAP_KNOBS = _STR + _OPTIONAL_FLOAT + _INT + _FLOAT
-
-
-def _convert(name: str, value):
-    """`--model_args` value (lmms-eval already turned numerals into int/float) -> the field's type.
-
-    A value that does not convert is passed on unchanged, so that HAPConfig raises its own message."""
-    if isinstance(value, str):
-        text = value.strip()
-        if name in _OPTIONAL_FLOAT and text.lower() in ("", "none", "null"):
-            return None
-        if name in _STR:
-            return text
-        try:
-            number = float(text)
-        except ValueError:
-            return value
-    elif isinstance(value, bool):
-        return value
-    elif isinstance(value, (int, float)):
-        number = value
-    else:
-        return value
-    if name in _INT:
-        return int(number) if math.isfinite(number) and float(number).is_integer() else number
-    return float(number)
+HAP_KNOBS = tuple(k.name for k in (*KNOBS, SEED))  # the `--model_args` HAPConfig takes: every field
 
 
 def config_from_args(args: dict) -> HAPConfig:
-    """HAPConfig from the HAP knobs of `--model_args` (raises HAPConfig's ValueError on a bad one)."""
+    """HAPConfig from the HAP knobs of `--model_args` (lmms-eval already turned numerals into int/float;
+    other text is parsed by the knob). Raises the knob's ValueError on a bad value."""
     unknown = set(args) - set(HAP_KNOBS)
     if unknown:
         raise ValueError(f"unknown HAP knob(s) {sorted(unknown)}; known: {', '.join(HAP_KNOBS)}")
-    return HAPConfig(**{name: _convert(name, value) for name, value in args.items()})
+    return HAPConfig(**{name: knob(name).parse(v) if isinstance(v, str) else v for name, v in args.items()})
 
 
 def check_budget(model, config: HAPConfig) -> None:
     """Raise now (not per sample, inside lmms-eval's `generate` try/except) when the budget is unreachable
-    on this decoder; `solve_schedule` depends only on depth and groups for a retain target. A flops_ratio
+    on this decoder (`hap.budget.plan`; a retain target depends only on depth and groups). A flops_ratio
     target is checked with no text tokens (its least demanding case)."""
-    groups = policy_for(config).groups
-    if not groups:
-        return
     num_visual = int(getattr(model.config, "image_seq_length", None) or 576)
-    solve_schedule(num_visual, decoder_shape(model), first_layers=config.first_layers, groups=groups,
-                   decay=config.decay, retain=config.target_retain, flops_ratio=config.flops_ratio)
+    plan(config, decoder_shape(model), num_visual)
 
 
 class GenerationFailed(RuntimeError):

@@ -1,4 +1,4 @@
-"""HAP and the baselines as scoring policies on one executor (DESIGN.md section 5).
+"""HAP and the baselines as scoring policies on one executor (docs/method.md §7).
 
 Every method runs through the same cuts, the same FLOPs accounting and the same selection; a
 policy only says how many groups there are, which prompt rows and which captured layers score a

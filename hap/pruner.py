@@ -1,4 +1,5 @@
-"""The pruning state of one prefill: which tokens are present, what was captured, what each cut keeps.
+"""The pruning state of one prefill (docs/method.md §9): which tokens are present, what was captured,
+what each cut keeps.
 
 Architecture-free: adapters (`hap.patch.*`) feed it tensors at each decoder layer and apply the
 index lists it returns to hidden states, masks, positions and the cache. Positions below are
@@ -11,44 +12,17 @@ so in a sequence of length T they are always the last P positions.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .budget import DecoderShape, Schedule, solve_schedule
+from .budget import DecoderShape, Schedule, plan
 from .config import HAPConfig
-from .fusion import fusion_weights, group_map, head_fusion, select_top, token_scores
-from .heads import HeadStats, head_stats, sink_tokens, visual_distribution
+from .fusion import fusion_weights, select_top
+from .heads import head_stats, sink_tokens
 from .methods import Policy, cut_scores, policy_for, scoring_layers
-
-
-@dataclass
-class LayerTrace:
-    """What was captured at one decoder layer, per sample (sample-major tensors on the CPU)."""
-
-    stats: HeadStats  # each [batch, heads]
-    head_maps: torch.Tensor  # [batch, heads, visual_total] token score per head, NaN where pruned
-    head_attention: torch.Tensor  # [batch, heads, visual_total] mean over prompt rows of the row's
-    #                               attention renormalised over the visual tokens present (sums to 1)
-    fused_map: torch.Tensor  # [batch, visual_total] PAQ head fusion, NaN where pruned
-    uniform_map: torch.Tensor  # [batch, visual_total] plain head average, NaN where pruned
-    sink_count: torch.Tensor  # [batch] visual tokens flagged as massive-activation sinks
-    tokens_present: int  # visual tokens in the sequence when the layer was captured
-
-
-@dataclass
-class CutTrace:
-    """One cut: the scoring layers, the fused maps that scored it and what it kept."""
-
-    layer: int  # first layer of the group that runs on the kept tokens
-    scored_layers: list[int]
-    kept: torch.Tensor  # long [batch, k] original visual indices, ascending
-    fused_map: torch.Tensor | None  # [batch, visual_total] PAQ-fused group map (layer fusion), NaN where absent
-    uniform_map: torch.Tensor | None  # [batch, visual_total] uniform-average counterpart
-    paq: torch.Tensor | None = None  # [batch, scored layers, heads] the PAQ that weighted this cut
-    weights: torch.Tensor | None = None  # [batch, scored layers, heads] the fusion weights the cut used
+from .trace import CutTrace, Tracer
 
 
 @dataclass
@@ -67,13 +41,13 @@ class PruneState:
     capture_layers: set[int]  # layers whose prompt rows are recomputed (on the tokens they run on)
     scoring_layers: set[int]  # the captured layers that score some cut
     lookahead_layers: set[int]  # layers also captured before their own cut, to score it (a cut before layer 0)
-    trace: bool
+    tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
-    layers: dict[int, LayerTrace] = field(default_factory=dict)
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0
-    _maps: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (layer, lookahead) -> (attn, paq)
+    # (layer, lookahead) -> (attn, paq) of a captured layer, until the cut it scores
+    _maps: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def start(
@@ -84,7 +58,10 @@ class PruneState:
         shape: DecoderShape,
         trace: bool,
     ) -> "PruneState":
-        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None."""
+        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None.
+
+        The state keeps `config` with its model-dependent defaults resolved for `shape`."""
+        config = config.resolved(shape.layers)
         B, T = visual_mask.shape
         counts = visual_mask.sum(-1)
         if not bool((counts == counts[0]).all()):
@@ -95,51 +72,23 @@ class PruneState:
         device = visual_mask.device
         positions = torch.arange(T, device=device)
         visual_pos = positions.expand(B, T)[visual_mask].view(B, N)
-        last_visual = visual_pos[:, -1]
         policy = policy_for(config)
-        if policy.rows == "last":
-            row_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
-        else:
-            P = int((T - 1 - last_visual).max())
-            if P < 1:
-                raise ValueError("no prompt token follows the image: put the image before the question")
-            row_valid = positions[T - P :][None, :] > last_visual[:, None]
-        text_tokens = T - N
-        schedule = None
-        if policy.groups:
-            schedule = solve_schedule(
-                N,
-                shape,
-                first_layers=config.first_layers,
-                groups=policy.groups,
-                decay=config.decay,
-                retain=config.target_retain,
-                flops_ratio=config.flops_ratio,
-                text_tokens=text_tokens,
-            )
-        scoring, lookahead = set(), set()
-        if schedule is not None:
-            starts = [0] + schedule.cuts
-            for g, cut in enumerate(schedule.cuts):
-                if starts[g] == cut and not policy.random:
-                    lookahead.add(cut)
-                else:
-                    scoring.update(scoring_layers(policy, (starts[g], cut)))
-        capture = set(range(shape.layers)) if trace else set(scoring)
+        schedule = plan(config, shape, N, T - N)
+        scoring, lookahead = _scoring_sets(policy, schedule)
         return cls(
             config=config,
             policy=policy,
             schedule=schedule,
             num_visual=N,
-            row_valid=row_valid,
+            row_valid=_prompt_rows(policy.rows, visual_pos[:, -1], T),
             seq_index=positions.expand(B, T).clone(),
             visual_pos=visual_pos,
             kept_orig=torch.arange(N, device=device).expand(B, N).clone(),
             attention_mask=attention_mask,
-            capture_layers=capture,
+            capture_layers=set(range(shape.layers)) if trace else set(scoring),
             scoring_layers=scoring,
             lookahead_layers=lookahead,
-            trace=trace,
+            tracer=Tracer(N, config.temperature) if trace else None,
             prompt_len=T,
         )
 
@@ -178,20 +127,8 @@ class PruneState:
         stats = head_stats(attn, self.row_valid, sink)
         if lookahead or layer in self.scoring_layers:
             self._maps[(layer, lookahead)] = (attn, stats.paq)
-        if self.trace and not lookahead:
-            per_head = token_scores(attn.flatten(0, 1), self.row_valid.repeat_interleave(attn.shape[1], 0))
-            fused = head_fusion(attn[:, None], stats.paq[:, None], self.config.temperature)[:, 0]
-            uniform = head_fusion(attn[:, None], stats.paq[:, None], math.inf)[:, 0]
-            self.layers[layer] = LayerTrace(
-                stats=HeadStats(*(t.detach().cpu() for t in (stats.sink_share, stats.dispersion,
-                                                              stats.visual_share, stats.paq))),
-                head_maps=self._to_grid(per_head.view(attn.shape[0], attn.shape[1], -1)),
-                head_attention=self._to_grid(visual_distribution(attn, self.row_valid)),
-                fused_map=self._to_grid(token_scores(fused, self.row_valid)),
-                uniform_map=self._to_grid(token_scores(uniform, self.row_valid)),
-                sink_count=sink.sum(-1).cpu(),
-                tokens_present=attn.shape[-1],
-            )
+        if self.tracer is not None and not lookahead:
+            self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
         self.scoring_seconds += time.perf_counter() - t0
 
     def cut(self, layer: int) -> torch.Tensor:
@@ -201,14 +138,12 @@ class PruneState:
         starts = [0] + self.schedule.cuts
         scored = scoring_layers(self.policy, (starts[g], layer))
         attn = paq = None
-        fused_map = uniform_map = None
         keys = [(l, l == layer) for l in scored]
         if scored:
             attn = torch.stack([self._maps[key][0] for key in keys], 1)  # [B, Lg, H, P, N_cur]
             paq = torch.stack([self._maps[key][1] for key in keys], 1)  # [B, Lg, H]
-            if self.trace:
-                fused_map = self._to_grid(token_scores(group_map(attn, paq, self.config.temperature), self.row_valid))
-                uniform_map = self._to_grid(token_scores(group_map(attn, paq, math.inf), self.row_valid))
+            if self.tracer is not None:
+                self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
         scores = cut_scores(self.policy, attn, paq, self.row_valid, n_cur, self.config.seed, g)
         k = min(self.schedule.kept[g], n_cur)
@@ -224,19 +159,11 @@ class PruneState:
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
         weights = None if paq is None else fusion_weights(paq, self.policy.temperature).cpu()
-        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), fused_map, uniform_map,
-                                  None if paq is None else paq.cpu(), weights))
+        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(), weights))
         for key in keys:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0
         return kept_positions
-
-    def _to_grid(self, values: torch.Tensor) -> torch.Tensor:
-        """Scatter `[..., N_cur]` values of the present tokens onto `[..., N]`, NaN where pruned (CPU)."""
-        out = torch.full((*values.shape[:-1], self.num_visual), math.nan)
-        idx = self.kept_orig.cpu()
-        idx = idx.view(idx.shape[0], *([1] * (values.dim() - 2)), idx.shape[1]).expand_as(values)
-        return out.scatter(-1, idx, values.detach().float().cpu())
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.
@@ -248,3 +175,28 @@ class PruneState:
             return None
         index = self.segment_index[layer]
         return torch.cat([attention_mask.gather(1, index), attention_mask[:, self.prompt_len :]], 1)
+
+
+def _prompt_rows(rows: str, last_visual: torch.Tensor, T: int) -> torch.Tensor:
+    """bool [batch, P] valid prompt rows: the last P positions, those after each sample's last visual token
+    (`last_visual` long [batch]) for rows "prompt", the last token alone for "last"."""
+    B = last_visual.shape[0]
+    if rows == "last":
+        return torch.ones(B, 1, dtype=torch.bool, device=last_visual.device)
+    P = int((T - 1 - last_visual).max())
+    if P < 1:
+        raise ValueError("no prompt token follows the image: put the image before the question")
+    return torch.arange(T - P, T, device=last_visual.device)[None, :] > last_visual[:, None]
+
+
+def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], set[int]]:
+    """(layers whose maps score a cut after they ran, layers captured before their own cut to score it)."""
+    scoring, lookahead = set(), set()
+    if schedule is not None:
+        starts = [0] + schedule.cuts
+        for g, cut in enumerate(schedule.cuts):
+            if starts[g] == cut and not policy.random:
+                lookahead.add(cut)
+            else:
+                scoring.update(scoring_layers(policy, (starts[g], cut)))
+    return scoring, lookahead

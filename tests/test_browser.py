@@ -15,7 +15,8 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1000"]
 ARTIFACTS = ROOT / "test-artifacts"
-PLOTS = ["kept", "classes", "paq", "heads", "layers", "groups", "versus"]  # elem_id suffixes of the gr.Plot outputs
+# elem_id plot-<name> of the gr.Plot outputs, one per view of hap.views.VIEWS
+PLOTS = ["kept_masks", "head_classes", "paq", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq"]
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +62,13 @@ def test_example_run_shows_answers_and_plots(page_url, driver):
         wait.until(EC.text_to_be_present_in_element((By.ID, f"answer-{key}"), "visual tokens"))
     for name in PLOTS:
         wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{name} .js-plotly-plot .main-svg")))
-    layers = driver.find_elements(By.CSS_SELECTOR, "#plot-heads .js-plotly-plot image, #plot-heads .js-plotly-plot .hm")
+    layers = driver.find_elements(By.CSS_SELECTOR, "#plot-head_maps .js-plotly-plot image, #plot-head_maps .js-plotly-plot .hm")
     assert layers, "the per-head maps drew no image or heatmap layer"
     assert "Group 0" in driver.find_element(By.ID, "explanation").text
     box = driver.find_element(By.CSS_SELECTOR, "#layer-slider input[type=number]")  # re-draw another layer's heads
     box.clear()
     box.send_keys("3", Keys.TAB)
-    wait.until(EC.text_to_be_present_in_element((By.ID, "plot-heads"), "Per-head maps of layer 3"))
+    wait.until(EC.text_to_be_present_in_element((By.ID, "plot-head_maps"), "Per-head maps of layer 3"))
     ARTIFACTS.mkdir(exist_ok=True)
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1400, height)

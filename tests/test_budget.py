@@ -2,7 +2,8 @@
 
 import pytest
 
-from hap.budget import DecoderShape, Schedule, group_cuts, layer_flops, prefill_flops, solve_schedule
+from hap import HAPConfig
+from hap.budget import DecoderShape, Schedule, group_cuts, layer_flops, plan, prefill_flops, solve_schedule
 
 LLAVA7B = DecoderShape.mha(layers=32, hidden=4096, intermediate=11008)
 
@@ -78,3 +79,25 @@ def test_a_budget_rounding_to_zero_keeps_one_token_per_group_and_says_so():
     s = solve_schedule(144, shape, first_layers=0, groups=3, decay=0.5, retain=0.001)
     assert s.kept == [1, 1, 1]
     assert any("keeping 1" in note for note in s.notes)
+
+
+SHALLOW = DecoderShape.mha(layers=6, hidden=64, intermediate=128)
+
+
+def test_plan_resolves_the_per_model_defaults():
+    assert plan(HAPConfig(), SHALLOW, 144).cuts == [0, 2, 4]  # first_layers 0 on 6 layers
+    deep = plan(HAPConfig(), LLAVA7B, 576)
+    assert deep.cuts == [2, 12, 22] and deep.target_retain == 0.111
+    assert deep.kept == solve_schedule(576, LLAVA7B, first_layers=2, groups=3, decay=0.5, retain=0.111).kept
+
+
+def test_plan_gives_fastv_one_cut_at_k_and_none_no_schedule():
+    fastv = plan(HAPConfig(method="fastv", retain=0.3, first_layers=2), LLAVA7B, 576)
+    assert fastv.cuts == [2] and fastv.kept == [round(576 * (0.3 * 32 - 2) / 30)]
+    assert plan(HAPConfig(method="none"), LLAVA7B, 576) is None
+
+
+def test_plan_with_a_flops_target_keeps_fewer_tokens_behind_a_longer_text():
+    config = HAPConfig(flops_ratio=0.5, first_layers=2)
+    short, long = plan(config, LLAVA7B, 576, text_tokens=10), plan(config, LLAVA7B, 576, text_tokens=300)
+    assert short.flops_ratio(10, LLAVA7B) == pytest.approx(0.5, abs=0.01) and long.kept[0] < short.kept[0]

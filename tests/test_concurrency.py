@@ -37,7 +37,7 @@ def request(client: Client, model: str, variant: dict, timeout: float):
     v = {**SETTINGS, **variant}
     image = handle_file(str(ROOT / "assets" / "examples" / v.pop("image")))
     prompt = v.pop("prompt")
-    job = client.submit(image, prompt, model, *(v[k] for k in SETTINGS), api_name="/analyze")
+    job = client.submit(image=image, prompt=prompt, model_name=model, **v, api_name="/analyze")
     return job.result(timeout=timeout)
 
 

@@ -39,7 +39,10 @@ def test_invalid_values_raise_naming_the_field(kwargs, match):
 
 def test_defaults_and_derived_budget():
     cfg = HAPConfig()
-    assert (cfg.method, cfg.first_layers, cfg.groups, cfg.decay, cfg.seed) == ("hap", 2, 3, 0.5, 0)
-    assert cfg.target_retain == 0.222
-    assert HAPConfig(flops_ratio=0.3).target_retain is None
+    assert (cfg.method, cfg.first_layers, cfg.groups, cfg.decay, cfg.seed) == ("hap", None, 3, 0.5, 0)
+    deep, shallow = cfg.resolved(32), cfg.resolved(6)
+    assert (deep.first_layers, deep.retain) == (2, 0.111)  # FastV's K and the 64-of-576 budget on deep decoders
+    assert (shallow.first_layers, shallow.retain) == (0, 0.25)  # cut before layer 0 on shallow ones
+    assert HAPConfig(flops_ratio=0.3).resolved(32).retain is None
+    assert HAPConfig(first_layers=1, retain=0.3).resolved(6) == HAPConfig(first_layers=1, retain=0.3)
     assert HAPConfig(temperature=math.inf).temperature == math.inf

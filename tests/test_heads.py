@@ -1,10 +1,7 @@
-"""Planted sink / dispersed / focused heads: classification, PAQ order, and fusion vs averaging."""
-
-import math
+"""Planted sink / dispersed / focused heads: the sink detector, head statistics, classification and PAQ order."""
 
 import torch
 
-from hap.fusion import fusion_weights, group_map, head_fusion, layer_shares, select_top, token_scores
 from hap.heads import head_stats, classify, sink_tokens
 
 N, P = 64, 5
@@ -58,33 +55,3 @@ def test_invalid_rows_do_not_count():
     valid[0, -1] = False  # ...but it is padding
     stats = head_stats(attn, valid, sink)
     assert classify(stats, 0.5, 0.9)[0][:3] == ["sink", "dispersed", "optimal"]
-
-
-def test_paq_fusion_ranks_the_planted_region_first_where_averaging_does_not():
-    attn, sink = planted_layer()
-    valid = torch.ones(1, P, dtype=torch.bool)
-    paq = head_stats(attn, valid, sink).paq  # [1, 4]
-    group = attn[:, None]  # one layer: [1, 1, 4, P, N]
-    hap = token_scores(group_map(group, paq[:, None], temperature=0.1), valid)
-    uniform = token_scores(group_map(group, paq[:, None], temperature=math.inf), valid)
-    assert sorted(select_top(hap, len(REGION))[0].tolist()) == REGION
-    assert set(select_top(uniform, len(REGION))[0].tolist()) != set(REGION)
-
-
-def test_group_map_factors_into_head_then_layer_fusion():
-    torch.manual_seed(0)
-    attn = torch.rand(2, 3, 4, P, N)  # [batch, layers, heads, P, N]
-    paq = torch.rand(2, 3, 4)
-    T = 0.3
-    direct = group_map(attn, paq, T)
-    per_layer = head_fusion(attn, paq, T)  # [2, 3, P, N]
-    beta = layer_shares(paq, T)  # [2, 3]
-    assert torch.allclose(direct, (per_layer * beta[..., None, None]).sum(1), atol=1e-6)
-    assert torch.allclose(fusion_weights(paq, T).sum((1, 2)), torch.ones(2))
-    assert torch.allclose(group_map(attn, paq, math.inf), attn.mean((1, 2)), atol=1e-6)
-
-
-def test_selection_breaks_ties_by_position_and_keeps_order():
-    scores = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0]])
-    assert select_top(scores, 3).tolist() == [[1, 2, 4]]
-    assert select_top(scores, 4).tolist() == [[1, 2, 4, 5]]

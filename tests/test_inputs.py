@@ -43,6 +43,35 @@ def test_every_image_mode_becomes_rgb(make, mode_in):
     assert out.mode == "RGB" and out.size[0] >= 1
 
 
+def pixels(img: Image.Image) -> list[tuple[int, int, int]]:
+    """The RGB pixels of the first row of `load_image(img)`."""
+    out = load_image(img)
+    assert out.mode == "RGB"
+    return [out.getpixel((x, 0)) for x in range(out.width)]
+
+
+def test_16_bit_grey_keeps_its_high_byte():
+    values = np.array([[0, 10 * 256 + 255, 128 * 256, 65535]], dtype=np.uint16)
+    img = Image.fromarray(values)
+    assert img.mode == "I;16"
+    assert pixels(img) == [(0, 0, 0), (10, 10, 10), (128, 128, 128), (255, 255, 255)]
+
+
+def test_cmyk_converts_by_its_inks():
+    img = Image.new("CMYK", (5, 1))
+    img.putdata([(0, 0, 0, 0), (255, 0, 0, 0), (0, 255, 255, 0), (0, 0, 0, 255), (0, 0, 0, 55)])
+    assert pixels(img) == [(255, 255, 255), (0, 255, 255), (255, 0, 0), (0, 0, 0), (200, 200, 200)]
+
+
+def test_palette_colours_and_a_transparent_index():
+    img = Image.new("P", (3, 1))
+    img.putpalette([255, 0, 0, 0, 128, 0, 0, 0, 255] + [0] * (3 * 253))
+    img.putdata([0, 1, 2])
+    assert pixels(img) == [(255, 0, 0), (0, 128, 0), (0, 0, 255)]
+    img.info["transparency"] = 1
+    assert pixels(img) == [(255, 0, 0), (255, 255, 255), (0, 0, 255)]  # transparent on white
+
+
 def test_transparent_pixels_become_white():
     img = Image.new("RGBA", (4, 4), (255, 0, 0, 0))
     assert load_image(img).getpixel((0, 0)) == (255, 255, 255)

@@ -149,7 +149,7 @@ def test_an_image_cannot_be_added_to_an_existing_cache():
 
 def test_retain_below_the_reachable_minimum_names_the_fix():
     model, make_inputs = llava_case(layers=6)
-    with hap.patched(model, hap.HAPConfig(retain=0.056)), torch.no_grad():
+    with hap.patched(model, hap.HAPConfig(retain=0.056, first_layers=2)), torch.no_grad():
         with pytest.raises(ValueError, match=r"retain=0.056 is unreachable.*lower first_layers"):
             model(**make_inputs(QUESTIONS[:1], None))
 

@@ -27,6 +27,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from hap.inputs import InputLimits
+from hap.knobs import KNOBS
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 SCENE2 = ROOT / "assets" / "examples" / "scene_600001.png"
@@ -60,7 +61,8 @@ class Server:
         settings = {**SETTINGS, **changes}
         if isinstance(image, (str, Path)):
             image = handle_file(str(image))
-        return self.client.predict(image, prompt, model or self.model, *settings.values(), api_name="/analyze")
+        return self.client.predict(image=image, prompt=prompt, model_name=model or self.model, **settings,
+                                   api_name="/analyze")
 
     def refused(self, match: str, **request) -> str:
         """The request fails with a message matching `match` (no traceback), and the server still answers."""
@@ -78,6 +80,11 @@ class Server:
 
     def still_serving(self) -> None:
         assert fingerprint(self.analyze()) == self.baseline
+
+    def payload(self, image, **changes) -> list:
+        """The positional `data` of a raw /analyze call: image, prompt, model, then every knob in registry order."""
+        settings = {**SETTINGS, **changes}
+        return [image, PROMPT, self.model, *(settings.get(k.name) for k in KNOBS)]
 
     def raw(self, data: list) -> tuple[str, object]:
         """POST /call/analyze with a JSON body gradio_client would not send; (event, payload) of the answer."""
@@ -120,7 +127,8 @@ def remote_code_model(target: Path, marker: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from app.app import build_demo, launch_options, resolve
+    from app.app import build_demo, launch_options
+    from app.settings import resolve
 
     tmp = tmp_path_factory.mktemp("reliability")
     model = default_model(tmp / "tiny")
@@ -212,13 +220,13 @@ def test_an_upload_over_the_byte_limit_is_refused_before_it_is_stored(server, tm
 
 def test_a_server_path_that_was_not_uploaded_is_refused(server):
     image = {"path": str(SCENE), "meta": {"_type": "gradio.FileData"}}
-    event, payload = server.raw([image, PROMPT, server.model, *SETTINGS.values()])
+    event, payload = server.raw(server.payload(image))
     assert event == "error" and "it was not uploaded by a user" in payload["error"]
     server.still_serving()
 
 
 def test_an_image_that_is_not_a_file_is_refused(server):
-    event, payload = server.raw(["/etc/hostname", PROMPT, server.model, *SETTINGS.values()])
+    event, payload = server.raw(server.payload("/etc/hostname"))
     assert event == "error" and "validation error for ImageData" in payload["error"], payload  # gradio's own check
     server.still_serving()
 
@@ -338,31 +346,24 @@ def test_right_to_left_and_non_ascii_text_is_kept(server):
 
 # --------------------------------------------------------------------------------------------- settings
 
-BAD_SETTINGS = [  # (field, value, message); every numeric knob: below, above, negative, wrong type
-    ("retain", 0, r"retain=0 is less than minimum 0.01; allowed: a number in \[0.01, 1\]"),
-    ("retain", 1.5, r"retain=1.5 is greater than maximum 1; allowed: a number in \[0.01, 1\]"),
-    ("retain", -0.2, r"retain=-0.2 is less than minimum 0.01"),
-    ("retain", "0.5", r"retain='0.5' \(str\) must be a number in \[0.01, 1\]"),
-    ("retain", None, r"retain=None \(NoneType\) must be a number in \[0.01, 1\]"),
-    ("groups", 0, r"groups=0 is less than minimum 1; allowed: a whole number in \[1, 8\]"),
-    ("groups", 9, r"groups=9 is greater than maximum 8"),
-    ("groups", 2.5, r"groups=2.5 must be a whole number in \[1, 8\]"),
-    ("groups", True, r"groups=True \(bool\) must be a whole number in \[1, 8\]"),
-    ("first_layers", -1, r"first_layers=-1 is less than minimum 0; allowed: a whole number in \[0, 8\]"),
-    ("first_layers", 9, r"first_layers=9 is greater than maximum 8"),
-    ("first_layers", [1], r"first_layers=\[1\] \(list\) must be a whole number"),
-    ("decay", 0, r"decay=0 is less than minimum 0.05; allowed: a number in \[0.05, 1\]"),
-    ("decay", 2, r"decay=2 is greater than maximum 1"),
-    ("temperature", -1, r"temperature=-1 must be a number > 0, or 0 for uniform averaging; allowed: \[0, 1000\]"),
-    ("temperature", "hot", r"temperature='hot' must be a number > 0"),
-    ("temperature", 1e9, r"temperature=1000000000(\.0)? must be a number > 0.*allowed: \[0, 1000\]"),
-    ("tau_sink", 1.5, r"tau_sink=1.5 is greater than maximum 1; allowed: a number in \[0, 1\]"),
-    ("tau_disp", -0.1, r"tau_disp=-0.1 is less than minimum 0"),
-    ("sink_rho", 0.5, r"sink_rho=0.5 is less than minimum 1; allowed: a number in \[1, 100\]"),
-    ("sink_rho", {"x": 1}, r"sink_rho=\{'x': 1\} \(dict\) must be a number"),
+ALLOWED = {  # what each numeric knob allows, as its message says (hap/knobs.py)
+    "retain": "a number in (0, 1]", "flops_ratio": "a number in (0, 1]", "decay": "a number in (0, 1]",
+    "groups": "an integer >= 1", "first_layers": "an integer >= 0", "temperature": "a number > 0",
+    "tau_sink": "a number in [0, 1]", "tau_disp": "a number in [0, 1]", "sink_rho": "a number >= 1",
+}
+OUT_OF_RANGE = [  # (field, value): every numeric knob below, above, negative, of the wrong type
+    *(("retain", v) for v in (0, 1.5, -0.2, "0.5")), ("flops_ratio", 0), *(("groups", v) for v in (0, 2.5, True)),
+    ("first_layers", -1), ("first_layers", [1]), ("decay", 0), ("decay", 2),
+    *(("temperature", v) for v in (-1, "hot", 0)), ("tau_sink", 1.5), ("tau_disp", -0.1),
+    ("sink_rho", 0.5), ("sink_rho", {"x": 1}),
+]
+BAD_SETTINGS = [  # (field, value, message): the range of each knob, then the choices and what this model allows
+    *((n, v, re.escape(f"{n}={v!r} must be {ALLOWED[n]}")) for n, v in OUT_OF_RANGE),
     ("method", "evil", r"method='evil' is not allowed; choose one of hap, uniform, fastv, pdrop, random, none"),
     ("rows", "middle", r"rows='middle' is not allowed; choose one of prompt, last"),
-    ("first_layers", 6, r"first_layers=6 must be < the decoder's 6 layers"),  # in range, but not for this model
+    ("groups", 9, r"groups=9 must be <= 6: layers \[0, 6\) cannot be split into more groups"),  # not for this model
+    ("first_layers", 9, r"first_layers=9 must be < the decoder's 6 layers"),
+    ("first_layers", 6, r"first_layers=6 must be < the decoder's 6 layers"),
     ("first_layers", 2, r"retain=0.2 is unreachable: with first_layers=2 of 6 decoder layers"),
 ]
 
@@ -373,17 +374,17 @@ def test_bad_setting_names_the_field_and_the_range(server, name, value, match):
     server.refused(match, **{name: value})
 
 
-NON_FINITE = [("retain", math.nan, r"retain=nan is not a number; allowed: a number in \[0.01, 1\]"),
+NON_FINITE = [("retain", math.nan, r"retain=nan must be a number in \(0, 1\]"),
               ("temperature", math.nan, r"temperature=nan must be a number > 0"),
-              ("sink_rho", math.inf, r"sink_rho=inf is greater than maximum 100"),
-              ("groups", -math.inf, r"groups=-inf is less than minimum 1")]
+              ("decay", math.inf, r"decay=inf must be a number in \(0, 1\]"),
+              ("groups", -math.inf, r"groups=-inf must be an integer >= 1")]
 
 
 @pytest.mark.parametrize(("name", "value", "match"), NON_FINITE, ids=[f"{n}={v}" for n, v, _ in NON_FINITE])
 def test_nan_and_infinity_sent_as_raw_json(server, tmp_path, name, value, match):
     """gradio_client refuses to encode NaN; a hand-written client sends the literal, and gets the field named."""
     image = server.uploaded(SCENE)
-    event, payload = server.raw([image, PROMPT, server.model, *{**SETTINGS, name: value}.values()])
+    event, payload = server.raw(server.payload(image, **{name: value}))
     assert event == "error"
     assert re.search(match, payload["error"]), payload
     server.still_serving()
@@ -427,7 +428,7 @@ def test_an_unreachable_model_fails_cleanly(server):
 
 
 def test_pickled_weights_are_refused_and_the_loaded_model_keeps_working(server, local_models_on):
-    from app.app import LOADED
+    from app.handler import LOADED
 
     before = fingerprint(server.analyze(model=server.local))  # another allowed model, now the loaded one
     loaded = LOADED.model
@@ -448,8 +449,8 @@ def test_remote_code_is_never_run(server, local_models_on):
 
 
 def test_out_of_memory_is_reported_freed_and_the_next_request_succeeds(server, monkeypatch):
-    import app.app as app_module
-    from app.app import LOADED
+    import app.handler as app_module
+    from app.handler import LOADED
 
     freed = []
     monkeypatch.setattr(app_module, "free_memory", lambda: freed.append(1))
@@ -467,7 +468,7 @@ def test_out_of_memory_is_reported_freed_and_the_next_request_succeeds(server, m
 
 
 def test_out_of_memory_outside_generation_is_reported_too(server, monkeypatch):
-    import app.app as app_module
+    import app.handler as app_module
 
     def exhausted(*args, **kwargs):
         raise MemoryError()
@@ -480,7 +481,7 @@ def test_out_of_memory_outside_generation_is_reported_too(server, monkeypatch):
 
 
 def test_an_unexpected_error_is_a_message_not_a_traceback(server, monkeypatch):
-    import app.app as app_module
+    import app.handler as app_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("figure backend exploded")
@@ -509,7 +510,7 @@ def test_same_inputs_give_the_same_selection_request_after_request(server):
 
 
 def test_settings_come_from_the_environment():
-    from app.app import HUB_MODELS, TINY_MODEL, Settings, launch_options
+    from app.settings import HUB_MODELS, TINY_MODEL, Settings, launch_options
 
     default = Settings.from_env({})
     assert default.models == [TINY_MODEL, *HUB_MODELS] and not default.allow_local and default.queue_size == 16

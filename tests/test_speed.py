@@ -1,14 +1,34 @@
-"""The speed benchmark script runs and prints every row (timings are printed, never asserted)."""
+"""The speed benchmark script runs and prints every row; the reported ratios are those of its own timings."""
 
-from analysis.speed import main
+import pytest
+
+from analysis.speed import GRID, main, table
+from hap.budget import DecoderShape, Schedule, layer_flops
 
 
 def test_speed_script_prints_ratios_for_each_method(capsys):
-    main(["--shape", "mid", "--layers", "2", "--repeats", "1", "--methods", "hap", "random",
-          "--retain", "0.5", "--groups", "2", "--text-tokens", "12"])
+    report = main(["--shape", "mid", "--layers", "2", "--repeats", "1", "--methods", "hap", "random",
+                   "--retain", "0.5", "--groups", "2", "--text-tokens", "12"])
     out = capsys.readouterr().out
     assert "first_layers=0" in out and "text only" in out
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["hap"], ["random"])]
-    assert [r[0] for r in rows] == ["hap", "random"]
-    assert all(float(r[4]) > 0 and float(r[5]) > 1 for r in rows)  # measured and ideal speed-ups
-    assert rows[0][-1].endswith("%")  # HAP's scoring overhead against the same schedule without scoring
+    printed = [line.split() for line in out.splitlines() if line.split()[:1] in (["hap"], ["random"])]
+    rows = report["mid"]
+    assert [r[0] for r in printed] == [r["method"] for r in rows] == ["hap", "random"]
+    base_ms = float(out.split("none: prefill ")[1].split(" ms")[0])
+    for line, row in zip(printed, rows):
+        assert float(line[3]) == pytest.approx(row["seconds"] * 1000, abs=0.05)
+        assert float(line[4]) == pytest.approx(row["speedup"], abs=0.005)
+        assert row["speedup"] == pytest.approx(base_ms / float(line[3]), rel=0.02, abs=0.01)  # none / method
+        assert row["kept"] == pytest.approx(0.5 * GRID * GRID, abs=1) and row["ideal"] > 1
+    assert printed[0][-1].endswith("%") and rows[1]["overhead"] is None
+
+
+def test_table_ratios_come_from_the_timings_and_the_flops():
+    shape = DecoderShape.mha(layers=2, hidden=8, intermediate=16)
+    schedule = Schedule(num_visual=10, num_layers=2, cuts=[0], kept=[5])
+    median = {("none", 1.0): 4.0, ("hap", 0.5): 2.5, ("random", 0.5): 2.0}
+    peak = dict.fromkeys(median, 0.0)
+    hap_row, random_row = table({("hap", 0.5): schedule, ("random", 0.5): schedule}, median, peak, 3, shape)
+    assert hap_row["speedup"] == 4.0 / 2.5 and random_row["speedup"] == 2.0
+    assert hap_row["ideal"] == pytest.approx(layer_flops(13, shape) / layer_flops(8, shape))
+    assert hap_row["overhead"] == pytest.approx(0.5 / 2.5) and hap_row["kept"] == 5

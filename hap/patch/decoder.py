@@ -1,28 +1,29 @@
-"""The hook machinery shared by the adapters of Hugging Face VLMs whose decoder is a stack of
+"""The hook machinery (docs/method.md §9) shared by the adapters of Hugging Face VLMs whose decoder is a stack of
 Llama-style layers (`input_layernorm`, `self_attn.{q,k}_proj`, RoPE from `position_embeddings`,
 a dynamic KV cache): LLaVA with a Llama or Qwen2 decoder, Qwen2-VL, Qwen2.5-VL. Each adapter
 (`llava.py`, `qwen2_vl.py`) says where the decoder and the image token are and how the visual
 tokens lie on the image; this module does the rest.
 
 Only forward hooks on one instance, removable by `remove_patch`; no class is modified and the
-decoder layers keep their attention implementation (SDPA, eager, ...). Modifications of the
-stock forward, all made by hooks:
+decoder layers keep their attention implementation (SDPA, eager, ...). The hooks are the methods
+of one `Patch` object, one per step of a forward:
 
-- multimodal-model pre-hook: finds the visual tokens (`input_ids == image_token_id`) and plans the
-  prefill (`PruneState.start`); on a decode step it keeps the step's 2-D mask.
-- decoder-layer pre-hook, prefill: recomputes the prompt rows of the layers whose maps are
-  needed (from the layer's own norm, q/k projections and RoPE); at a cut, gathers the kept tokens
-  of the hidden states, the RoPE (cos, sin), the position ids (originals: no RoPE shift) and
-  rebuilds the mask for the shorter sequence, then hands those to every later layer, so each
-  later layer writes a shorter KV cache.
-- decoder-layer pre-hook, decode: layers after a cut get a mask sized to their own cache.
+- `model_pre_hook`: finds the visual tokens (`input_ids == image_token_id`) and plans the prefill
+  (`PruneState.start`); on a decode step it keeps the step's 2-D mask.
+- `layer_prefill`: recomputes the prompt rows of the layers whose maps are needed (from the layer's
+  own norm, q/k projections and RoPE); at a cut, gathers the kept tokens of the hidden states, the
+  RoPE (cos, sin), the position ids (originals: no RoPE shift) and rebuilds the mask for the shorter
+  sequence, then hands those to every later layer, so each later layer writes a shorter KV cache.
+- `layer_decode`: layers after a cut get a mask sized to their own cache.
+- `layer_done`: a capture deferred until the layer cached its keys reads them there.
+- `decoder_done`: the prefill's wall time.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers.masking_utils import create_causal_mask
@@ -31,23 +32,6 @@ from ..budget import DecoderShape
 from ..capture import prompt_attention
 from ..config import HAPConfig
 from ..pruner import PruneState
-
-
-@dataclass
-class Patch:
-    """Everything the patch attaches to the model as `model._hap`."""
-
-    config: HAPConfig
-    trace: bool
-    handles: list = field(default_factory=list)
-    state: PruneState | None = None
-    mode: str | None = None  # "prefill", "decode" or None (not pruning this forward)
-    step_mask: torch.Tensor | None = None
-    overrides: dict = field(default_factory=dict)
-    pending: tuple | None = None  # (queries, hidden) of a capture waiting for the layer's cached keys
-    cache: object | None = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
-    prefill_started: float = 0.0
-    prefill_seconds: float = 0.0
 
 
 def decoder_of(model) -> torch.nn.Module:
@@ -71,95 +55,124 @@ def decoder_shape(model) -> DecoderShape:
     return DecoderShape(tc.num_hidden_layers, tc.hidden_size, tc.intermediate_size, kv_heads * head_dim)
 
 
+class Patch:
+    """The hooks of one patched model (`model._hap`): one object whose methods are the named steps of a
+    forward (model pre-hook, layer prefill, layer decode, layer done, decoder done)."""
+
+    def __init__(self, model, config: HAPConfig, trace: bool) -> None:
+        self.config, self.trace = config, trace
+        self.shape = decoder_shape(model)
+        self.image_token = model.config.image_token_id
+        self.text_config = decoder_of(model).config
+        self.handles: list = []
+        self.state: PruneState | None = None  # the last prefill's pruning state
+        self.mode: str | None = None  # "prefill", "decode" or None (not pruning this forward)
+        self.step_mask: torch.Tensor | None = None  # the decode step's 2-D mask as generate passes it
+        self.overrides: dict = {}  # layer kwargs a cut changed, handed to every later layer
+        self.pending: tuple | None = None  # (queries, hidden) of a capture waiting for the layer's cached keys
+        self.cache = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
+        self.prefill_started = 0.0
+        self.prefill_seconds = 0.0
+
+    def attach(self, model) -> None:
+        """Register every hook on `model` (removable through `self.handles`)."""
+        lm = decoder_of(model)
+        self.handles.append(model.model.register_forward_pre_hook(self.model_pre_hook, with_kwargs=True))
+        self.handles.append(lm.register_forward_hook(self.decoder_done, with_kwargs=True))
+        for i, layer in enumerate(lm.layers):
+            self.handles.append(layer.register_forward_pre_hook(partial(self.layer_pre_hook, i), with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(partial(self.layer_done, i), with_kwargs=True))
+
+    def model_pre_hook(self, module, args, kwargs) -> None:
+        """Before the multimodal model: a prompt with the image starts a pruned prefill (plans it); a
+        decode step on the pruned prefill's cache keeps its 2-D mask; anything else runs stock."""
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self.overrides = {}
+        if self.config.method == "none" and not self.trace:
+            self.mode = None
+        elif input_ids is not None and bool((input_ids == self.image_token).any()):
+            cache = kwargs.get("cache")
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError("HAP prunes a fresh prefill: an image cannot be added to an existing KV cache")
+            self.prefill_started = time.perf_counter()
+            self.state = PruneState.start(
+                self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace
+            )
+            self.mode = "prefill"
+        elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
+            self.mode = "decode"
+            self.step_mask = kwargs.get("attention_mask")
+        else:
+            self.mode = None
+
+    def layer_pre_hook(self, index: int, layer, args, kwargs):
+        """Before decoder layer `index`: the prefill or decode step, with the earlier cuts' overrides."""
+        if self.mode is None:
+            return None
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kwargs.update(self.overrides)
+        if self.mode == "prefill":
+            hidden = self.layer_prefill(index, layer, hidden, kwargs)
+        else:
+            self.layer_decode(index, hidden, kwargs)
+        return (hidden, *args[1:]), kwargs
+
+    def layer_prefill(self, index: int, layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Prefill at layer `index`: a lookahead capture, the cut entering the layer, the layer's own capture
+        (deferred to `layer_done` when the layer writes its keys to the cache). Returns the hidden states."""
+        st = self.state
+        self.cache = kwargs.get("cache")
+        if index in st.lookahead_layers:
+            _record(st, layer, index, _queries(st, layer, hidden, kwargs), _keys(layer, hidden, kwargs), hidden,
+                    lookahead=True)
+        if st.cut_index(index) is not None:
+            hidden = _cut(st, self.text_config, index, hidden, kwargs)
+            self.overrides = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")
+                              if k in kwargs}
+        if index in st.capture_layers:
+            q = _queries(st, layer, hidden, kwargs)
+            if kwargs.get("use_cache") and kwargs.get("cache") is not None:
+                self.pending = (q, hidden)  # keys come from the cache once the layer ran
+            else:
+                _record(st, layer, index, q, _keys(layer, hidden, kwargs), hidden)
+        return hidden
+
+    def layer_decode(self, index: int, hidden: torch.Tensor, kwargs: dict) -> None:
+        """Decode step at layer `index`: a layer entering a cut gets a mask sized to its group's cache."""
+        if self.state.cut_index(index) is None:
+            return
+        step_mask = self.state.decode_attention_mask(index, self.step_mask)
+        kwargs["attention_mask"] = create_causal_mask(
+            config=self.text_config,
+            inputs_embeds=hidden,
+            attention_mask=None if step_mask is None else step_mask.to(hidden.device),
+            cache=kwargs.get("cache"),
+            position_ids=None,
+            layer_idx=index,
+        )
+        self.overrides = {"attention_mask": kwargs["attention_mask"]}
+
+    def layer_done(self, index: int, layer, args, kwargs, output) -> None:
+        """After decoder layer `index`: a deferred capture reads the keys the layer just cached."""
+        if self.pending is None:
+            return
+        (q, hidden), self.pending = self.pending, None
+        k = _cached_keys(kwargs["cache"], index)
+        _record(self.state, layer, index, q, k if k is not None else _keys(layer, hidden, kwargs), hidden)
+
+    def decoder_done(self, module, args, kwargs, output) -> None:
+        """After the decoder: the prefill's wall time."""
+        if self.mode == "prefill":
+            self.prefill_seconds = time.perf_counter() - self.prefill_started
+
+
 def apply_patch(model, config: HAPConfig, trace: bool = False) -> Patch:
     """Patch `model` in place so that its forward and `generate` prune as `config` says."""
     check_decoder(model)
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(config=config, trace=trace)
-    shape = decoder_shape(model)
-    image_token = model.config.image_token_id
-    lm = decoder_of(model)
-    text_config = lm.config
-
-    def on_model(module, args, kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        patch.overrides = {}
-        if config.method == "none" and not trace:
-            patch.mode = None
-        elif input_ids is not None and bool((input_ids == image_token).any()):
-            cache = kwargs.get("cache")
-            if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError("HAP prunes a fresh prefill: an image cannot be added to an existing KV cache")
-            patch.prefill_started = time.perf_counter()
-            patch.state = PruneState.start(
-                config, input_ids == image_token, kwargs.get("attention_mask"), shape, trace
-            )
-            patch.mode = "prefill"
-        elif patch.cache is not None and kwargs.get("cache") is patch.cache and patch.state.schedule is not None:
-            patch.mode = "decode"
-            patch.step_mask = kwargs.get("attention_mask")
-        else:
-            patch.mode = None
-
-    def on_decoder_done(module, args, kwargs, output):
-        if patch.mode == "prefill":
-            patch.prefill_seconds = time.perf_counter() - patch.prefill_started
-
-    def make_layer_hook(index: int):
-        def on_layer(layer, args, kwargs):
-            if patch.mode is None:
-                return None
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            rest = args[1:]
-            kwargs.update(patch.overrides)
-            st = patch.state
-            if patch.mode == "prefill":
-                patch.cache = kwargs.get("cache")
-                if index in st.lookahead_layers:
-                    q, k = _queries(st, layer, hidden, kwargs), _keys(layer, hidden, kwargs)
-                    _record(st, layer, index, q, k, hidden, lookahead=True)
-                if st.cut_index(index) is not None:
-                    hidden = _cut(st, text_config, index, hidden, kwargs)
-                    patch.overrides = {
-                        k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids") if k in kwargs
-                    }
-                if index in st.capture_layers:
-                    q = _queries(st, layer, hidden, kwargs)
-                    if kwargs.get("use_cache") and kwargs.get("cache") is not None:
-                        patch.pending = (q, hidden)  # keys come from the cache once the layer ran
-                    else:
-                        _record(st, layer, index, q, _keys(layer, hidden, kwargs), hidden)
-            elif st.cut_index(index) is not None:
-                step_mask = st.decode_attention_mask(index, patch.step_mask)
-                kwargs["attention_mask"] = create_causal_mask(
-                    config=text_config,
-                    inputs_embeds=hidden,
-                    attention_mask=None if step_mask is None else step_mask.to(hidden.device),
-                    cache=kwargs.get("cache"),
-                    position_ids=None,
-                    layer_idx=index,
-                )
-                patch.overrides = {"attention_mask": kwargs["attention_mask"]}
-            return (hidden, *rest), kwargs
-
-        return on_layer
-
-    def make_layer_done_hook(index: int):
-        def on_layer_done(layer, args, kwargs, output):
-            if patch.pending is not None:
-                (q, hidden), patch.pending = patch.pending, None
-                k = _cached_keys(kwargs["cache"], index)
-                _record(st=patch.state, layer=layer, index=index, q=q,
-                        k=k if k is not None else _keys(layer, hidden, kwargs), hidden=hidden)
-
-        return on_layer_done
-
-    patch.handles.append(model.model.register_forward_pre_hook(on_model, with_kwargs=True))
-    patch.handles.append(lm.register_forward_hook(on_decoder_done, with_kwargs=True))
-    for i, layer in enumerate(lm.layers):
-        patch.handles.append(layer.register_forward_pre_hook(make_layer_hook(i), with_kwargs=True))
-        patch.handles.append(layer.register_forward_hook(make_layer_done_hook(i), with_kwargs=True))
+    patch = Patch(model, config, trace)
+    patch.attach(model)
     model._hap = patch
     return patch
 

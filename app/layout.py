@@ -1,0 +1,165 @@
+"""The page: gr.Blocks only. Controls come from the knob registry, plots from `hap.views.VIEWS`, both by name.
+
+Each knob of hap/knobs.py is a control named after it (label = the knob's name, info = its meaning):
+a slider where the knob has both bounds, a number box otherwise, a radio for choices; the values are
+the registry's defaults, per-model ones resolved for the chosen model (`app.settings.knob_defaults`).
+Each is an `/analyze` parameter of the same name (`Handler.endpoint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import gradio as gr
+
+from analysis.report import LABELS, TEACHING
+from hap.inputs import FORMATS, InputLimits
+from hap.knobs import KNOBS, Knob
+from hap.views import VIEW
+
+from .handler import CARDS, OUTPUTS, Handler, show_layer
+from .settings import Settings, examples, knob_defaults
+
+MAIN_KNOBS = ("method", "retain", "flops_ratio")  # shown above the fold; the rest under "Advanced settings"
+SLIDER_STEPS = 1000  # steps of a slider over a knob's range
+RULED = [k.name for k in KNOBS if k.rule is not None]  # knobs whose default depends on the model
+# Knobs without a default (not given = None). gradio's number box shows None as 0 and sends 0, which such a
+# knob never takes (its range starts above 0): the page sends None for it instead (`unset_zeros`).
+UNSET = [k.name for k in KNOBS if k.optional and k.rule is None]
+
+INTRO = (
+    "# HAP: head-adaptive visual token pruning\n"
+    "Upload an image (or click an example), ask a question, choose a budget and press **Run**. "
+    "HAP scores every attention head by how well it aligns the prompt with the image (PAQ), fuses "
+    "heads with those weights, and keeps only the best visual tokens inside the decoder. "
+    "Each setting is named as the `/analyze` API parameter and `python -m hap run` flag it sets; "
+    "a flops_ratio, when given, replaces retain.\n\n"
+)
+
+
+def control(knob: Knob, value: object) -> gr.components.Component:
+    """The control of one knob, with the registry's range and `value`."""
+    info = f"{knob.help} (0: not set)" if knob.name in UNSET else knob.help
+    common = dict(value=value, label=knob.name, info=info, elem_id=f"knob-{knob.name}")
+    if knob.choices is not None:
+        return gr.Radio(list(knob.choices), **common)
+    if knob.kind is float and knob.low is not None and knob.high is not None and value is not None:
+        step = (knob.high - knob.low) / SLIDER_STEPS
+        return gr.Slider(knob.low + (step if knob.low_open else 0.0), knob.high, step=step, **common)
+    return gr.Number(minimum=knob.low, maximum=knob.high, precision=0 if knob.kind is int else None, **common)
+
+
+def unset_zeros(offset: int) -> str:
+    """Page-side JavaScript run on the event's inputs (`offset` of them before the knobs): 0 -> null for UNSET."""
+    positions = [offset + i for i, k in enumerate(KNOBS) if k.name in UNSET]
+    return f"(...v) => {{ for (const i of {positions}) {{ if (v[i] === 0) v[i] = null; }} return v; }}"
+
+
+def model_defaults(model_name: str) -> list:
+    """The values of the per-model knobs (RULED) for `model_name`: the controls' update on a model change."""
+    defaults = knob_defaults(model_name)
+    return [gr.update(value=defaults[name]) for name in RULED]
+
+
+def intro(limits: InputLimits) -> str:
+    return INTRO + (
+        f"Images: {FORMATS}, up to {limits.max_bytes / 2**20:g} MB and {limits.max_pixels / 1e6:g} megapixels; "
+        f"prompts up to {limits.max_prompt_chars} characters. One request runs at a time; when the queue is "
+        "full, retry in a few seconds."
+    )
+
+
+def knob_controls(defaults: dict[str, object]) -> dict[str, gr.components.Component]:
+    """Every knob's control, the main ones first, the rest in an accordion; keyed and ordered as KNOBS."""
+    made = {k.name: control(k, defaults[k.name]) for k in KNOBS if k.name in MAIN_KNOBS}
+    with gr.Accordion("Advanced settings", open=False):
+        made.update({k.name: control(k, defaults[k.name]) for k in KNOBS if k.name not in MAIN_KNOBS})
+    return {k.name: made[k.name] for k in KNOBS}
+
+
+def plot(name: str) -> gr.Plot:
+    return gr.Plot(label=VIEW[name].label, elem_id=f"plot-{name}")
+
+
+def request_column(names: list[str]) -> tuple[list[gr.components.Component], dict, gr.Button]:
+    """The left column: ([image, prompt, model], the knob controls by name, the Run button)."""
+    image = gr.Image(type="filepath", image_mode=None, label="Image", height=280)
+    prompt = gr.Textbox(label="Prompt", placeholder="what color is the triangle ?", lines=2)
+    model = gr.Dropdown(names, value=names[0], label="Model (loaded on first use)")
+    knobs = knob_controls(knob_defaults(names[0]))
+    return [image, prompt, model], knobs, gr.Button("Run", variant="primary", elem_id="run")
+
+
+def answer_column() -> dict[str, gr.components.Component]:
+    """The right column: the answer cards, the kept tokens and the explanation, by output name."""
+    with gr.Row(equal_height=True):
+        out = {k: gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}", container=True) for k in CARDS}
+    out["kept_masks"] = plot("kept_masks")
+    with gr.Accordion("What am I looking at?", open=True):
+        out["explanation"] = gr.Markdown(TEACHING, elem_id="explanation")
+    return out
+
+
+def example_rows(names: list[str], request: list[gr.components.Component]) -> None:
+    """Clickable examples that fill image, prompt and model."""
+    scenes, photos = examples(names)
+    with gr.Row():
+        if scenes:
+            gr.Examples(scenes, request, label="Synthetic scenes (the shipped tiny model)")
+        if photos:
+            gr.Examples(photos, request, label="Photographs (real checkpoints; need the weights)")
+
+
+def analysis_sections() -> dict[str, gr.components.Component]:
+    """Head heterogeneity, the maps over the image (with the layer slider) and the raw JSON, by output name."""
+    gr.Markdown("## Head heterogeneity")
+    with gr.Row():
+        out = {name: plot(name) for name in ("head_classes", "paq")}
+    gr.Markdown("## Attention maps over the image")
+    out["layer"] = gr.Slider(0, 1, value=0, step=1, label="Layer for the per-head maps", interactive=False,
+                             elem_id="layer-slider")
+    out.update({name: plot(name) for name in ("head_maps", "layer_maps", "group_maps", "uniform_vs_paq")})
+    with gr.Accordion("Raw result (JSON)", open=False):
+        out["summary"] = gr.JSON(label="Result")
+    return out
+
+
+def build_demo(
+    models: list[str] | None = None,
+    *,
+    allow_local: bool | None = None,
+    limits: InputLimits | None = None,
+    queue_size: int | None = None,
+) -> gr.Blocks:
+    """The Blocks app with the environment's `Settings`; the arguments override them.
+
+    `models` is the allow-list (its first entry is the default).
+    """
+    env = Settings.from_env()
+    settings = replace(env, models=models or env.models, allow_local=env.allow_local if allow_local is None
+                       else allow_local, limits=limits or env.limits, queue_size=queue_size or env.queue_size)
+    handler = Handler(settings)
+    with gr.Blocks(title="HAP: head-adaptive visual token pruning") as demo:
+        gr.Markdown(intro(settings.limits))
+        with gr.Row():
+            with gr.Column(scale=1, min_width=320):
+                request, knobs, run = request_column(settings.models)
+            with gr.Column(scale=2):
+                out = answer_column()
+        example_rows(settings.models, request)
+        out.update(analysis_sections(), state=gr.State())
+        outputs = [out[name] for name in OUTPUTS]
+        _, prompt, model = request
+        # preprocess=False: the handler checks every raw value itself (gradio would decode the upload and
+        # range-check controls with messages that do not name the field); files still arrive through
+        # gradio's upload cache, which refuses paths outside it
+        lane = dict(inputs_kwargs=knobs, concurrency_limit=1, concurrency_id="model", preprocess=False,
+                    js=unset_zeros(len(request)))
+        run.click(handler.endpoint(out), request, outputs, api_name="analyze", **lane)
+        prompt.submit(handler.endpoint(out), request, outputs, api_visibility="private", **lane)
+        out["layer"].input(show_layer, [out["state"], out["layer"]], out["head_maps"], api_visibility="private",
+                           trigger_mode="always_last")
+        model.change(model_defaults, model, [knobs[name] for name in RULED], api_visibility="private")
+    demo.queue(max_size=settings.queue_size)
+    demo.hap_handler = handler  # its `settings` are what this demo enforces
+    return demo

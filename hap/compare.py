@@ -1,0 +1,53 @@
+"""The three runs the demo and the CLI compare on one input: the stock model, the chosen method
+(traced, for the views) and uniform head averaging at the same budget (docs/method.md §7)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from .config import HAPConfig
+from .inputs import DEFAULT_LIMITS, InputLimits
+from .run import run
+from .trace import Result
+
+
+@dataclass
+class Comparison:
+    """The three runs of one input: stock model, chosen method, uniform averaging at the same budget."""
+
+    unpruned: Result
+    pruned: Result
+    uniform: Result
+
+    def items(self) -> list[tuple[str, Result]]:
+        return [("unpruned", self.unpruned), ("pruned", self.pruned), ("uniform", self.uniform)]
+
+
+def compare(
+    model,
+    processor,
+    image,
+    prompt: str,
+    config: HAPConfig,
+    max_new_tokens: int = 32,
+    on_stage: Callable[[float, str], None] | None = None,
+    limits: InputLimits = DEFAULT_LIMITS,
+) -> Comparison:
+    """Run the stock model, `config` (traced) and uniform averaging with `config`'s budget.
+
+    `on_stage(fraction, description)` is called before each run (a progress bar). A run the
+    chosen method already is (method "none" or "uniform") is not repeated.
+    """
+    stage = on_stage or (lambda fraction, description: None)
+
+    def one(cfg: HAPConfig, trace: bool) -> Result:
+        return run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace, limits=limits)
+
+    stage(0.15, f"{config.method}: prefill + attention capture, head scoring, pruned generation")
+    pruned = one(config, trace=True)
+    stage(0.45, "unpruned reference generation")
+    unpruned = pruned if config.method == "none" else one(replace(config, method="none"), trace=False)
+    stage(0.65, "uniform head averaging at the same budget")
+    uniform = pruned if config.method == "uniform" else one(replace(config, method="uniform"), trace=False)
+    return Comparison(unpruned, pruned, uniform)

@@ -1,0 +1,541 @@
+"""Every view of one run (the app's design card), drawn from plain arrays: plotly for the page, matplotlib for files.
+
+Three steps, each its own function, and only the first reads a `hap.Result`:
+
+1. `ViewData.from_result(result, image)`: the run as arrays on the visual grid (L layers, H heads,
+   V visual tokens, G groups) plus the image as the grid covers it (`model_view`).
+2. `View.inputs(data)`: one view's own plain inputs, a layer x head `HeadGrid` or a list of
+   small-multiple `Panels`.
+3. `View.plotly(inputs, title)` or `View.draw(inputs, title)`: the figure. Builders take arrays,
+   grids and titles, never a model or a `Result`.
+
+`VIEWS` is the one list of views (name, page label, title, inputs, plotly builder, matplotlib
+drawing); the app's outputs, the CLI's `--figures` and `export_png` all walk it. Titles are
+templates over `ViewData.title_fields`, written once.
+
+Token maps are selection scores s_v = ||M[:, v]||_2 (docs/method.md §6), drawn over the image,
+transparent where low and red where high. Each small multiple is divided by its own highest score
+(heads differ in scale by orders of magnitude), so a dispersed head looks flat and a focused one
+shows its peaks; hovering shows the raw score. Tokens an earlier cut already removed are NaN in the
+maps; their patches are dimmed.
+
+plotly and matplotlib are imported when a figure is built, so `import hap` needs neither.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from PIL import Image
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+    from matplotlib.figure import Figure
+
+    from . import Group, Result
+
+CLASSES = ("", "sink", "dispersed", "optimal")  # index = colour code; "" = layer not scored
+CLASS_LABELS = ("not scored", "sink", "dispersed", "optimal")
+CLASS_COLORS = ("#d9d9d9", "#d62728", "#ffb000", "#2ca02c")
+STATS = ("PAQ", "sink share", "dispersion", "visual share")  # the last axis of `ViewData.stats`
+# Token maps over the image: low scores transparent (the image shows), high scores opaque red.
+MAP_STOPS = ((0.0, (255, 255, 255, 0.0)), (0.4, (255, 200, 0, 0.35)), (1.0, (215, 0, 0, 0.9)))  # (at, RGBA)
+PRUNED_BRIGHTNESS = 0.2  # pruned patches keep this fraction of their brightness
+VIEW_PIXELS = 336  # side of the image under the maps (LLaVA-1.5's input size)
+NO_CUTS = "nothing to show: this method made no cuts"
+PNG_DPI = 120
+
+
+# --- plain data ------------------------------------------------------------------------------------
+@dataclass
+class Panel:
+    """One small multiple: a token map (or none) over the image, tokens outside the sequence dimmed."""
+
+    title: str
+    view: np.ndarray  # [height, width, 3] uint8 image spanning the whole visual grid
+    scores: np.ndarray | None = None  # [rows, cols] raw token scores, NaN where the token is absent
+    present: np.ndarray | None = None  # bool [rows, cols] tokens in the sequence (None: all of them)
+
+    @classmethod
+    def map(cls, title: str, view: np.ndarray, scores: np.ndarray) -> Panel:
+        """A token map; the tokens it has no score for (already pruned) are dimmed."""
+        absent = np.isnan(scores)
+        return cls(title, view, scores, ~absent if absent.any() else None)
+
+    def background(self) -> np.ndarray:
+        """The image with the absent tokens' patches dimmed, `[height, width, 3]` uint8."""
+        return self.view if self.present is None else dim(self.view, self.present)
+
+
+@dataclass
+class Panels:
+    """Small multiples on one visual grid, `cols` to a row; `width` is the page width the figure gets."""
+
+    panels: list[Panel]
+    grid: tuple[int, int]  # (rows, cols) of visual tokens
+    cols: int = 4
+    width: int = 1000
+
+
+@dataclass
+class HeadGrid:
+    """A layer x head matrix with the token cuts marked."""
+
+    values: np.ndarray  # [layers, heads]: class codes (index into CLASSES) or PAQ
+    cuts: list[tuple[int, str]]  # (first layer of a group, its label)
+    stats: np.ndarray | None = None  # [layers, heads, len(STATS)] shown on hover (class grid)
+
+
+@dataclass
+class ViewData:
+    """One run as the views need it: plain arrays, no model, no `Result`."""
+
+    image: np.ndarray  # [height, width, 3] uint8, the image as the visual grid covers it
+    grid: tuple[int, int]  # (rows, cols); rows * cols = V
+    head_class: list[list[str]]  # [layers][heads] a CLASSES entry ("" where not scored)
+    stats: np.ndarray  # [layers, heads, len(STATS)], NaN where not scored
+    head_maps: np.ndarray  # [layers, heads, V] per-head scores before fusion (NaN: absent token, uncaptured layer)
+    layer_maps: np.ndarray  # [layers, V] after head fusion
+    group_maps: np.ndarray  # [G, V] after layer fusion: the scores each cut ranked
+    group_uniform: np.ndarray  # [G, V] plain head average counterpart
+    groups: Sequence[Group]  # index, layers [start, end), scored_by, kept (visual indices)
+    method: str = "hap"
+    temperature: float = 0.1
+    layer: int = 0  # the layer whose per-head maps are drawn
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, heads, visual tokens)."""
+        return self.head_maps.shape
+
+    @classmethod
+    def from_result(cls, result: Result, image: Image.Image | str | Path | None = None, center_crop: bool = True,
+                    layer: int | None = None) -> ViewData:
+        """Everything the views draw from `result`; `image` and `center_crop` as in `model_view`.
+
+        `layer` picks the per-head maps (default: `default_layer`).
+        """
+        stats = np.stack([_array(t) for t in (result.paq, result.sink_share, result.dispersion,
+                                               result.visual_share)], -1)
+        data = cls(
+            image=model_view(image, center_crop), grid=tuple(result.visual_grid), head_class=result.head_class,
+            stats=stats, head_maps=_array(result.maps.head), layer_maps=_array(result.maps.layer),
+            group_maps=_array(result.maps.group), group_uniform=_array(result.maps.group_uniform),
+            groups=result.groups, method=result.method, temperature=result.config["temperature"],
+        )
+        return data.at_layer(default_layer(result.groups, stats[..., 0]) if layer is None else layer)
+
+    def at_layer(self, layer: int) -> ViewData:
+        """The same run with the per-head maps of `layer`; ValueError outside the decoder's layers."""
+        layers = self.shape[0]
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < layers:
+            raise ValueError(f"layer={layer!r} is outside the decoder's layers 0..{layers - 1}")
+        return replace(self, layer=int(layer))
+
+    def on_grid(self, values) -> np.ndarray:
+        """`[V]` values -> `[rows, cols]` float array."""
+        return np.asarray(values, dtype=float).reshape(self.grid)
+
+    def cuts(self) -> list[tuple[int, str]]:
+        """(first layer, label) of every group, for the boundaries drawn on layer x head views."""
+        return [(g.layers[0], f"group {g.index}: {len(g.kept)} of {self.shape[2]} tokens") for g in self.groups]
+
+    def title_fields(self) -> dict[str, str]:
+        """What view titles may name: {method}, {temperature}, {layer}, {classes}."""
+        counts = class_counts(self.head_class)
+        return dict(method=self.method, temperature=f"{self.temperature:g}", layer=str(self.layer),
+                    classes=", ".join(f"{n} {c}" for c, n in counts.items()))
+
+
+def _array(values) -> np.ndarray:
+    return np.asarray(values, dtype=float)
+
+
+# --- helpers on plain data -------------------------------------------------------------------------
+def model_view(image: Image.Image | str | Path | None, center_crop: bool = True, size: int = VIEW_PIXELS) -> np.ndarray:
+    """The image (or its file) as the visual grid covers it, `[size, size, 3]` uint8.
+
+    CLIP-style processors (LLaVA-1.5, the tiny model) resize the short side and crop the centre
+    square (`center_crop=True`); others (SigLIP, Qwen2-VL) let the grid cover the whole image
+    (False): it is squashed to a square here and stretched back to the grid's shape when drawn.
+    Without an image, a neutral grey square.
+    """
+    if image is None:
+        return np.full((size, size, 3), 128, np.uint8)
+    if isinstance(image, (str, Path)):
+        with Image.open(image) as opened:
+            image = opened.convert("RGB")
+    image = image.convert("RGB")
+    if center_crop:
+        side = min(image.size)
+        left, top = (image.width - side) // 2, (image.height - side) // 2
+        image = image.crop((left, top, left + side, top + side))
+    return np.asarray(image.resize((size, size), Image.Resampling.BICUBIC))
+
+
+def dim(view: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """`view` [h, w, 3] with the patches of the tokens not `present` (bool [rows, cols]) dimmed."""
+    rows, cols = present.shape
+    h, w = view.shape[:2]
+    pixel_present = present[np.arange(h) * rows // h][:, np.arange(w) * cols // w]  # [h, w]
+    return (view * np.where(pixel_present, 1.0, PRUNED_BRIGHTNESS)[..., None]).astype(np.uint8)
+
+
+def relative(scores: np.ndarray) -> np.ndarray:
+    """Scores divided by the panel's highest (NaN kept): a flat map stays flat, a focused one shows its peaks."""
+    finite = scores[np.isfinite(scores)]
+    high = finite.max() if finite.size else 0.0
+    return scores / high if high > 0 else np.where(np.isnan(scores), np.nan, 0.0)
+
+
+def top_k(scores: np.ndarray, k: int) -> set[int]:
+    """Indices of the k highest finite scores of `[V]`, ties broken by position (as `hap.fusion.select_top`)."""
+    finite = np.where(np.isnan(scores), -np.inf, scores)
+    return set(np.argsort(-finite, kind="stable")[:k].tolist())
+
+
+def scored_layers(paq: np.ndarray) -> list[int]:
+    """Layers of `paq` [layers, heads] whose attention was captured (not all NaN)."""
+    return [l for l, row in enumerate(np.asarray(paq, dtype=float)) if not np.isnan(row).all()]
+
+
+def default_layer(groups: Sequence[Group], paq: np.ndarray) -> int:
+    """The layer to show per-head maps for: the last one scoring the first cut, else the first captured."""
+    if groups and groups[0].scored_by:
+        return groups[0].scored_by[-1]
+    layers = scored_layers(paq)
+    return layers[0] if layers else 0
+
+
+def class_counts(head_class: list[list[str]]) -> dict[str, int]:
+    """How many scored heads of `head_class` [layers][heads] fall in each class."""
+    flat = [c for row in head_class for c in row if c]
+    return {c: flat.count(c) for c in CLASSES[1:]}
+
+
+def multiples_columns(count: int) -> int:
+    """Columns of a grid of `count` small multiples: 4 per row, 8 for the 16+ heads or layers of real models."""
+    return 4 if count <= 8 else 8
+
+
+def _layers(layers: Sequence[int]) -> str:
+    if not layers:
+        return "no attention (random)"
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
+
+
+def _span(group: Group) -> str:
+    return f"group {group.index} (layers {group.layers[0]}-{group.layers[1] - 1})"
+
+
+# --- each view's inputs ----------------------------------------------------------------------------
+def class_grid(data: ViewData) -> HeadGrid:
+    """Class codes [layers, heads] with every head's statistics for hover."""
+    codes = np.array([[CLASSES.index(c) for c in row] for row in data.head_class], dtype=float)
+    return HeadGrid(codes, data.cuts(), data.stats)
+
+
+def paq_grid(data: ViewData) -> HeadGrid:
+    """PAQ [layers, heads]."""
+    return HeadGrid(data.stats[..., 0], data.cuts())
+
+
+def head_map_panels(data: ViewData) -> Panels:
+    """Per-head token maps of `data.layer`, before fusion."""
+    layer, heads = data.layer, data.shape[1]
+    panels = [
+        Panel.map(f"L{layer} H{h}: {data.head_class[layer][h] or 'not scored'}\nPAQ {data.stats[layer, h, 0]:.3g}",
+                  data.image, data.on_grid(data.head_maps[layer, h]))
+        for h in range(heads)
+    ]
+    return Panels(panels, data.grid, multiples_columns(heads))
+
+
+def layer_map_panels(data: ViewData) -> Panels:
+    """Head-fused (softmax(PAQ / T) over heads) maps, one per captured layer."""
+    layers = scored_layers(data.stats[..., 0])
+    panels = [Panel.map(f"layer {l} (head fusion)", data.image, data.on_grid(data.layer_maps[l])) for l in layers]
+    return Panels(panels, data.grid, multiples_columns(len(layers)))
+
+
+def group_map_panels(data: ViewData) -> Panels:
+    """Layer-fused maps, one per group: the scores that chose the group's tokens."""
+    panels = [Panel.map(f"{_span(g)}\nscored by {_layers(g.scored_by)}", data.image,
+                        data.on_grid(data.group_maps[g.index])) for g in data.groups]
+    return Panels(panels, data.grid, cols=3)
+
+
+def comparison_panels(data: ViewData) -> Panels:
+    """The uniform head average of every group (first row), then the PAQ-weighted maps with their top-k overlap."""
+    uniform, weighted = [], []
+    for g in data.groups:
+        k, plain, paq = len(g.kept), data.group_uniform[g.index], data.group_maps[g.index]
+        shared = len(top_k(plain, k) & top_k(paq, k))
+        uniform.append(Panel.map(f"group {g.index}: uniform average", data.image, data.on_grid(plain)))
+        weighted.append(Panel.map(f"group {g.index}: PAQ-weighted\n{shared} of the top {k} shared", data.image,
+                                  data.on_grid(paq)))
+    return Panels(uniform + weighted, data.grid, cols=max(1, len(data.groups)))
+
+
+def mask_panels(data: ViewData) -> Panels:
+    """The image dimmed outside the tokens each group runs on."""
+    visual = data.shape[2]
+    panels = []
+    for g in data.groups:
+        present = np.zeros(visual, dtype=bool)
+        present[list(g.kept)] = True
+        panels.append(Panel(f"{_span(g)}: {len(g.kept)}/{visual} kept", data.image, present=present.reshape(data.grid)))
+    return Panels(panels, data.grid, cols=3, width=650)
+
+
+# --- plotly ----------------------------------------------------------------------------------------
+def class_grid_plotly(grid: HeadGrid, title: str) -> go.Figure:
+    """Layer x head grid coloured by class; hover shows every statistic of STATS."""
+    import plotly.graph_objects as go
+
+    n = len(CLASSES)
+    scale = [[i / n + e / n, CLASS_COLORS[i]] for i in range(n) for e in (0, 1)]
+    labels = [[CLASS_LABELS[int(c)] for c in row] for row in grid.values]
+    hover = "<br>".join(f"{name} %{{customdata[{i}]:.3f}}" for i, name in enumerate(STATS))
+    fig = go.Figure(go.Heatmap(
+        z=grid.values, customdata=grid.stats, text=labels, zmin=-0.5, zmax=n - 0.5, colorscale=scale, xgap=1, ygap=1,
+        colorbar=dict(tickvals=list(range(n)), ticktext=list(CLASS_LABELS), title="class"),
+        hovertemplate=f"layer %{{y}} head %{{x}}: <b>%{{text}}</b><br>{hover}<extra></extra>",
+    ))
+    return _layer_head_layout(fig, grid, title)
+
+
+def paq_plotly(grid: HeadGrid, title: str) -> go.Figure:
+    """PAQ per layer and head, with the group boundaries (where tokens are cut) marked."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(go.Heatmap(
+        z=grid.values, colorscale="Viridis", zmin=0, colorbar=dict(title="PAQ"),
+        hovertemplate="layer %{y} head %{x}<br>PAQ %{z:.3f}<extra></extra>",
+    ))
+    return _layer_head_layout(fig, grid, title)
+
+
+def _layer_head_layout(fig: go.Figure, grid: HeadGrid, title: str) -> go.Figure:
+    """Shared layout of the layer x head views: layer 0 on top, one tick per layer, cut lines."""
+    layers, heads = grid.values.shape
+    for layer, label in grid.cuts:
+        fig.add_hline(y=layer - 0.5, line=dict(color="white", width=2, dash="dash"))
+        fig.add_annotation(x=1.0, xref="paper", xanchor="right", y=layer - 0.5, yanchor="top", text=label,
+                           showarrow=False, font=dict(color="white", size=11), bgcolor="rgba(0,0,0,0.45)")
+    fig.update_yaxes(title="layer", range=[layers - 0.5, -0.5], dtick=_tick(layers))
+    fig.update_xaxes(title="head", range=[-0.5, heads - 0.5], dtick=_tick(heads))
+    fig.update_layout(title=title, height=max(320, 60 + 22 * layers), margin=dict(l=50, r=20, t=50, b=40))
+    return fig
+
+
+def _tick(count: int) -> int:
+    return 1 if count <= 16 else 4
+
+
+def _data_uri(background: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(background).save(buffer, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def panels_plotly(multiples: Panels, title: str) -> go.Figure:
+    """Small multiples: each panel's image with its token map blended over it."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    panels = multiples.panels
+    if not panels:
+        return _no_cuts_plotly(title)
+    cols = min(multiples.cols, len(panels))
+    rows_n = math.ceil(len(panels) / cols)
+    fig = make_subplots(rows_n, cols, subplot_titles=[p.title.replace("\n", "<br>") for p in panels],
+                        horizontal_spacing=0.02, vertical_spacing=0.16 / rows_n)
+    uris: dict[bytes, str] = {}  # one encoded image per set of dimmed tokens
+    for i, panel in enumerate(panels):
+        key = b"" if panel.present is None else panel.present.tobytes()
+        uris.setdefault(key, _data_uri(panel.background()))
+        for trace in _panel_traces(panel, uris[key], multiples.grid):
+            fig.add_trace(trace, i // cols + 1, i % cols + 1)
+        suffix = "" if i == 0 else str(i + 1)
+        fig.layout[f"yaxis{suffix}"].update(scaleanchor=f"x{suffix}", autorange="reversed")
+    grid_rows, grid_cols = multiples.grid
+    fig.update_xaxes(visible=False, range=[-0.5, grid_cols - 0.5], constrain="domain")
+    fig.update_yaxes(visible=False, range=[grid_rows - 0.5, -0.5], constrain="domain")
+    fig.update_annotations(font_size=11)
+    fig.update_layout(title=title, height=70 + rows_n * (50 + multiples.width // max(cols, 3)),
+                      margin=dict(l=10, r=10, t=90, b=10),
+                      coloraxis=dict(colorscale=[[at, f"rgba({r},{g},{b},{a})"] for at, (r, g, b, a) in MAP_STOPS],
+                                     cmin=0, cmax=1, colorbar=dict(title="score /<br>highest", len=0.6)))
+    return fig
+
+
+def _no_cuts_plotly(title: str) -> go.Figure:
+    """An empty figure that says there is nothing to show."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.add_annotation(text=NO_CUTS, showarrow=False)
+    fig.update_layout(title=title, height=200, xaxis_visible=False, yaxis_visible=False)
+    return fig
+
+
+def _panel_traces(panel: Panel, uri: str, grid: tuple[int, int]) -> list:
+    """The image of one panel, then its token map (or, for a mask, an invisible layer naming each token on hover)."""
+    import plotly.graph_objects as go
+
+    rows, cols = grid
+    h, w = panel.view.shape[:2]
+    index = np.arange(rows * cols).reshape(grid)
+    traces = [go.Image(source=uri, x0=-0.5 + cols / w / 2, dx=cols / w, y0=-0.5 + rows / h / 2, dy=rows / h,
+                       hoverinfo="skip")]
+    if panel.scores is not None:
+        traces.append(go.Heatmap(
+            z=relative(panel.scores), customdata=np.stack([panel.scores, index], -1), coloraxis="coloraxis",
+            hoverongaps=False,
+            hovertemplate="token %{customdata[1]} (row %{y}, col %{x})<br>score %{customdata[0]:.3g}"
+                          "<br>%{z:.0%} of the panel's highest<extra></extra>",
+        ))
+    elif panel.present is not None:
+        traces.append(go.Heatmap(
+            z=panel.present.astype(float), text=np.where(panel.present, "kept", "pruned"), customdata=index,
+            showscale=False, colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0)"]],
+            hovertemplate="token %{customdata} (row %{y}, col %{x}): %{text}<extra></extra>",
+        ))
+    return traces
+
+
+# --- matplotlib ------------------------------------------------------------------------------------
+def class_grid_draw(grid: HeadGrid, title: str) -> Figure:
+    """Layer x head grid coloured by class, with a legend."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    fig, ax, _ = _layer_head_draw(grid, title, cmap=ListedColormap(CLASS_COLORS), vmin=-0.5,
+                                  vmax=len(CLASSES) - 0.5)
+    ax.legend(handles=[Patch(color=c, label=l) for c, l in zip(CLASS_COLORS, CLASS_LABELS)],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    return fig
+
+
+def paq_draw(grid: HeadGrid, title: str) -> Figure:
+    """PAQ per layer and head, with a colour bar."""
+    fig, ax, image = _layer_head_draw(grid, title, cmap="viridis", vmin=0)
+    fig.colorbar(image, ax=ax, label="PAQ")
+    return fig
+
+
+def _layer_head_draw(grid: HeadGrid, title: str, **imshow) -> tuple:
+    """(figure, axes, image) of a layer x head matrix with the cut lines."""
+    from matplotlib.figure import Figure
+
+    layers, heads = grid.values.shape
+    fig = Figure(figsize=(max(6.0, 1.6 + 0.3 * heads), max(3.0, 1.2 + 0.3 * layers)), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(grid.values, aspect="auto", interpolation="nearest", **imshow)
+    for layer, label in grid.cuts:
+        ax.axhline(layer - 0.5, color="white", linestyle="--", linewidth=1.5)
+        ax.text(heads - 0.6, layer - 0.4, label, color="white", ha="right", va="top", fontsize=7,
+                bbox=dict(facecolor="black", alpha=0.45, linewidth=0))
+    ax.set(xlabel="head", ylabel="layer", title=title)
+    ax.set_xticks(range(0, heads, _tick(heads)))
+    ax.set_yticks(range(0, layers, _tick(layers)))
+    return fig, ax, image
+
+
+def panels_draw(multiples: Panels, title: str) -> Figure:
+    """Small multiples: each panel's image with its token map blended over it."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import LinearSegmentedColormap, Normalize
+    from matplotlib.figure import Figure
+
+    panels = multiples.panels
+    cmap = LinearSegmentedColormap.from_list(
+        "hap_map", [(at, (r / 255, g / 255, b / 255, a)) for at, (r, g, b, a) in MAP_STOPS])
+    cols = max(1, min(multiples.cols, len(panels)))
+    rows_n = max(1, math.ceil(len(panels) / cols))
+    fig = Figure(figsize=(2.6 * cols, 2.6 * rows_n + 0.5), layout="constrained")
+    axes = fig.subplots(rows_n, cols, squeeze=False).ravel()
+    grid_rows, grid_cols = multiples.grid
+    extent = (-0.5, grid_cols - 0.5, grid_rows - 0.5, -0.5)
+    for ax, panel in zip(axes, panels):
+        ax.imshow(panel.background(), extent=extent)
+        if panel.scores is not None:
+            ax.imshow(relative(panel.scores), extent=extent, cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(panel.title, fontsize=7)
+    for ax in axes:
+        ax.axis("off")
+    if any(p.scores is not None for p in panels):
+        fig.colorbar(ScalarMappable(Normalize(0, 1), cmap), ax=axes.tolist(), shrink=0.6, label="score / highest")
+    fig.suptitle(title if panels else f"{title}: {NO_CUTS}")
+    return fig
+
+
+# --- the one list of views -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class View:
+    """One view: its name (the app's output and the PNG file), page label, title and the three steps."""
+
+    name: str
+    label: str
+    title: str  # a str.format template over `ViewData.title_fields`
+    inputs: Callable[[ViewData], Any]  # -> HeadGrid | Panels
+    plotly: Callable[[Any, str], go.Figure]
+    draw: Callable[[Any, str], Figure]
+
+    def title_for(self, data: ViewData) -> str:
+        return self.title.format(**data.title_fields())
+
+    def figure(self, data: ViewData) -> go.Figure:
+        """The plotly figure for the page."""
+        return self.plotly(self.inputs(data), self.title_for(data))
+
+    def png(self, data: ViewData, folder: Path) -> Path:
+        """`folder/<name>.png` drawn with matplotlib; returns its path."""
+        path = folder / f"{self.name}.png"
+        self.draw(self.inputs(data), self.title_for(data)).savefig(path, dpi=PNG_DPI)
+        return path
+
+
+VIEWS: tuple[View, ...] = (
+    View("kept_masks", "Kept visual tokens per group", "Kept visual tokens ({method})",
+         mask_panels, panels_plotly, panels_draw),
+    View("head_classes", "Head classes", "Head classes: {classes}", class_grid, class_grid_plotly, class_grid_draw),
+    View("paq", "PAQ", "PAQ = (1 - sink share) x (1 - dispersion); dashed: token cuts", paq_grid, paq_plotly,
+         paq_draw),
+    View("head_maps", "Per head, before fusion", "Per-head maps of layer {layer}, before fusion",
+         head_map_panels, panels_plotly, panels_draw),
+    View("layer_maps", "Per layer, after head fusion",
+         "After head fusion: softmax(PAQ / T) over heads, T = {temperature}", layer_map_panels, panels_plotly,
+         panels_draw),
+    View("group_maps", "Per group, after layer fusion", "After layer fusion: the map that chose each group's tokens",
+         group_map_panels, panels_plotly, panels_draw),
+    View("uniform_vs_paq", "Uniform average vs PAQ weighting",
+         "Uniform head averaging (top) vs PAQ weighting (bottom)", comparison_panels, panels_plotly, panels_draw),
+)
+VIEW = {v.name: v for v in VIEWS}
+
+
+def figures(data: ViewData) -> dict[str, go.Figure]:
+    """Every plotly view, keyed by name, in VIEWS order."""
+    return {v.name: v.figure(data) for v in VIEWS}
+
+
+def export_png(run: Result | ViewData, out_dir: str | Path, image: Image.Image | str | Path | None = None,
+               layer: int | None = None, center_crop: bool = True) -> list[Path]:
+    """Write every view as `out_dir/<name>.png` with matplotlib; returns the paths in VIEWS order.
+
+    `run` is a `hap.Result` (then `image`, `layer` and `center_crop` go to `ViewData.from_result`;
+    maps are drawn on grey without an image) or a `ViewData` already built.
+    """
+    data = run if isinstance(run, ViewData) else ViewData.from_result(run, image, center_crop, layer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [v.png(data, out) for v in VIEWS]

@@ -1,0 +1,50 @@
+"""Methods as scoring policies (docs/method.md §7): what each one scores with, and its scores."""
+
+import math
+
+import pytest
+import torch
+
+from hap import HAPConfig
+from hap.fusion import group_map, token_scores
+from hap.methods import Policy, cut_scores, policy_for, scoring_layers
+
+
+@pytest.mark.parametrize(
+    "method, expected",
+    [("hap", Policy(4, "last", True, 0.3)), ("uniform", Policy(4, "last", True, math.inf)),
+     ("pdrop", Policy(4, "last", False, math.inf)), ("fastv", Policy(1, "last", False, math.inf)),
+     ("random", Policy(4, "last", False, math.inf, random=True)), ("none", Policy(0, "last", True, math.inf))],
+)
+def test_each_method_is_a_policy(method, expected):
+    assert policy_for(HAPConfig(method=method, groups=4, rows="last", temperature=0.3)) == expected
+
+
+def test_prompt_rows_are_kept_for_hap_and_uniform_only():
+    assert policy_for(HAPConfig(method="hap")).rows == policy_for(HAPConfig(method="uniform")).rows == "prompt"
+    assert policy_for(HAPConfig(method="pdrop")).rows == policy_for(HAPConfig(method="fastv")).rows == "last"
+
+
+def test_scoring_layers():
+    hap, pdrop, rnd = (policy_for(HAPConfig(method=m)) for m in ("hap", "pdrop", "random"))
+    assert scoring_layers(hap, (2, 5)) == [2, 3, 4] and scoring_layers(pdrop, (2, 5)) == [4]
+    assert scoring_layers(hap, (0, 0)) == [0]  # a cut before layer 0 looks ahead at layer 0
+    assert scoring_layers(rnd, (2, 5)) == []
+
+
+def test_cut_scores_fuse_with_the_policy_temperature():
+    torch.manual_seed(0)
+    attn, paq, valid = torch.rand(1, 2, 3, 4, 10), torch.rand(1, 2, 3), torch.ones(1, 4, dtype=torch.bool)
+    for method, T in (("hap", 0.1), ("uniform", math.inf)):
+        got = cut_scores(policy_for(HAPConfig(method=method)), attn, paq, valid, 10, seed=0, cut_index=0)
+        assert torch.equal(got, token_scores(group_map(attn, paq, T), valid))
+
+
+def test_random_scores_depend_on_the_seed_and_the_cut_only():
+    policy = policy_for(HAPConfig(method="random"))
+    valid = torch.ones(2, 1, dtype=torch.bool)
+    a = cut_scores(policy, None, None, valid, 10, seed=3, cut_index=1)
+    assert a.shape == (2, 10) and torch.equal(a[0], a[1])
+    assert torch.equal(a, cut_scores(policy, None, None, valid, 10, seed=3, cut_index=1))
+    assert not torch.equal(a, cut_scores(policy, None, None, valid, 10, seed=3, cut_index=2))
+    assert not torch.equal(a, cut_scores(policy, None, None, valid, 10, seed=4, cut_index=1))

@@ -1,0 +1,181 @@
+"""hap.views: every view from hand-built arrays (no model runs here); values land in the right cells."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import hap
+from hap import views as V
+
+L, H, GRID = 4, 3, (2, 3)  # layers, heads, visual grid (rows, cols)
+N = GRID[0] * GRID[1]
+NAN = float("nan")
+HEAD_CLASS = [["sink", "optimal", "dispersed"], ["", "", ""], ["optimal", "optimal", "sink"], ["dispersed"] * 3]
+GROUPS = [hap.Group(0, (1, 3), [0], [5, 0, 2], [], []), hap.Group(1, (3, 4), [2], [2], [], [])]
+
+
+def data(**changes) -> V.ViewData:
+    """A 4-layer, 3-head run on a 2 x 3 grid: layer 1 not captured, tokens 1, 3, 4 pruned by the first cut."""
+    rng = np.random.default_rng(0)
+    stats = rng.uniform(0, 1, (L, H, len(V.STATS)))
+    stats[1] = NAN
+    head_maps = rng.uniform(0, 1, (L, H, N))
+    head_maps[1] = NAN
+    head_maps[2:, :, [1, 3, 4]] = NAN
+    layer_maps = head_maps.mean(1)
+    group_maps = np.array([[0.9, 0.1, 0.8, 0.2, 0.3, 1.0], [NAN, NAN, 0.5, NAN, NAN, 0.4]])
+    uniform = np.array([[0.9, 0.1, 0.2, 0.8, 0.3, 1.0], [NAN, NAN, 0.1, NAN, NAN, 0.4]])
+    fields = dict(image=np.full((60, 90, 3), 200, np.uint8), grid=GRID, head_class=HEAD_CLASS, stats=stats,
+                  head_maps=head_maps, layer_maps=layer_maps, group_maps=group_maps, group_uniform=uniform,
+                  groups=GROUPS, method="hap", temperature=0.1, layer=2)
+    return V.ViewData(**{**fields, **changes})
+
+
+def heatmaps(fig) -> list:
+    return [t for t in fig.data if t.type == "heatmap"]
+
+
+def test_one_list_of_views_with_unique_names_and_titles():
+    names = [v.name for v in V.VIEWS]
+    assert names == ["kept_masks", "head_classes", "paq", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq"]
+    assert len({v.title for v in V.VIEWS}) == len({v.label for v in V.VIEWS}) == len(V.VIEWS)
+    assert set(V.figures(data())) == set(names)
+
+
+def test_class_grid_puts_each_class_and_its_statistics_in_its_cell():
+    d = data()
+    fig = V.VIEW["head_classes"].figure(d)
+    assert len(fig.data) == 1
+    trace = fig.data[0]
+    assert np.asarray(trace.z).tolist() == [[1, 3, 2], [0, 0, 0], [3, 3, 1], [2, 2, 2]]
+    assert np.asarray(trace.text)[0].tolist() == ["sink", "optimal", "dispersed"]
+    np.testing.assert_array_equal(np.asarray(trace.customdata, dtype=float), d.stats)
+    assert fig.layout.title.text == "Head classes: 2 sink, 4 dispersed, 3 optimal"
+    assert sorted(s.y0 for s in fig.layout.shapes) == [0.5, 2.5]  # a dashed line above each group's first layer
+    assert [a.text for a in fig.layout.annotations] == ["group 0: 3 of 6 tokens", "group 1: 1 of 6 tokens"]
+
+
+def test_paq_heatmap_is_the_first_statistic():
+    d = data()
+    fig = V.VIEW["paq"].figure(d)
+    np.testing.assert_array_equal(np.asarray(fig.data[0].z, dtype=float), d.stats[..., 0])
+    assert fig.layout.title.text.startswith("PAQ = (1 - sink share) x (1 - dispersion)")
+    assert list(fig.layout.yaxis.range) == [L - 0.5, -0.5]  # layer 0 on top
+
+
+def test_head_maps_show_one_panel_per_head_of_the_chosen_layer():
+    d = data()
+    fig = V.VIEW["head_maps"].figure(d)
+    maps = heatmaps(fig)
+    assert len(maps) == H and sum(t.type == "image" for t in fig.data) == H
+    for h, trace in enumerate(maps):
+        raw = d.head_maps[2, h].reshape(GRID)
+        np.testing.assert_allclose(np.asarray(trace.z, dtype=float), raw / np.nanmax(raw))  # relative to the highest
+        np.testing.assert_allclose(np.asarray(trace.customdata, dtype=float)[..., 0], raw)  # the raw score on hover
+    assert fig.layout.title.text == "Per-head maps of layer 2, before fusion"
+    assert [a.text for a in fig.layout.annotations][:H] == [
+        f"L2 H{h}: {HEAD_CLASS[2][h]}<br>PAQ {d.stats[2, h, 0]:.3g}" for h in range(H)]
+    assert V.VIEW["head_maps"].figure(d.at_layer(0)).layout.title.text.startswith("Per-head maps of layer 0")
+
+
+def test_a_layer_outside_the_decoder_is_refused():
+    with pytest.raises(ValueError, match=r"layer=4 is outside the decoder's layers 0..3"):
+        data().at_layer(4)
+
+
+def test_layer_maps_skip_layers_that_were_not_captured():
+    fig = V.VIEW["layer_maps"].figure(data(temperature=0.25))
+    assert len(heatmaps(fig)) == L - 1
+    assert [a.text for a in fig.layout.annotations] == [f"layer {l} (head fusion)" for l in (0, 2, 3)]
+    assert fig.layout.title.text.endswith("T = 0.25")
+
+
+def test_group_maps_and_the_uniform_comparison():
+    d = data()
+    groups = V.VIEW["group_maps"].figure(d)
+    assert len(heatmaps(groups)) == len(GROUPS)
+    np.testing.assert_allclose(np.asarray(heatmaps(groups)[0].z, dtype=float), d.group_maps[0].reshape(GRID))
+    versus = V.VIEW["uniform_vs_paq"].figure(d)
+    assert len(heatmaps(versus)) == 2 * len(GROUPS)
+    titles = [a.text for a in versus.layout.annotations]
+    # top 3 of the PAQ map {5, 0, 2} vs the uniform map {5, 0, 3}: two shared; group 1: token 2 vs token 5
+    assert titles[2:] == ["group 0: PAQ-weighted<br>2 of the top 3 shared",
+                          "group 1: PAQ-weighted<br>0 of the top 1 shared"]
+
+
+def test_kept_masks_name_each_token_kept_or_pruned():
+    fig = V.VIEW["kept_masks"].figure(data())
+    hover = heatmaps(fig)
+    assert [np.asarray(t.text).tolist() for t in hover] == [
+        [["kept", "pruned", "kept"], ["pruned", "pruned", "kept"]],
+        [["pruned", "pruned", "kept"], ["pruned", "pruned", "pruned"]],
+    ]
+    assert fig.layout.title.text == "Kept visual tokens (hap)"
+    assert [a.text for a in fig.layout.annotations] == ["group 0 (layers 1-2): 3/6 kept",
+                                                        "group 1 (layers 3-3): 1/6 kept"]
+
+
+def test_masks_dim_exactly_the_pruned_patches():
+    panel = V.mask_panels(data()).panels[0]
+    rows, cols = GRID
+    pixels = panel.background()[:: 60 // rows, :: 90 // cols, 0]  # one pixel per token
+    assert (pixels == 200).tolist() == [[True, False, True], [False, False, True]]
+
+
+def test_a_run_without_cuts_says_so():
+    d = data(groups=[], group_maps=np.empty((0, N)), group_uniform=np.empty((0, N)))
+    fig = V.VIEW["kept_masks"].figure(d)
+    assert not fig.data and fig.layout.annotations[0].text == V.NO_CUTS
+
+
+def test_model_view_crops_the_centre_square():
+    image = Image.new("RGB", (300, 100), "red")
+    image.paste((0, 0, 255), (100, 0, 200, 100))  # the centre square is blue
+    assert V.model_view(image, center_crop=True, size=10)[..., 2].min() == 255
+    assert V.model_view(image, center_crop=False, size=10)[..., 0].max() == 255
+    assert V.model_view(None).shape == (V.VIEW_PIXELS, V.VIEW_PIXELS, 3)
+
+
+def test_from_result_reads_every_array_into_place():
+    d = data()
+    tensor = __import__("torch").tensor
+    result = SimpleNamespace(  # the fields of a hap.Result the views read
+        paq=tensor(d.stats[..., 0]), sink_share=tensor(d.stats[..., 1]), dispersion=tensor(d.stats[..., 2]),
+        visual_share=tensor(d.stats[..., 3]), visual_grid=GRID, head_class=HEAD_CLASS, groups=GROUPS,
+        method="fastv", config={"temperature": 0.5},
+        maps=SimpleNamespace(head=tensor(d.head_maps), layer=tensor(d.layer_maps), group=tensor(d.group_maps),
+                             group_uniform=tensor(d.group_uniform)),
+    )
+    got = V.ViewData.from_result(result, Image.new("RGB", (40, 20), "blue"))
+    np.testing.assert_array_equal(got.stats, d.stats)
+    np.testing.assert_array_equal(got.head_maps, d.head_maps)
+    assert (got.layer, got.method, got.temperature, got.shape) == (0, "fastv", 0.5, (L, H, N))  # first cut's scorer
+    assert got.image.shape == (V.VIEW_PIXELS, V.VIEW_PIXELS, 3) and got.image[..., 2].min() == 255
+    assert V.ViewData.from_result(result, layer=3).layer == 3
+
+
+def test_default_layer_without_a_scored_cut_is_the_first_captured():
+    paq = np.full((3, 2), NAN)
+    paq[2] = 0.5
+    assert V.default_layer([], paq) == 2
+    assert V.default_layer([hap.Group(0, (0, 3), [], [1], [], [])], paq) == 2
+    assert V.scored_layers(paq) == [2]
+
+
+def test_export_png_writes_one_non_blank_file_per_view(tmp_path):
+    paths = V.export_png(data(), tmp_path / "figs")
+    assert [p.name for p in paths] == [f"{v.name}.png" for v in V.VIEWS]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+        pixels = np.asarray(Image.open(path).convert("L"), dtype=float)
+        assert pixels.std() > 5 and min(pixels.shape) > 200, path  # something drawn, not a blank canvas
+
+
+def test_plotly_figures_serialise():
+    for name, fig in V.figures(data()).items():
+        assert json.loads(fig.to_json())["data"], name
