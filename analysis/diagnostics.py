@@ -168,3 +168,58 @@ def _probe(model, processor, items, per_item: list[dict], answer_ids: list[int])
             _, out = _forward(model, processor, scene, q, mask)
             hits[name] += int(out.logits[0, -1].argmax()) == want
     return {name: round(hits[name] / len(items), 3) for name in ("paq", "uniform", "oracle")}
+
+
+def table(records: list[dict], fractions: tuple[float, ...] = (0.3, 0.6, 1.0)) -> str:
+    """Markdown table of the logged diagnostics nearest to each fraction of stage-2 training time.
+
+    `records`: the lines of a training run's diagnostics.jsonl (step, minutes, fraction, accuracy,
+    diagnostics)."""
+    rows = ["| training | step | accuracy (min kind) | max/median norm per layer | focused on one token "
+            "| classes norm / consensus (sink, dispersed, optimal) | Spearman(PAQ, grounding) "
+            "| probe @8: PAQ / uniform / oracle |", "|---" * 8 + "|"]
+    for f in fractions:
+        r = min(records, key=lambda r: abs(r["fraction"] - f))
+        d, acc = r["diagnostics"], r["accuracy"]
+        kinds = {k: v for k, v in acc.items() if k not in ("overall", "n")}
+
+        def classes(name: str) -> str:
+            return ", ".join(f"{d[f'classes_{name}'][c]:.2f}" for c in ("sink", "dispersed", "optimal"))
+
+        rows.append(
+            f"| {r['fraction']:.0%} ({r['minutes']:.0f} min) | {r['step']} | {acc['overall']:.3f} "
+            f"({min(kinds.values()):.2f}) | {' '.join(f'{x:.1f}' for x in d['norm_ratio_per_layer'])} "
+            f"| {d['share_focused_on_one_token']:.2f} | {classes('norm')} / {classes('consensus')} "
+            f"| {d.get('grounding_spearman', float('nan')):.2f} "
+            f"| {d['probe']['paq']:.2f} / {d['probe']['uniform']:.2f} / {d['probe']['oracle']:.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m analysis.diagnostics --log RUN/diagnostics.jsonl` prints the training table;
+    `--model DIR --per-kind N` runs the diagnostics on held-out scenes of a saved model."""
+    import argparse
+    import json
+
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log", help="a training run's diagnostics.jsonl")
+    parser.add_argument("--model", help="a saved model folder")
+    parser.add_argument("--per-kind", type=int, default=30)
+    parser.add_argument("--start", type=int, default=510_000, help="first held-out seed")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.log:
+        with open(args.log) as f:
+            print(table([json.loads(line) for line in f if line.strip()]))
+    if args.model:
+        from analysis.train_model import diagnostic_items
+
+        processor = AutoProcessor.from_pretrained(args.model)
+        model = LlavaForConditionalGeneration.from_pretrained(args.model)
+        print(json.dumps(diagnose(model, processor, diagnostic_items(args.per_kind, args.start)), indent=1))
+
+
+if __name__ == "__main__":
+    main()

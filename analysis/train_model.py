@@ -133,9 +133,9 @@ def next_scenes(state: State, n: int, max_objects: int | None = None) -> list[Sc
 
 # ----------------------------------------------------------------------------- stage 1
 
-def diagnostic_items(per_kind: int) -> list[tuple[Scene, Question]]:
+def diagnostic_items(per_kind: int, start: int = DIAG_START) -> list[tuple[Scene, Question]]:
     """A fixed, kind-balanced list of held-out (scene, question) pairs for the diagnostics."""
-    items, seed = [], DIAG_START
+    items, seed = [], start
     wanted = {kind: per_kind for kind in QTYPES}
     while any(wanted.values()):
         scene = make_scene(seed)
