@@ -62,7 +62,8 @@ def test_example_run_shows_answers_and_plots(page_url, driver):
         wait.until(EC.text_to_be_present_in_element((By.ID, f"answer-{key}"), "visual tokens"))
     for name in PLOTS:
         wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{name} .js-plotly-plot .main-svg")))
-    layers = driver.find_elements(By.CSS_SELECTOR, "#plot-head_maps .js-plotly-plot image, #plot-head_maps .js-plotly-plot .hm")
+    heads = "#plot-head_maps .js-plotly-plot"
+    layers = driver.find_elements(By.CSS_SELECTOR, f"{heads} image, {heads} .hm")
     assert layers, "the per-head maps drew no image or heatmap layer"
     assert "Group 0" in driver.find_element(By.ID, "explanation").text
     box = driver.find_element(By.CSS_SELECTOR, "#layer-slider input[type=number]")  # re-draw another layer's heads
