@@ -40,21 +40,37 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
+# The image-first layout: the image opens the sequence (no <s> before it), so its first patch, the
+# scene's fixed marker, always sits at position 0, where a learned attention sink can form.
+IMAGE_FIRST_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['content'] is not string %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image>\n{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %} {% else %}</s>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
 
 IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.25, 0.25, 0.25]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level tokenizer over ``VOCAB``; ``<s>`` is prepended to every encoding."""
+def build_tokenizer(bos: bool = True) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over ``VOCAB``; ``<s>`` is prepended to every encoding when ``bos``."""
     vocab = {w: i for i, w in enumerate(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
                                                  pre_tokenizers.Punctuation()])
     tok.add_special_tokens(SPECIAL_TOKENS)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])])
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])])
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
@@ -62,15 +78,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left", model_max_length=512)
 
 
-def build_processor() -> LlavaProcessor:
-    """LlavaProcessor: 168-px CLIP-style image processing, 144 image tokens, chat template."""
+def build_processor(image_first: bool = False) -> LlavaProcessor:
+    """LlavaProcessor: 168-px CLIP-style image processing, 144 image tokens, chat template
+    (``USER: <image>\\n...`` after ``<s>``, or with ``image_first`` the image at position 0)."""
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
         do_center_crop=True, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
     return LlavaProcessor(
-        image_processor=image_processor, tokenizer=build_tokenizer(), patch_size=PATCH,
+        image_processor=image_processor, tokenizer=build_tokenizer(bos=not image_first), patch_size=PATCH,
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE)
+        chat_template=IMAGE_FIRST_TEMPLATE if image_first else CHAT_TEMPLATE)
 
 
 def build_config(processor: LlavaProcessor, *, text_layers: int = 6, text_heads: int = 4,

@@ -71,6 +71,8 @@ class Settings:
     s2_frozen: float = 0.30  # fraction of stage-2 time with the vision tower frozen
     s2_vision_lr: float = 0.1  # vision lr multiplier once unfrozen
     s2_target: float = 0.99  # early stop when every type reaches this
+    image_first: bool = False  # the image opens the sequence (analysis.tiny_vlm.IMAGE_FIRST_TEMPLATE)
+    vision_from: str | None = None  # a saved LLaVA whose vision tower replaces stage 1
     s2_weight_decay: float = 0.3  # on the matrices (sinks grow with weight decay, head-heterogeneity note)
     s1_probe_scenes: int = 128
     s1_max_steps: int | None = None
@@ -303,7 +305,8 @@ class Trainer:
 
     def __init__(self, out: Path, run_dir: Path, settings: Settings, resume: bool):
         self.out, self.run_dir, self.cfg = out, run_dir, settings
-        self.processor = build_processor()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.processor = build_processor(settings.image_first)
         self.model = LlavaForConditionalGeneration(build_config(self.processor, **settings.model))
         self.head = PatchHead(self.model.config.vision_config.hidden_size)
         self.packer = Packer(self.processor)
@@ -313,6 +316,8 @@ class Trainer:
         self._diag_items = diagnostic_items(settings.diag_per_kind)
         if resume and (run_dir / "state.json").exists():
             self._load()
+        elif settings.vision_from:
+            self._adopt_vision(Path(settings.vision_from))
         print(f"parameters: {sum(p.numel() for p in self.model.parameters()):,}", flush=True)
 
     # -- optimisation set-up
@@ -360,6 +365,14 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.optimizer.load_state_dict(torch.load(self.run_dir / "optimizer.pt", weights_only=True))
         print(f"resumed: {self.state}", flush=True)
+
+    def _adopt_vision(self, folder: Path) -> None:
+        """Start at stage 2 with the vision tower of a saved LLaVA (stage 1 already done there)."""
+        donor = LlavaForConditionalGeneration.from_pretrained(folder)
+        self.model.model.vision_tower.load_state_dict(donor.model.vision_tower.state_dict())
+        self.state = State(stage=2)
+        self.optimizer = self._make_optimizer()
+        print(f"vision tower from {folder}; stage 1 skipped", flush=True)
 
     def export(self) -> None:
         """Save the model and processor for ``from_pretrained`` into ``out``."""
@@ -475,6 +488,10 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser.add_argument("--stage1-minutes", type=float, help="stage-1 time budget")
     parser.add_argument("--stage2-minutes", type=float, help="stage-2 time budget")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--image-first", action="store_true",
+                        help="the image opens the sequence, its marker patch at position 0")
+    parser.add_argument("--vision-from", type=Path, help="skip stage 1: the vision tower of this saved model")
+    parser.add_argument("--frozen", type=float, help="fraction of stage-2 time with the tower frozen")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -484,6 +501,9 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
         settings.s1_minutes = args.stage1_minutes
     if args.stage2_minutes is not None:
         settings.s2_minutes = args.stage2_minutes
+    if args.frozen is not None:
+        settings.s2_frozen = args.frozen
+    settings.image_first, settings.vision_from = args.image_first, args.vision_from
     if args.out is None and not args.smoke:
         parser.error("--out is required")
     out = args.out or Path(tempfile.mkdtemp(prefix="tiny-llava-smoke-"))
