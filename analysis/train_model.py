@@ -73,6 +73,7 @@ class Settings:
     s2_target: float = 0.99  # early stop when every type reaches this
     image_first: bool = False  # the image opens the sequence (analysis.tiny_vlm.IMAGE_FIRST_TEMPLATE)
     vision_from: str | None = None  # a saved LLaVA whose vision tower replaces stage 1
+    init_from: str | None = None  # a saved LLaVA whose whole weights stage 2 continues from
     s2_weight_decay: float = 0.3  # on the matrices (sinks grow with weight decay, head-heterogeneity note)
     s1_probe_scenes: int = 128
     s1_max_steps: int | None = None
@@ -316,8 +317,8 @@ class Trainer:
         self._diag_items = diagnostic_items(settings.diag_per_kind)
         if resume and (run_dir / "state.json").exists():
             self._load()
-        elif settings.vision_from:
-            self._adopt_vision(Path(settings.vision_from))
+        elif settings.vision_from or settings.init_from:
+            self._adopt(Path(settings.init_from or settings.vision_from), whole=bool(settings.init_from))
         print(f"parameters: {sum(p.numel() for p in self.model.parameters()):,}", flush=True)
 
     # -- optimisation set-up
@@ -366,13 +367,14 @@ class Trainer:
         self.optimizer.load_state_dict(torch.load(self.run_dir / "optimizer.pt", weights_only=True))
         print(f"resumed: {self.state}", flush=True)
 
-    def _adopt_vision(self, folder: Path) -> None:
-        """Start at stage 2 with the vision tower of a saved LLaVA (stage 1 already done there)."""
+    def _adopt(self, folder: Path, whole: bool) -> None:
+        """Start at stage 2 from a saved LLaVA: its vision tower (stage 1 done there) or all of it."""
         donor = LlavaForConditionalGeneration.from_pretrained(folder)
-        self.model.model.vision_tower.load_state_dict(donor.model.vision_tower.state_dict())
+        target, source = (self.model, donor) if whole else (self.model.model.vision_tower, donor.model.vision_tower)
+        target.load_state_dict(source.state_dict())
         self.state = State(stage=2)
         self.optimizer = self._make_optimizer()
-        print(f"vision tower from {folder}; stage 1 skipped", flush=True)
+        print(f"{'weights' if whole else 'vision tower'} from {folder}; stage 1 skipped", flush=True)
 
     def export(self) -> None:
         """Save the model and processor for ``from_pretrained`` into ``out``."""
@@ -491,7 +493,10 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser.add_argument("--image-first", action="store_true",
                         help="the image opens the sequence, its marker patch at position 0")
     parser.add_argument("--vision-from", type=Path, help="skip stage 1: the vision tower of this saved model")
+    parser.add_argument("--init-from", type=Path, help="skip stage 1: continue from this saved model's weights")
     parser.add_argument("--frozen", type=float, help="fraction of stage-2 time with the tower frozen")
+    parser.add_argument("--curriculum", type=float, help="fraction of stage-2 time on the smallest scenes")
+    parser.add_argument("--lr", type=float, help="stage-2 peak learning rate")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -501,9 +506,10 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
         settings.s1_minutes = args.stage1_minutes
     if args.stage2_minutes is not None:
         settings.s2_minutes = args.stage2_minutes
-    if args.frozen is not None:
-        settings.s2_frozen = args.frozen
-    settings.image_first, settings.vision_from = args.image_first, args.vision_from
+    for name, value in (("s2_frozen", args.frozen), ("s2_curriculum", args.curriculum), ("s2_lr", args.lr)):
+        if value is not None:
+            setattr(settings, name, value)
+    settings.image_first, settings.vision_from, settings.init_from = args.image_first, args.vision_from, args.init_from
     if args.out is None and not args.smoke:
         parser.error("--out is required")
     out = args.out or Path(tempfile.mkdtemp(prefix="tiny-llava-smoke-"))
