@@ -37,7 +37,7 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
         assert accuracy["1.0"] == report["unpruned_accuracy"]
         assert recall["1.0"] == 1.0 and recall["0.056"] < recall["0.222"] <= 1.0  # pruning drops object patches
     assert -1.0 <= report["grounding_spearman"] <= 1.0  # NaN fails too
-    assert np.array(report["head_paq"]).shape == (6, 4)
+    assert np.array(report["head_paq"]).shape == (6, 8)  # the shipped decoder: 6 layers x 8 heads
     for name in ("benchmark.md", "accuracy.png", "paq_grounding.png"):
         assert (out / name).stat().st_size > 0
 
