@@ -104,6 +104,14 @@ class PruneState:
         P = self.row_valid.shape[1]
         return torch.arange(seq_len - P, seq_len, device=self.row_valid.device)
 
+    def decode_positions(self, cached: int, new: int) -> torch.Tensor:
+        """long [1, new] positions of a decode step's tokens when the caller gives none: those the stock model
+        would take from an unpruned cache. `cached` = tokens in layer 0's cache, which a cut before
+        layer 0 shortened by the tokens it dropped."""
+        dropped = self.prompt_len - self.segment_index[0].shape[1] if 0 in self.segment_index else 0
+        start = cached + dropped
+        return torch.arange(start, start + new, device=self.seq_index.device)[None]
+
     def key_valid(self) -> torch.Tensor | None:
         """bool [batch, T_cur] padding mask of the current sequence, or None without padding."""
         if self.attention_mask is None:

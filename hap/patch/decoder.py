@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -32,6 +33,9 @@ from ..budget import DecoderShape
 from ..capture import prompt_attention
 from ..config import HAPConfig
 from ..pruner import PruneState
+
+
+Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
 
 
 def decoder_of(model) -> torch.nn.Module:
@@ -59,8 +63,9 @@ class Patch:
     """The hooks of one patched model (`model._hap`): one object whose methods are the named steps of a
     forward (model pre-hook, layer prefill, layer decode, layer done, decoder done)."""
 
-    def __init__(self, model, config: HAPConfig, trace: bool) -> None:
+    def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None) -> None:
         self.config, self.trace = config, trace
+        self.decode_positions = decode_positions or (lambda model, positions: positions)
         self.shape = decoder_shape(model)
         self.image_token = model.config.image_token_id
         self.text_config = decoder_of(model).config
@@ -83,7 +88,7 @@ class Patch:
             self.handles.append(layer.register_forward_pre_hook(partial(self.layer_pre_hook, i), with_kwargs=True))
             self.handles.append(layer.register_forward_hook(partial(self.layer_done, i), with_kwargs=True))
 
-    def model_pre_hook(self, module, args, kwargs) -> None:
+    def model_pre_hook(self, module, args, kwargs) -> tuple[tuple, dict]:
         """Before the multimodal model: a prompt with the image starts a pruned prefill (plans it); a
         decode step on the pruned prefill's cache keeps its 2-D mask; anything else runs stock."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -102,8 +107,13 @@ class Patch:
         elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
             self.mode = "decode"
             self.step_mask = kwargs.get("attention_mask")
+            if kwargs.get("position_ids") is None:  # a hand-written loop: the stock model would count positions
+                new = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[1]  # on the pruned cache
+                positions = self.state.decode_positions(self.cache.get_seq_length(0), new)
+                kwargs["position_ids"] = self.decode_positions(module, positions)
         else:
             self.mode = None
+        return args, kwargs
 
     def layer_pre_hook(self, index: int, layer, args, kwargs):
         """Before decoder layer `index`: the prefill or decode step, with the earlier cuts' overrides."""
@@ -166,12 +176,14 @@ class Patch:
             self.prefill_seconds = time.perf_counter() - self.prefill_started
 
 
-def apply_patch(model, config: HAPConfig, trace: bool = False) -> Patch:
-    """Patch `model` in place so that its forward and `generate` prune as `config` says."""
+def apply_patch(model, config: HAPConfig, trace: bool = False, decode_positions: Positions = None) -> Patch:
+    """Patch `model` in place so that its forward and `generate` prune as `config` says. `decode_positions`
+    (the multimodal model, long [1, new] text positions) -> the `position_ids` its decoder takes, for decode
+    steps given none (default: the text positions as they are)."""
     check_decoder(model)
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(model, config, trace)
+    patch = Patch(model, config, trace, decode_positions)
     patch.attach(model)
     model._hap = patch
     return patch
