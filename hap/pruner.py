@@ -5,9 +5,11 @@ Architecture-free: adapters (`hap.patch.*`) feed it tensors at each decoder laye
 index lists it returns to hidden states, masks, positions and the cache. Positions below are
 indices into the *current* (possibly already shortened) sequence unless said otherwise.
 
-Layout of a sample's sequence, which cuts preserve: [prefix text][visual tokens][prompt rows...],
-where the prompt rows are every text token after the last visual token (or only the last token),
-so in a sequence of length T they are always the last P positions.
+Layout of a sample's sequence, which cuts preserve: [prefix text][visual tokens][prompt rows][gap],
+where the prompt rows are every text token after the last visual token (or only the last token) and
+the gap is what follows the sample's last real token (right padding, found from the attention mask).
+Cuts drop visual tokens only, so in a sequence of length T a sample's rows are the P positions
+ending `gap + 1` before the end, whatever was cut.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class PruneState:
     schedule: Schedule | None
     num_visual: int
     row_valid: torch.Tensor  # bool [batch, P]
+    row_gap: torch.Tensor  # long [batch] tokens after each sample's last prompt row (right padding)
     seq_index: torch.Tensor  # long [batch, T_cur] original position of each current token
     visual_pos: torch.Tensor  # long [batch, N_cur] current positions of the visual tokens
     kept_orig: torch.Tensor  # long [batch, N_cur] original visual index (0..N-1) of each
@@ -75,12 +78,14 @@ class PruneState:
         policy = policy_for(config)
         schedule = plan(config, shape, N, T - N)
         scoring, lookahead = _scoring_sets(policy, schedule)
+        row_valid, row_gap = _prompt_rows(policy.rows, visual_pos[:, -1], _last_tokens(attention_mask, T), T)
         return cls(
             config=config,
             policy=policy,
             schedule=schedule,
             num_visual=N,
-            row_valid=_prompt_rows(policy.rows, visual_pos[:, -1], T),
+            row_valid=row_valid,
+            row_gap=row_gap,
             seq_index=positions.expand(B, T).clone(),
             visual_pos=visual_pos,
             kept_orig=torch.arange(N, device=device).expand(B, N).clone(),
@@ -100,9 +105,11 @@ class PruneState:
         return self.schedule.cuts.index(layer)
 
     def row_positions(self, seq_len: int) -> torch.Tensor:
-        """long [P] current positions of the prompt rows (the last P tokens)."""
+        """long [batch, P] current positions of each sample's prompt rows in a sequence of `seq_len` tokens
+        (clamped at 0 for the invalid rows of a short prompt)."""
         P = self.row_valid.shape[1]
-        return torch.arange(seq_len - P, seq_len, device=self.row_valid.device)
+        ends = seq_len - 1 - self.row_gap  # [B]
+        return (ends[:, None] - torch.arange(P - 1, -1, -1, device=ends.device)).clamp_min(0)
 
     def decode_positions(self, cached: int, new: int) -> torch.Tensor:
         """long [1, new] positions of a decode step's tokens when the caller gives none: those the stock model
@@ -185,16 +192,29 @@ class PruneState:
         return torch.cat([attention_mask.gather(1, index), attention_mask[:, self.prompt_len :]], 1)
 
 
-def _prompt_rows(rows: str, last_visual: torch.Tensor, T: int) -> torch.Tensor:
-    """bool [batch, P] valid prompt rows: the last P positions, those after each sample's last visual token
-    (`last_visual` long [batch]) for rows "prompt", the last token alone for "last"."""
-    B = last_visual.shape[0]
+def _last_tokens(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """long [batch] position of each sample's last real token from the 2-D mask [batch, T], or None
+    without a mask (the last position)."""
+    if attention_mask is None:
+        return None
+    return T - 1 - attention_mask.bool().flip(1).long().argmax(1)
+
+
+def _prompt_rows(rows: str, last_visual: torch.Tensor, last_token: torch.Tensor | None,
+                 T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool [batch, P] valid rows, long [batch] gap) of each sample: the P positions ending at its last real token
+    (`last_token` long [batch]; None: T - 1), valid after its last visual token (`last_visual` long [batch])
+    for rows "prompt", the last token alone for "last"; the gap is the count of tokens after the last row."""
+    B, device = last_visual.shape[0], last_visual.device
+    last_token = torch.full_like(last_visual, T - 1) if last_token is None else last_token.to(device)
+    gap = T - 1 - last_token
     if rows == "last":
-        return torch.ones(B, 1, dtype=torch.bool, device=last_visual.device)
-    P = int((T - 1 - last_visual).max())
-    if P < 1:
+        return torch.ones(B, 1, dtype=torch.bool, device=device), gap
+    counts = last_token - last_visual  # [B] prompt rows of each sample
+    P = int(counts.max())
+    if int(counts.min()) < 1:
         raise ValueError("no prompt token follows the image: put the image before the question")
-    return torch.arange(T - P, T, device=last_visual.device)[None, :] > last_visual[:, None]
+    return torch.arange(P - 1, -1, -1, device=device)[None, :] < counts[:, None], gap
 
 
 def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], set[int]]:

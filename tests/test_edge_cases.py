@@ -34,3 +34,25 @@ def test_a_decode_loop_without_positions_after_a_cut_before_layer0_equals_a_fres
                 images["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
             fresh = model(input_ids=ids, attention_mask=mask, use_cache=False, **images)
             assert (logits - fresh.logits[:, -1]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("config", [hap.HAPConfig(method="hap", retain=0.3, first_layers=1, groups=2), CUT_BEFORE_LAYER0,
+                                    hap.HAPConfig(method="pdrop", retain=0.3, first_layers=0, groups=2)],
+                         ids=["hap", "random-before-layer0", "pdrop-last-row"])
+@torch.no_grad()
+def test_a_right_padded_batch_prunes_each_sample_as_alone(config):
+    """The prompt rows are found per sample from the attention mask: the same tokens kept and the same
+    logits at each sample's last real token as the sample alone."""
+    model, processor = tiny_llava(layers=4)
+    processor.tokenizer.padding_side = "right"
+    batch = processor(images=[noise_image(b) for b in range(2)], text=[chat_prompt(processor, q) for q in QUESTIONS],
+                      return_tensors="pt", padding=True)
+    assert (batch["attention_mask"][:, -1] == 0).any(), "right padding must leave a pad at the end of a row"
+    with hap.patched(model, config) as patch:
+        logits = model(**batch).logits  # [2, T', vocab] on the pruned sequence, pads last
+        last = logits.shape[1] - 1 - (batch["attention_mask"] == 0).sum(1)
+        kept = [c.kept for c in patch.state.cuts]
+        for b, q in enumerate(QUESTIONS):
+            alone = model(**inputs_for(processor, [q], [b])).logits[0, -1]
+            assert [c.kept[0].tolist() for c in patch.state.cuts] == [k[b].tolist() for k in kept]
+            assert (logits[b, last[b]] - alone).abs().max().item() < 1e-4

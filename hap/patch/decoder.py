@@ -204,17 +204,26 @@ def _rope(attn_module) -> callable:
     return sys.modules[type(attn_module).__module__].apply_rotary_pos_emb
 
 
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-sample positions along dim 1: `x [batch|1, T, ...]`, `index` long [batch, n] -> `[batch, n, ...]`."""
+    B = index.shape[0]
+    x = x.expand(B, *x.shape[1:])
+    index = index.to(x.device).view(B, -1, *([1] * (x.dim() - 2)))
+    return x.gather(1, index.expand(-1, -1, *x.shape[2:]))
+
+
 @torch.no_grad()
 def _queries(st: PruneState, layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Post-RoPE queries of the prompt rows only: `[batch, heads, P, head_dim]`."""
     attn = layer.self_attn
     B, T, _ = hidden.shape
-    rows = st.row_positions(T).to(hidden.device)
-    q = attn.q_proj(layer.input_layernorm(hidden[:, rows])).view(B, len(rows), -1, attn.head_dim).transpose(1, 2)
+    rows = st.row_positions(T).to(hidden.device)  # [B, P]
+    P = rows.shape[1]
+    q = attn.q_proj(layer.input_layernorm(_take(hidden, rows))).view(B, P, -1, attn.head_dim).transpose(1, 2)
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
     cos, sin = kwargs["position_embeddings"]
-    return _rope(attn)(q, q, cos[:, rows], sin[:, rows])[0]
+    return _rope(attn)(q, q, _take(cos, rows), _take(sin, rows))[0]
 
 
 @torch.no_grad()
@@ -248,18 +257,11 @@ def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor,
 def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Apply the cut entering layer `index` to the hidden states and the layer kwargs (in place)."""
     keep = st.cut(index)  # [B, T']
-    B = hidden.shape[0]
-
-    def take(x: torch.Tensor) -> torch.Tensor:  # [B|1, T, ...] -> [B, T', ...]
-        x = x.expand(B, *x.shape[1:])
-        index = keep.to(x.device).view(B, -1, *([1] * (x.dim() - 2)))
-        return x.gather(1, index.expand(-1, -1, *x.shape[2:]))
-
-    hidden = take(hidden)
+    hidden = _take(hidden, keep)
     cos, sin = kwargs["position_embeddings"]
-    kwargs["position_embeddings"] = (take(cos), take(sin))
+    kwargs["position_embeddings"] = (_take(cos, keep), _take(sin, keep))
     if kwargs.get("position_ids") is not None:
-        kwargs["position_ids"] = take(kwargs["position_ids"])
+        kwargs["position_ids"] = _take(kwargs["position_ids"], keep)
     key_valid = st.key_valid()
     kwargs["attention_mask"] = create_causal_mask(
         config=text_config,
