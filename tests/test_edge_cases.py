@@ -56,3 +56,11 @@ def test_a_right_padded_batch_prunes_each_sample_as_alone(config):
             alone = model(**inputs_for(processor, [q], [b])).logits[0, -1]
             assert [c.kept[0].tolist() for c in patch.state.cuts] == [k[b].tolist() for k in kept]
             assert (logits[b, last[b]] - alone).abs().max().item() < 1e-4
+
+
+def test_a_static_cache_is_refused_by_name():
+    model, make_inputs = llava_case(layers=4)
+    inputs = make_inputs(QUESTIONS[:1], None)
+    with hap.patched(model, hap.HAPConfig(retain=0.4, first_layers=1, groups=2)), torch.no_grad():
+        with pytest.raises(ValueError, match=r"dynamic KV cache.*StaticCache"):
+            model.generate(**inputs, max_new_tokens=2, do_sample=False, cache_implementation="static")

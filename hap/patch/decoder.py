@@ -27,6 +27,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from ..budget import DecoderShape
@@ -97,6 +98,11 @@ class Patch:
             self.mode = None
         elif input_ids is not None and bool((input_ids == self.image_token).any()):
             cache = kwargs.get("cache")
+            if cache is not None and not isinstance(cache, DynamicCache):
+                raise ValueError(
+                    f"HAP prunes into a dynamic KV cache (each layer its own length); {type(cache).__name__} "
+                    "(e.g. cache_implementation='static') is not supported: use the default cache"
+                )
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("HAP prunes a fresh prefill: an image cannot be added to an existing KV cache")
             self.prefill_started = time.perf_counter()
