@@ -45,12 +45,16 @@ def token_scores(fused: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
     return rows.norm(dim=1)
 
 
-def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+def select_top(scores: torch.Tensor, k: int, priority: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the k highest scores per sample, ties broken by position, in ascending order.
 
-    scores [batch, V] -> long [batch, k].
+    scores [batch, V] -> long [batch, k]. With `priority [batch, V]`, tokens are ranked by priority first
+    and by score among equal priorities (lexicographic order).
     """
     if not 1 <= k <= scores.shape[-1]:
         raise ValueError(f"k={k} must be in [1, {scores.shape[-1]}]")
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    if priority is not None:
+        first = torch.sort(priority.gather(1, order), dim=-1, descending=True, stable=True).indices
+        order = order.gather(1, first)
     return order[:, :k].sort(dim=-1).values

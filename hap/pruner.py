@@ -46,6 +46,7 @@ class PruneState:
     lookahead_layers: set[int]  # layers also captured before their own cut, to score it (a cut before layer 0)
     tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
+    priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0
@@ -60,8 +61,11 @@ class PruneState:
         attention_mask: torch.Tensor | None,
         shape: DecoderShape,
         trace: bool,
+        priority: torch.Tensor | None = None,
     ) -> "PruneState":
-        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None.
+        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None;
+        priority [batch, N] or None: an analysis hook, values that rank the visual tokens (by original
+        index) before the method's scores at every cut (e.g. 1 on the patches that answer the question).
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
         config = config.resolved(shape.layers)
@@ -72,6 +76,8 @@ class PruneState:
         N = int(counts[0])
         if N == 0:
             raise ValueError("the input holds no visual tokens: the prompt must contain exactly one image")
+        if priority is not None and tuple(priority.shape) != (B, N):
+            raise ValueError(f"priority must be [batch, visual] = [{B}, {N}]; got {list(priority.shape)}")
         device = visual_mask.device
         positions = torch.arange(T, device=device)
         visual_pos = positions.expand(B, T)[visual_mask].view(B, N)
@@ -95,6 +101,7 @@ class PruneState:
             lookahead_layers=lookahead,
             tracer=Tracer(N, config.temperature) if trace else None,
             prompt_len=T,
+            priority=None if priority is None else priority.float().to(device),
         )
 
     # --- queries the adapter asks at each layer -------------------------------------------------
@@ -162,7 +169,8 @@ class PruneState:
         n_cur = self.visual_pos.shape[1]
         scores = cut_scores(self.policy, attn, paq, self.row_valid, n_cur, self.config.seed, g)
         k = min(self.schedule.kept[g], n_cur)
-        chosen = select_top(scores.to(self.visual_pos.device), k)  # [B, k] indices into the current visual list
+        priority = None if self.priority is None else self.priority.gather(1, self.kept_orig)
+        chosen = select_top(scores.to(self.visual_pos.device), k, priority)  # [B, k] into the current visual list
         B, T = self.seq_index.shape
         keep = torch.ones(B, T, dtype=torch.bool, device=self.seq_index.device)
         keep.scatter_(1, self.visual_pos, False)

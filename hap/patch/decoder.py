@@ -64,8 +64,9 @@ class Patch:
     """The hooks of one patched model (`model._hap`): one object whose methods are the named steps of a
     forward (model pre-hook, layer prefill, layer decode, layer done, decoder done)."""
 
-    def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None) -> None:
-        self.config, self.trace = config, trace
+    def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None,
+                 priority: torch.Tensor | None = None) -> None:
+        self.config, self.trace, self.priority = config, trace, priority
         self.decode_positions = decode_positions or (lambda model, positions: positions)
         self.shape = decoder_shape(model)
         self.image_token = model.config.image_token_id
@@ -107,7 +108,8 @@ class Patch:
                 raise ValueError("HAP prunes a fresh prefill: an image cannot be added to an existing KV cache")
             self.prefill_started = time.perf_counter()
             self.state = PruneState.start(
-                self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace
+                self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace,
+                self.priority,
             )
             self.mode = "prefill"
         elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
@@ -182,14 +184,15 @@ class Patch:
             self.prefill_seconds = time.perf_counter() - self.prefill_started
 
 
-def apply_patch(model, config: HAPConfig, trace: bool = False, decode_positions: Positions = None) -> Patch:
-    """Patch `model` in place so that its forward and `generate` prune as `config` says. `decode_positions`
-    (the multimodal model, long [1, new] text positions) -> the `position_ids` its decoder takes, for decode
-    steps given none (default: the text positions as they are)."""
+def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
+                decode_positions: Positions = None) -> Patch:
+    """Patch `model` in place so that its forward and `generate` prune as `config` says. `priority`
+    [batch, visual]: see `PruneState.start`. `decode_positions` (the multimodal model, long [1, new] text
+    positions) -> the `position_ids` its decoder takes, for decode steps given none (default: as they are)."""
     check_decoder(model)
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(model, config, trace, decode_positions)
+    patch = Patch(model, config, trace, decode_positions, priority)
     patch.attach(model)
     model._hap = patch
     return patch
