@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from analysis.benchmark import METHODS, RETAINS, main, spearman
+from analysis.scenes import QTYPES
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-llava"
 
@@ -22,12 +23,14 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
     """On the shipped (trained) model, so that the unpruned accuracy is not 0 and the retain-1.0 check means
     something; every check below fails for some wrong report."""
     out = tmp_path / "bench"
-    main(["--model", str(SHIPPED), "--seeds", "500000:500004", "--per-scene", "2", "--out", str(out)])
+    main(["--model", str(SHIPPED), "--seeds", "500000:500004", "--per-scene", "2", "--out", str(out),
+          "--methods", *METHODS, "oracle"])
     report = json.loads((out / "benchmark.json").read_text())
+    text = json.loads((SHIPPED / "config.json").read_text())["text_config"]
     n = report["n_questions"]
     assert n == 8 and report["config"]["first_layers"] == 0  # the per-model default on 6 layers
     assert 0 < report["unpruned_accuracy"] and (report["unpruned_accuracy"] * n).is_integer()
-    for method in METHODS:
+    for method in (*METHODS, "oracle"):
         accuracy, recall = report["accuracy"][method], report["kept_recall"][method]
         assert set(accuracy) == set(recall) == {str(r) for r in RETAINS}
         assert all((v * n) == pytest.approx(round(v * n)) for v in accuracy.values())  # a share of n questions
@@ -37,7 +40,11 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
         assert accuracy["1.0"] == report["unpruned_accuracy"]
         assert recall["1.0"] == 1.0 and recall["0.056"] < recall["0.222"] <= 1.0  # pruning drops object patches
     assert -1.0 <= report["grounding_spearman"] <= 1.0  # NaN fails too
-    assert np.array(report["head_paq"]).shape == (6, 4)
+    assert np.array(report["head_paq"]).shape == (text["num_hidden_layers"], text["num_attention_heads"])
+    assert len(report["norm_ratio"]) == text["num_hidden_layers"] and min(report["norm_ratio"]) >= 1.0
+    for r in ("0.222", "0.111", "0.056"):  # the answering patches first: recall at least the uniform one's
+        assert report["kept_recall"]["oracle"][r] >= report["kept_recall"]["uniform"][r]
+    assert set(report["accuracy_by_type"]["oracle"]["0.111"]) == set(QTYPES)
     for name in ("benchmark.md", "accuracy.png", "paq_grounding.png"):
         assert (out / name).stat().st_size > 0
 
