@@ -34,7 +34,7 @@ import torch
 
 import hap
 from hap.knobs import knob
-from hap.run import chat_prompt
+from hap.run import chat_prompt, template_tail
 from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)
@@ -75,7 +75,8 @@ def run_batch(model, processor, batch, config: hap.HAPConfig, trace: bool, max_n
     """Greedy answers for a batch of (scene, question) under `config` (and `priority [batch, visual]`, see
     `hap.patched`); returns (answers, PruneState)."""
     inputs = batch_inputs(processor, batch)
-    with hap.patched(model, config, trace=trace, priority=priority) as patch, torch.inference_mode():
+    tail = template_tail(processor)
+    with hap.patched(model, config, trace=trace, priority=priority, tail=tail) as patch, torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     new = out[:, inputs["input_ids"].shape[1] :]
     answers = [s.strip() for s in processor.batch_decode(new, skip_special_tokens=True)]

@@ -38,6 +38,26 @@ def sink_tokens(visual_hidden: torch.Tensor, rho: float) -> torch.Tensor:
     return norms > rho * norms.median(dim=-1, keepdim=True).values
 
 
+def consensus_sinks(dist: torch.Tensor, share: float = 0.5, quorum: float = 0.25) -> torch.Tensor:
+    """Attention-consensus sink test (docs/method.md §10): `dist [..., heads, visual]` (each head's visual
+    distribution, summing to 1) -> bool `[..., visual]`: tokens holding at least `share` of the visual
+    attention of at least `quorum` of the heads."""
+    return (dist >= share).float().mean(-2) >= quorum
+
+
+def detect_sinks(detector: str, visual_hidden: torch.Tensor, attn: torch.Tensor, row_valid: torch.Tensor,
+                 rho: float, share: float, quorum: float) -> torch.Tensor:
+    """Sink tokens of one layer, bool `[batch, visual]`: by the norm test (`sink_tokens`, rho), by attention
+    consensus over the layer's heads (`consensus_sinks` of `visual_distribution(attn, row_valid)`), or by
+    either ("both"). visual_hidden [batch, visual, d]; attn [batch, heads, P, visual]; row_valid [batch, P]."""
+    sinks = torch.zeros(attn.shape[0], attn.shape[-1], dtype=torch.bool, device=attn.device)
+    if detector in ("norm", "both"):
+        sinks |= sink_tokens(visual_hidden, rho).to(attn.device)
+    if detector in ("consensus", "both"):
+        sinks |= consensus_sinks(visual_distribution(attn, row_valid), share, quorum)
+    return sinks
+
+
 def _row_mean(x: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
     """Mean of `x [batch, heads, prompt]` over the valid rows -> `[batch, heads]`."""
     w = row_valid[:, None, :].to(x.dtype)

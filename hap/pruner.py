@@ -21,9 +21,9 @@ import torch
 
 from .budget import DecoderShape, Schedule, plan
 from .config import HAPConfig
-from .fusion import fusion_weights, select_top
-from .heads import head_stats, sink_tokens
-from .methods import Policy, cut_scores, policy_for, scoring_layers
+from .fusion import select_top
+from .heads import HeadStats, detect_sinks, head_stats
+from .methods import Policy, cut_scores, head_weights, policy_for, scoring_layers
 from .trace import CutTrace, Tracer
 
 
@@ -50,8 +50,8 @@ class PruneState:
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0
-    # (layer, lookahead) -> (attn, paq) of a captured layer, until the cut it scores
-    _maps: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (layer, lookahead) -> (attn, head stats, sink tokens) of a captured layer, until the cut it scores
+    _maps: dict[tuple[int, bool], tuple[torch.Tensor, HeadStats, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def start(
@@ -62,10 +62,12 @@ class PruneState:
         shape: DecoderShape,
         trace: bool,
         priority: torch.Tensor | None = None,
+        tail: int = 0,
     ) -> "PruneState":
         """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None;
         priority [batch, N] or None: an analysis hook, values that rank the visual tokens (by original
-        index) before the method's scores at every cut (e.g. 1 on the patches that answer the question).
+        index) before the method's scores at every cut (e.g. 1 on the patches that answer the question);
+        tail: tokens of the chat template after the question (e.g. " ASSISTANT:"), left out by rows="question".
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
         config = config.resolved(shape.layers)
@@ -84,7 +86,7 @@ class PruneState:
         policy = policy_for(config)
         schedule = plan(config, shape, N, T - N)
         scoring, lookahead = _scoring_sets(policy, schedule)
-        row_valid, row_gap = _prompt_rows(policy.rows, visual_pos[:, -1], _last_tokens(attention_mask, T), T)
+        row_valid, row_gap = _prompt_rows(policy.rows, visual_pos[:, -1], _last_tokens(attention_mask, T), T, tail)
         return cls(
             config=config,
             policy=policy,
@@ -145,10 +147,12 @@ class PruneState:
         vp = self.visual_pos.to(rows.device)
         attn = rows.gather(3, vp[:, None, None, :].expand(*rows.shape[:3], -1)).to(device)  # [B, H, P, N_cur]
         vis_hidden = hidden.gather(1, vp.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1]))
-        sink = sink_tokens(vis_hidden, self.config.sink_rho).to(device)
+        c = self.config
+        sink = detect_sinks(c.sink_detector, vis_hidden, attn, self.row_valid, c.sink_rho, c.consensus_share,
+                            c.consensus_quorum)
         stats = head_stats(attn, self.row_valid, sink)
         if lookahead or layer in self.scoring_layers:
-            self._maps[(layer, lookahead)] = (attn, stats.paq)
+            self._maps[(layer, lookahead)] = (attn, stats, sink)
         if self.tracer is not None and not lookahead:
             self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
         self.scoring_seconds += time.perf_counter() - t0
@@ -159,15 +163,18 @@ class PruneState:
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
         scored = scoring_layers(self.policy, (starts[g], layer))
-        attn = paq = None
+        attn = paq = weights = sink = None
         keys = [(l, l == layer) for l in scored]
         if scored:
-            attn = torch.stack([self._maps[key][0] for key in keys], 1)  # [B, Lg, H, P, N_cur]
-            paq = torch.stack([self._maps[key][1] for key in keys], 1)  # [B, Lg, H]
+            maps = [self._maps[key] for key in keys]
+            attn = torch.stack([m[0] for m in maps], 1)  # [B, Lg, H, P, N_cur]
+            paq = torch.stack([m[1].paq for m in maps], 1)  # [B, Lg, H]
+            weights = head_weights(self.policy, paq, torch.stack([m[1].visual_share for m in maps], 1))
+            sink = torch.stack([m[2] for m in maps]).any(0)  # [B, N_cur] a sink in any scoring layer
             if self.tracer is not None:
                 self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
-        scores = cut_scores(self.policy, attn, paq, self.row_valid, n_cur, self.config.seed, g)
+        scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
         k = min(self.schedule.kept[g], n_cur)
         priority = None if self.priority is None else self.priority.gather(1, self.kept_orig)
         chosen = select_top(scores.to(self.visual_pos.device), k, priority)  # [B, k] into the current visual list
@@ -181,8 +188,8 @@ class PruneState:
         self.kept_orig = self.kept_orig.gather(1, chosen)
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
-        weights = None if paq is None else fusion_weights(paq, self.policy.temperature).cpu()
-        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(), weights))
+        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(),
+                                  None if weights is None else weights.cpu()))
         for key in keys:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0
@@ -208,13 +215,16 @@ def _last_tokens(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | 
     return T - 1 - attention_mask.bool().flip(1).long().argmax(1)
 
 
-def _prompt_rows(rows: str, last_visual: torch.Tensor, last_token: torch.Tensor | None,
-                 T: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _prompt_rows(rows: str, last_visual: torch.Tensor, last_token: torch.Tensor | None, T: int,
+                 tail: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(bool [batch, P] valid rows, long [batch] gap) of each sample: the P positions ending at its last real token
     (`last_token` long [batch]; None: T - 1), valid after its last visual token (`last_visual` long [batch])
-    for rows "prompt", the last token alone for "last"; the gap is the count of tokens after the last row."""
+    for rows "prompt", the last token alone for "last", and for "question" the prompt rows without the
+    chat template's `tail` tokens (docs/method.md §10); the gap is the count of tokens after the last row."""
     B, device = last_visual.shape[0], last_visual.device
     last_token = torch.full_like(last_visual, T - 1) if last_token is None else last_token.to(device)
+    if rows == "question":
+        last_token = last_token - tail
     gap = T - 1 - last_token
     if rows == "last":
         return torch.ones(B, 1, dtype=torch.bool, device=device), gap

@@ -33,6 +33,7 @@ from transformers.masking_utils import create_causal_mask
 from ..budget import DecoderShape
 from ..capture import prompt_attention
 from ..config import HAPConfig
+from ..methods import policy_for
 from ..pruner import PruneState
 
 
@@ -65,8 +66,8 @@ class Patch:
     forward (model pre-hook, layer prefill, layer decode, layer done, decoder done)."""
 
     def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None,
-                 priority: torch.Tensor | None = None) -> None:
-        self.config, self.trace, self.priority = config, trace, priority
+                 priority: torch.Tensor | None = None, tail: int = 0) -> None:
+        self.config, self.trace, self.priority, self.tail = config, trace, priority, tail
         self.decode_positions = decode_positions or (lambda model, positions: positions)
         self.shape = decoder_shape(model)
         self.image_token = model.config.image_token_id
@@ -109,7 +110,7 @@ class Patch:
             self.prefill_started = time.perf_counter()
             self.state = PruneState.start(
                 self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace,
-                self.priority,
+                self.priority, self.tail,
             )
             self.mode = "prefill"
         elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
@@ -140,9 +141,10 @@ class Patch:
         (deferred to `layer_done` when the layer writes its keys to the cache). Returns the hidden states."""
         st = self.state
         self.cache = kwargs.get("cache")
-        if index in st.lookahead_layers:
-            _record(st, layer, index, _queries(st, layer, hidden, kwargs), _keys(layer, hidden, kwargs), hidden,
-                    lookahead=True)
+        if index in st.lookahead_layers:  # pre-RoPE for first_cut="prerope" (docs/method.md §10)
+            rope = not st.policy.prerope
+            _record(st, layer, index, _queries(st, layer, hidden, kwargs, rope), _keys(layer, hidden, kwargs, rope),
+                    hidden, lookahead=True)
         if st.cut_index(index) is not None:
             hidden = _cut(st, self.text_config, index, hidden, kwargs)
             self.overrides = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")
@@ -185,14 +187,18 @@ class Patch:
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-                decode_positions: Positions = None) -> Patch:
+                tail: int | None = None, decode_positions: Positions = None) -> Patch:
     """Patch `model` in place so that its forward and `generate` prune as `config` says. `priority`
-    [batch, visual]: see `PruneState.start`. `decode_positions` (the multimodal model, long [1, new] text
-    positions) -> the `position_ids` its decoder takes, for decode steps given none (default: as they are)."""
+    [batch, visual] and `tail` (needed by rows="question"): see `PruneState.start`. `decode_positions` (the
+    multimodal model, long [1, new] text positions) -> the `position_ids` its decoder takes, for decode steps
+    given none (default: as they are)."""
     check_decoder(model)
+    if tail is None and policy_for(config).rows == "question":
+        raise ValueError("rows='question' needs the chat template's tail after the question: "
+                         "hap.patched(model, config, tail=hap.run.template_tail(processor))")
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(model, config, trace, decode_positions, priority)
+    patch = Patch(model, config, trace, decode_positions, priority, tail or 0)
     patch.attach(model)
     model._hap = patch
     return patch
@@ -222,8 +228,8 @@ def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _queries(st: PruneState, layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """Post-RoPE queries of the prompt rows only: `[batch, heads, P, head_dim]`."""
+def _queries(st: PruneState, layer, hidden: torch.Tensor, kwargs: dict, rope: bool = True) -> torch.Tensor:
+    """Post-RoPE (or, `rope` False, pre-RoPE) queries of the prompt rows only: `[batch, heads, P, head_dim]`."""
     attn = layer.self_attn
     B, T, _ = hidden.shape
     rows = st.row_positions(T).to(hidden.device)  # [B, P]
@@ -231,18 +237,22 @@ def _queries(st: PruneState, layer, hidden: torch.Tensor, kwargs: dict) -> torch
     q = attn.q_proj(layer.input_layernorm(_take(hidden, rows))).view(B, P, -1, attn.head_dim).transpose(1, 2)
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
+    if not rope:
+        return q
     cos, sin = kwargs["position_embeddings"]
     return _rope(attn)(q, q, _take(cos, rows), _take(sin, rows))[0]
 
 
 @torch.no_grad()
-def _keys(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """Post-RoPE keys of every token, recomputed: `[batch, kv_heads, T, head_dim]`."""
+def _keys(layer, hidden: torch.Tensor, kwargs: dict, rope: bool = True) -> torch.Tensor:
+    """Post-RoPE (or, `rope` False, pre-RoPE) keys of every token, recomputed: `[batch, kv_heads, T, head_dim]`."""
     attn = layer.self_attn
     B, T, _ = hidden.shape
     k = attn.k_proj(layer.input_layernorm(hidden)).view(B, T, -1, attn.head_dim).transpose(1, 2)
     if hasattr(attn, "k_norm"):
         k = attn.k_norm(k)
+    if not rope:
+        return k
     cos, sin = kwargs["position_embeddings"]
     return _rope(attn)(k, k, cos, sin)[0]
 

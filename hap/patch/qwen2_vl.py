@@ -34,6 +34,7 @@ def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:
     return positions[None] + model.rope_deltas.to(positions.device)
 
 
-def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None) -> decoder.Patch:
+def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
+                tail: int | None = None) -> decoder.Patch:
     """`decoder.apply_patch` with M-RoPE positions for decode steps given none."""
-    return decoder.apply_patch(model, config, trace, priority, decode_positions=mrope_positions)
+    return decoder.apply_patch(model, config, trace, priority, tail, decode_positions=mrope_positions)
