@@ -62,3 +62,28 @@ def test_layer_recall_averages_over_decoder_layers():
     target = np.array([True, True, False, False, False, False])
     # layer 0: all tokens (1.0); layers 1-2: both target patches (1.0); layer 3: none (0.0)
     assert layer_recall(SimpleNamespace(schedule=schedule, cuts=cuts), 0, target) == 0.75
+
+
+def test_the_ablation_runs_every_knob_alone_and_together(tmp_path):
+    from analysis.ablation import TOGETHER, main as ablation, variants
+
+    names = variants()
+    assert names["hap_paper"] == {} and names["all"] == TOGETHER and len(names) == 9
+    report = ablation(["--model", str(SHIPPED), "--seeds", "400000:400002", "--per-scene", "2", "--retain", "0.111",
+                       "--out", str(tmp_path)])
+    assert set(report["variants"]) == set(names) and report["variants"]["hap_paper"]["delta"]["0.111"] == 0.0
+    for v in report["variants"].values():
+        assert 0.0 <= v["kept_recall"]["0.111"] <= 1.0 and (v["accuracy"]["0.111"] * 4).is_integer()
+    assert "| all |" in (tmp_path / "ablation.md").read_text()
+
+
+def test_hap_paper_is_the_paper_preset_on_the_run_schedule(tmp_path):
+    """`hap` given every paper value by its flag answers as `hap_paper`, whatever the library defaults."""
+    from analysis.benchmark import KNOB_FLAGS
+    from hap import KNOBS
+
+    paper = [arg for k in KNOBS if k.paper is not None and k.name in KNOB_FLAGS for arg in (k.flag, str(k.paper))]
+    report = main(["--model", str(SHIPPED), "--seeds", "500000:500002", "--per-scene", "1", "--out", str(tmp_path),
+                   "--methods", "hap", "hap_paper", "--retain", "0.111", *paper])
+    assert report["accuracy"]["hap"] == report["accuracy"]["hap_paper"]
+    assert report["kept_recall"]["hap"] == report["kept_recall"]["hap_paper"]
