@@ -10,6 +10,7 @@ cut, and how heads are weighted:
     pdrop     G          last token            last layer of the segment  uniform
     fastv     1 (at K)   last token            layer K-1                  uniform
     random    G          -                     -                          seeded uniform choice
+    visionzip 1, at 0    -                     - (the vision tower's [CLS] attention, `hap.visionzip`)
     none      no cuts
 
 HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `first_cut`)
@@ -37,6 +38,12 @@ class Policy:
     visual_weights: bool = False  # head weights x visual share (head_weight="paq_visual")
     sink_ranking: str = "keep"  # sink tokens at a cut: "keep", "mask" or "mask_keep_one"
     prerope: bool = False  # a cut before layer 0 scored by q.k without rotary embedding
+    vision: bool = False  # VisionZip: one cut before layer 0 from the vision tower's [CLS] attention
+
+    @property
+    def needs_maps(self) -> bool:
+        """Whether the cuts are scored by decoder attention maps (not random, not vision-side)."""
+        return not (self.random or self.vision)
 
 
 def policy_for(config: HAPConfig) -> Policy:
@@ -53,6 +60,8 @@ def policy_for(config: HAPConfig) -> Policy:
         return Policy(config.groups, "last", False, math.inf)
     if m == "fastv":
         return Policy(1, "last", False, math.inf)
+    if m == "visionzip":
+        return Policy(1, config.rows, False, math.inf, vision=True)
     return Policy(config.groups, config.rows, False, math.inf, random=True)
 
 
@@ -63,7 +72,7 @@ def scoring_layers(policy: Policy, segment: tuple[int, int]) -> list[int]:
     the full input (as PyramidDrop scores with the next layer's queries and keys).
     """
     start, end = segment
-    if policy.random:
+    if not policy.needs_maps:
         return []
     if start == end:
         return [end]

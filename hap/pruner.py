@@ -25,6 +25,7 @@ from .fusion import select_top
 from .heads import HeadStats, detect_sinks, head_stats
 from .methods import Policy, cut_scores, head_weights, policy_for, scoring_layers
 from .trace import CutTrace, Tracer
+from .visionzip import select
 
 
 @dataclass
@@ -47,6 +48,9 @@ class PruneState:
     tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
     priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
+    vision: tuple[torch.Tensor, torch.Tensor] | None = None  # VisionZip cues: [CLS] attention [B, N], keys [B, N, d]
+    merged: tuple[torch.Tensor, torch.Tensor] | None = None  # VisionZip: (positions [B, c], embeds [B, c, D]) to
+    #                                                          write into the hidden states after the cut
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0
@@ -157,8 +161,10 @@ class PruneState:
             self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
         self.scoring_seconds += time.perf_counter() - t0
 
-    def cut(self, layer: int) -> torch.Tensor:
-        """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept."""
+    def cut(self, layer: int, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. VisionZip
+        (docs/method.md §7) merges `visual_embeds` [batch, N_cur, D] (the visual rows of the hidden states) into
+        its contextual tokens, left in `merged` for the adapter to write."""
         t0 = time.perf_counter()
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
@@ -174,10 +180,13 @@ class PruneState:
             if self.tracer is not None:
                 self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
-        scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
         k = min(self.schedule.kept[g], n_cur)
-        priority = None if self.priority is None else self.priority.gather(1, self.kept_orig)
-        chosen = select_top(scores.to(self.visual_pos.device), k, priority)  # [B, k] into the current visual list
+        if self.policy.vision:
+            chosen, slots, merged = self._visionzip(visual_embeds, k)
+        else:
+            scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
+            priority = None if self.priority is None else self.priority.gather(1, self.kept_orig)
+            chosen = select_top(scores.to(self.visual_pos.device), k, priority)  # [B, k] into the current visual list
         B, T = self.seq_index.shape
         keep = torch.ones(B, T, dtype=torch.bool, device=self.seq_index.device)
         keep.scatter_(1, self.visual_pos, False)
@@ -186,6 +195,8 @@ class PruneState:
         new_pos = keep.long().cumsum(1) - 1
         self.visual_pos = new_pos.gather(1, self.visual_pos.gather(1, chosen))
         self.kept_orig = self.kept_orig.gather(1, chosen)
+        if self.policy.vision:
+            self.merged = (self.visual_pos.gather(1, slots), merged)
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
         self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(),
@@ -194,6 +205,13 @@ class PruneState:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0
         return kept_positions
+
+    def _visionzip(self, visual_embeds: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hap.visionzip.select` on this prefill's vision cues: (chosen [B, k], slots [B, c], merged [B, c, D])."""
+        if self.vision is None or visual_embeds is None or self.vision[0].shape != self.visual_pos.shape:
+            raise ValueError("visionzip needs the vision tower's [CLS] attention of this prefill: pass pixel_values")
+        cls_attention, keys = (t.to(self.visual_pos.device) for t in self.vision)
+        return select(cls_attention, keys, visual_embeds.to(self.visual_pos.device), k)
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.
@@ -241,7 +259,7 @@ def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], 
     if schedule is not None:
         starts = [0] + schedule.cuts
         for g, cut in enumerate(schedule.cuts):
-            if starts[g] == cut and not policy.random:
+            if starts[g] == cut and policy.needs_maps:
                 lookahead.add(cut)
             else:
                 scoring.update(scoring_layers(policy, (starts[g], cut)))

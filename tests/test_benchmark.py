@@ -78,12 +78,14 @@ def test_the_ablation_runs_every_knob_alone_and_together(tmp_path):
 
 
 def test_hap_paper_is_the_paper_preset_on_the_run_schedule(tmp_path):
-    """`hap` given every paper value by its flag answers as `hap_paper`, whatever the library defaults."""
+    """`hap` given every paper value by its flag answers as `hap_paper`, whatever the library defaults;
+    `visionzip` is a benchmark method too."""
     from analysis.benchmark import KNOB_FLAGS
     from hap import KNOBS
 
     paper = [arg for k in KNOBS if k.paper is not None and k.name in KNOB_FLAGS for arg in (k.flag, str(k.paper))]
     report = main(["--model", str(SHIPPED), "--seeds", "500000:500002", "--per-scene", "1", "--out", str(tmp_path),
-                   "--methods", "hap", "hap_paper", "--retain", "0.111", *paper])
+                   "--methods", "hap", "hap_paper", "visionzip", "--retain", "0.111", *paper])
     assert report["accuracy"]["hap"] == report["accuracy"]["hap_paper"]
+    assert 0.0 <= report["kept_recall"]["visionzip"]["0.111"] <= 1.0  # the peer runs on the same budget
     assert report["kept_recall"]["hap"] == report["kept_recall"]["hap_paper"]

@@ -79,6 +79,7 @@ class Patch:
         self.overrides: dict = {}  # layer kwargs a cut changed, handed to every later layer
         self.pending: tuple | None = None  # (queries, hidden) of a capture waiting for the layer's cached keys
         self.cache = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
+        self.vision_cues: tuple | None = None  # vision-side cues captured before the next prefill (VisionZip)
         self.prefill_started = 0.0
         self.prefill_seconds = 0.0
 
@@ -112,6 +113,7 @@ class Patch:
                 self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace,
                 self.priority, self.tail,
             )
+            self.state.vision, self.vision_cues = self.vision_cues, None
             self.mode = "prefill"
         elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
             self.mode = "decode"
@@ -275,8 +277,13 @@ def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor,
 @torch.no_grad()
 def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Apply the cut entering layer `index` to the hidden states and the layer kwargs (in place)."""
-    keep = st.cut(index)  # [B, T']
+    keep = st.cut(index, _take(hidden, st.visual_pos) if st.policy.vision else None)  # [B, T']
     hidden = _take(hidden, keep)
+    if st.merged is not None:  # VisionZip's contextual tokens take the merged embeddings
+        positions, merged = st.merged
+        where = positions.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
+        hidden = hidden.scatter(1, where, merged.to(hidden))
+        st.merged = None
     cos, sin = kwargs["position_embeddings"]
     kwargs["position_embeddings"] = (_take(cos, keep), _take(sin, keep))
     if kwargs.get("position_ids") is not None:

@@ -36,5 +36,7 @@ def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None) -> decoder.Patch:
-    """`decoder.apply_patch` with M-RoPE positions for decode steps given none."""
+    """`decoder.apply_patch` with M-RoPE positions for decode steps given none; `visionzip` is refused."""
+    if config.method == "visionzip":
+        raise ValueError(f"visionzip needs a [CLS] token: the {type(model).__name__} vision tower has no [CLS] token")
     return decoder.apply_patch(model, config, trace, priority, tail, decode_positions=mrope_positions)
