@@ -15,7 +15,8 @@ of one `Patch` object, one per step of a forward:
   RoPE (cos, sin), the position ids (originals: no RoPE shift) and rebuilds the mask for the shorter
   sequence, then hands those to every later layer, so each later layer writes a shorter KV cache.
 - `layer_decode`: layers after a cut get a mask sized to their own cache.
-- `layer_done`: a capture deferred until the layer cached its keys reads them there.
+- `query_done`: a captured layer's prompt-row queries, taken from its own q projection (not recomputed).
+- `layer_done`: the capture, once the layer cached its keys, reads them there.
 - `decoder_done`: the prefill's wall time.
 """
 
@@ -77,7 +78,8 @@ class Patch:
         self.mode: str | None = None  # "prefill", "decode" or None (not pruning this forward)
         self.step_mask: torch.Tensor | None = None  # the decode step's 2-D mask as generate passes it
         self.overrides: dict = {}  # layer kwargs a cut changed, handed to every later layer
-        self.pending: tuple | None = None  # (queries, hidden) of a capture waiting for the layer's cached keys
+        self.pending: tuple | None = None  # (layer, hidden, rows) of a capture waiting for the layer to run
+        self.pending_q: torch.Tensor | None = None  # [B, P, heads * head_dim] its rows of the layer's q projection
         self.cache = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
         self.vision_cues: tuple | None = None  # vision-side cues captured before the next prefill (VisionZip)
         self.prefill_started = 0.0
@@ -91,6 +93,7 @@ class Patch:
         for i, layer in enumerate(lm.layers):
             self.handles.append(layer.register_forward_pre_hook(partial(self.layer_pre_hook, i), with_kwargs=True))
             self.handles.append(layer.register_forward_hook(partial(self.layer_done, i), with_kwargs=True))
+            self.handles.append(layer.self_attn.q_proj.register_forward_hook(partial(self.query_done, i)))
 
     def model_pre_hook(self, module, args, kwargs) -> tuple[tuple, dict]:
         """Before the multimodal model: a prompt with the image starts a pruned prefill (plans it); a
@@ -143,20 +146,14 @@ class Patch:
         (deferred to `layer_done` when the layer writes its keys to the cache). Returns the hidden states."""
         st = self.state
         self.cache = kwargs.get("cache")
-        if index in st.lookahead_layers:  # pre-RoPE for first_cut="prerope" (docs/method.md §10)
-            rope = not st.policy.prerope
-            _record(st, layer, index, _queries(st, layer, hidden, kwargs, rope), _keys(layer, hidden, kwargs, rope),
-                    hidden, lookahead=True)
+        if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
+            _lookahead(st, layer, index, hidden, kwargs, rope=not st.policy.prerope)
         if st.cut_index(index) is not None:
             hidden = _cut(st, self.text_config, index, hidden, kwargs)
             self.overrides = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")
                               if k in kwargs}
-        if index in st.capture_layers:
-            q = _queries(st, layer, hidden, kwargs)
-            if kwargs.get("use_cache") and kwargs.get("cache") is not None:
-                self.pending = (q, hidden)  # keys come from the cache once the layer ran
-            else:
-                _record(st, layer, index, q, _keys(layer, hidden, kwargs), hidden)
+        if index in st.capture_layers:  # queries and keys come from the layer's own run
+            self.pending = (index, hidden, st.row_positions(hidden.shape[1]).to(hidden.device))
         return hidden
 
     def layer_decode(self, index: int, hidden: torch.Tensor, kwargs: dict) -> None:
@@ -174,13 +171,26 @@ class Patch:
         )
         self.overrides = {"attention_mask": kwargs["attention_mask"]}
 
+    @torch.no_grad()
+    def query_done(self, index: int, module, args, output: torch.Tensor) -> None:
+        """After the q projection of decoder layer `index`: keep the prompt rows of a pending capture."""
+        if self.pending is not None and self.pending[0] == index:
+            self.pending_q = _take(output, self.pending[2])
+
+    @torch.no_grad()
     def layer_done(self, index: int, layer, args, kwargs, output) -> None:
-        """After decoder layer `index`: a deferred capture reads the keys the layer just cached."""
+        """After decoder layer `index`: the pending capture, with the rows' queries of its q projection (RoPE
+        applied here) and the keys it cached (recomputed without a cache)."""
         if self.pending is None:
             return
-        (q, hidden), self.pending = self.pending, None
-        k = _cached_keys(kwargs["cache"], index)
-        _record(self.state, layer, index, q, k if k is not None else _keys(layer, hidden, kwargs), hidden)
+        (_, hidden, rows), q, self.pending, self.pending_q = self.pending, self.pending_q, None, None
+        attn = layer.self_attn
+        cos, sin = kwargs["position_embeddings"]
+        q = _heads(attn, q, "q_norm", (_take(cos, rows), _take(sin, rows)))
+        k = _cached_keys(kwargs.get("cache"), index)
+        if k is None:
+            k = _heads(attn, attn.k_proj(layer.input_layernorm(hidden)), "k_norm", (cos, sin))
+        _record(self.state, layer, index, q, k, hidden)
 
     def decoder_done(self, module, args, kwargs, output) -> None:
         """After the decoder: the prefill's wall time."""
@@ -229,34 +239,28 @@ def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index.expand(-1, -1, *x.shape[2:]))
 
 
-@torch.no_grad()
-def _queries(st: PruneState, layer, hidden: torch.Tensor, kwargs: dict, rope: bool = True) -> torch.Tensor:
-    """Post-RoPE (or, `rope` False, pre-RoPE) queries of the prompt rows only: `[batch, heads, P, head_dim]`."""
-    attn = layer.self_attn
-    B, T, _ = hidden.shape
-    rows = st.row_positions(T).to(hidden.device)  # [B, P]
-    P = rows.shape[1]
-    q = attn.q_proj(layer.input_layernorm(_take(hidden, rows))).view(B, P, -1, attn.head_dim).transpose(1, 2)
-    if hasattr(attn, "q_norm"):
-        q = attn.q_norm(q)
-    if not rope:
-        return q
-    cos, sin = kwargs["position_embeddings"]
-    return _rope(attn)(q, q, _take(cos, rows), _take(sin, rows))[0]
+def _heads(attn, projected: torch.Tensor, norm: str, rotary: tuple | None) -> torch.Tensor:
+    """A q or k projection `[batch, n, heads * head_dim]` -> `[batch, heads, n, head_dim]`, with the module's
+    per-head norm (`norm`: "q_norm" / "k_norm", where it has one) and the rotary embedding `rotary` = (cos, sin)
+    of the n positions (None: pre-RoPE)."""
+    B, n, _ = projected.shape
+    x = projected.view(B, n, -1, attn.head_dim).transpose(1, 2)
+    if hasattr(attn, norm):
+        x = getattr(attn, norm)(x)
+    return x if rotary is None else _rope(attn)(x, x, *rotary)[0]
 
 
 @torch.no_grad()
-def _keys(layer, hidden: torch.Tensor, kwargs: dict, rope: bool = True) -> torch.Tensor:
-    """Post-RoPE (or, `rope` False, pre-RoPE) keys of every token, recomputed: `[batch, kv_heads, T, head_dim]`."""
+def _lookahead(st: PruneState, layer, index: int, hidden: torch.Tensor, kwargs: dict, rope: bool) -> None:
+    """Capture layer `index` before it runs (to score the cut entering it): its norm once, the q projection of the
+    prompt rows, the k projection of every token, post-RoPE unless `rope` is False."""
     attn = layer.self_attn
-    B, T, _ = hidden.shape
-    k = attn.k_proj(layer.input_layernorm(hidden)).view(B, T, -1, attn.head_dim).transpose(1, 2)
-    if hasattr(attn, "k_norm"):
-        k = attn.k_norm(k)
-    if not rope:
-        return k
+    rows = st.row_positions(hidden.shape[1]).to(hidden.device)
+    x = layer.input_layernorm(hidden)
     cos, sin = kwargs["position_embeddings"]
-    return _rope(attn)(k, k, cos, sin)[0]
+    q = _heads(attn, attn.q_proj(_take(x, rows)), "q_norm", (_take(cos, rows), _take(sin, rows)) if rope else None)
+    k = _heads(attn, attn.k_proj(x), "k_norm", (cos, sin) if rope else None)
+    _record(st, layer, index, q, k, hidden, lookahead=True)
 
 
 def _cached_keys(cache, index: int) -> torch.Tensor | None:
