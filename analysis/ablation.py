@@ -3,7 +3,8 @@
     python -m analysis.ablation --model assets/tiny-llava --seeds 400000:400100 --retain 0.111 0.056 \
         --out results/ablation
 
-Every non-paper choice of each HAP+ knob alone, then all of them together, each as
+Every non-paper choice of each HAP+ knob alone, then all of them together (`TOGETHER`: one choice
+per knob, first_cut="prerope" of its two), each as
 `hap.HAPConfig.paper(**change)` on one schedule (first_layers, groups, decay: the library's per-model
 defaults unless given), so a row differs from `hap_paper` in its change only. Cells: accuracy, its
 difference to `hap_paper`, and the recall of the queried object's patches among the tokens present
@@ -26,7 +27,7 @@ ALONE: dict[str, tuple[str, ...]] = {  # knob -> its non-paper choices, each tri
     "sink_ranking": ("mask", "mask_keep_one"),
     "sink_detector": ("consensus", "both"),
     "rows": ("question",),
-    "first_cut": ("prerope",),
+    "first_cut": ("prerope", "vision"),
 }
 TOGETHER = {"head_weight": "paq_visual", "sink_ranking": "mask_keep_one", "sink_detector": "both",
             "rows": "question", "first_cut": "prerope"}

@@ -19,7 +19,7 @@ ROWS = ("prompt", "last", "question")
 HEAD_WEIGHTS = ("paq", "paq_visual")
 SINK_RANKINGS = ("keep", "mask", "mask_keep_one")
 SINK_DETECTORS = ("norm", "consensus", "both")
-FIRST_CUTS = ("attention", "prerope")
+FIRST_CUTS = ("attention", "prerope", "vision")
 DEEP_DECODER = 16  # decoder layers from which a model counts as deep for the per-model defaults
 
 
@@ -154,7 +154,8 @@ KNOBS: tuple[Knob, ...] = (
          low_open=True),
     Knob("first_cut", str, "attention",
          "scores of a cut before layer 0: layer 0's attention (attention), or its q.k without rotary embedding "
-         "(prerope: no recency bias)", choices=FIRST_CUTS, paper="attention"),
+         "(prerope: no recency bias), or the vision tower's [CLS] attention (vision; CLIP towers)",
+         choices=FIRST_CUTS, paper="attention"),
 )
 SEED = Knob("seed", int, 0, "seed of the random baseline", low=0)  # a HAPConfig field, not a user-facing knob
 _BY_NAME = {k.name: k for k in (*KNOBS, SEED)}

@@ -37,13 +37,18 @@ class Policy:
     random: bool = False
     visual_weights: bool = False  # head weights x visual share (head_weight="paq_visual")
     sink_ranking: str = "keep"  # sink tokens at a cut: "keep", "mask" or "mask_keep_one"
-    prerope: bool = False  # a cut before layer 0 scored by q.k without rotary embedding
+    first_cut: str = "attention"  # a cut before layer 0 scored by layer 0's attention, its pre-RoPE q.k, or [CLS]
     vision: bool = False  # VisionZip: one cut before layer 0 from the vision tower's [CLS] attention
 
     @property
     def needs_maps(self) -> bool:
         """Whether the cuts are scored by decoder attention maps (not random, not vision-side)."""
         return not (self.random or self.vision)
+
+    @property
+    def needs_cls(self) -> bool:
+        """Whether a cut uses the vision tower's [CLS] attention (VisionZip, or first_cut="vision")."""
+        return self.vision or (self.groups > 0 and self.first_cut == "vision")
 
 
 def policy_for(config: HAPConfig) -> Policy:
@@ -53,7 +58,7 @@ def policy_for(config: HAPConfig) -> Policy:
     if m == "hap":
         return Policy(config.groups, config.rows, True, config.temperature,
                       visual_weights=config.head_weight == "paq_visual", sink_ranking=config.sink_ranking,
-                      prerope=config.first_cut == "prerope")
+                      first_cut=config.first_cut)
     if m == "uniform":
         return Policy(config.groups, config.rows, True, math.inf)
     if m == "pdrop":
@@ -69,13 +74,14 @@ def scoring_layers(policy: Policy, segment: tuple[int, int]) -> list[int]:
     """Layers whose maps score the cut that follows `segment` = [start, end).
 
     A cut before layer 0 has no layer behind it; it looks ahead at layer 0's own attention over
-    the full input (as PyramidDrop scores with the next layer's queries and keys).
+    the full input (as PyramidDrop scores with the next layer's queries and keys), unless HAP's
+    first_cut="vision" scores it by the vision tower's [CLS] attention (docs/method.md §10).
     """
     start, end = segment
     if not policy.needs_maps:
         return []
     if start == end:
-        return [end]
+        return [] if policy.first_cut == "vision" else [end]
     return list(range(start, end)) if policy.whole_segment else [end - 1]
 
 

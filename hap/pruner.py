@@ -184,7 +184,10 @@ class PruneState:
         if self.policy.vision:
             chosen, slots, merged = self._visionzip(visual_embeds, k)
         else:
-            scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
+            if scored or self.policy.random:
+                scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
+            else:  # HAP's first cut before layer 0 by the [CLS] attention (first_cut="vision", §10)
+                scores = self._cls_cues()[0]
             priority = None if self.priority is None else self.priority.gather(1, self.kept_orig)
             chosen = select_top(scores.to(self.visual_pos.device), k, priority)  # [B, k] into the current visual list
         B, T = self.seq_index.shape
@@ -206,11 +209,15 @@ class PruneState:
         self.scoring_seconds += time.perf_counter() - t0
         return kept_positions
 
-    def _visionzip(self, visual_embeds: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _cls_cues(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This prefill's vision cues ([CLS] attention [B, N], keys [B, N, d]) on the pruner's device."""
+        if self.vision is None or self.vision[0].shape != self.visual_pos.shape:
+            raise ValueError("the vision tower's [CLS] attention of this prefill is missing: pass pixel_values")
+        return tuple(t.to(self.visual_pos.device) for t in self.vision)
+
+    def _visionzip(self, visual_embeds: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`hap.visionzip.select` on this prefill's vision cues: (chosen [B, k], slots [B, c], merged [B, c, D])."""
-        if self.vision is None or visual_embeds is None or self.vision[0].shape != self.visual_pos.shape:
-            raise ValueError("visionzip needs the vision tower's [CLS] attention of this prefill: pass pixel_values")
-        cls_attention, keys = (t.to(self.visual_pos.device) for t in self.vision)
+        cls_attention, keys = self._cls_cues()
         return select(cls_attention, keys, visual_embeds.to(self.visual_pos.device), k)
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -259,8 +266,8 @@ def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], 
     if schedule is not None:
         starts = [0] + schedule.cuts
         for g, cut in enumerate(schedule.cuts):
-            if starts[g] == cut and policy.needs_maps:
-                lookahead.add(cut)
+            if starts[g] == cut:
+                lookahead.update(scoring_layers(policy, (cut, cut)))
             else:
                 scoring.update(scoring_layers(policy, (starts[g], cut)))
     return scoring, lookahead

@@ -68,7 +68,7 @@ def test_the_ablation_runs_every_knob_alone_and_together(tmp_path):
     from analysis.ablation import TOGETHER, main as ablation, variants
 
     names = variants()
-    assert names["hap_paper"] == {} and names["all"] == TOGETHER and len(names) == 9
+    assert names["hap_paper"] == {} and names["all"] == TOGETHER and len(names) == 10
     report = ablation(["--model", str(SHIPPED), "--seeds", "400000:400002", "--per-scene", "2", "--retain", "0.111",
                        "--out", str(tmp_path)])
     assert set(report["variants"]) == set(names) and report["variants"]["hap_paper"]["delta"]["0.111"] == 0.0

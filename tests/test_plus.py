@@ -98,7 +98,8 @@ def test_a_prerope_first_cut_keeps_the_top_tokens_of_layer0_qk_without_rotary_em
 
 
 @pytest.mark.parametrize("knobs", [dict(head_weight="paq_visual"), dict(sink_ranking="mask_keep_one"),
-                                   dict(sink_detector="both"), dict(rows="question"), dict(first_cut="prerope")])
+                                   dict(sink_detector="both"), dict(rows="question"), dict(first_cut="prerope"),
+                                   dict(first_cut="vision")])
 def test_each_knob_runs_end_to_end_and_keeps_the_budget(knobs):
     model, processor = tiny_llava(layers=4)
     config = hap.HAPConfig(retain=0.2, first_layers=0, **knobs)
@@ -106,3 +107,25 @@ def test_each_knob_runs_end_to_end_and_keeps_the_budget(knobs):
     assert all(result.config[name] == value for name, value in knobs.items())
     assert all(len(g.kept) == result.visual_per_layer[g.layers[0]] for g in result.groups) and len(result.groups) == 3
     assert abs(result.retain - 0.2) < 0.01
+
+
+@torch.no_grad()
+def test_a_vision_first_cut_keeps_the_top_tokens_of_the_towers_eager_cls_attention():
+    model, make_inputs = llava_case(layers=4)
+    inputs = make_inputs([QUESTION, "is there a big red square in the image ?"], [0, 1])
+    with hap.patched(model, hap.HAPConfig(retain=0.3, first_layers=0, groups=2, first_cut="vision")) as patch:
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    tower = model.model.vision_tower
+    tower.set_attn_implementation("eager")
+    cls_attention = tower(inputs["pixel_values"], output_attentions=True).attentions[-1][:, :, 0, 1:].mean(1)
+    k = patch.state.schedule.kept[0]
+    assert patch.state.cuts[0].scored_layers == [] and patch.state.cuts[1].scored_layers == [0, 1]
+    assert torch.equal(patch.state.cuts[0].kept, cls_attention.topk(k).indices.sort(1).values)
+
+
+@pytest.mark.parametrize("arch", ["llava-qwen2", "qwen2-vl"])
+def test_a_vision_first_cut_on_a_tower_without_cls_is_refused(arch):
+    from tiny_models import CASES
+
+    with pytest.raises(ValueError, match=r"first_cut='vision' need a \[CLS\] token"):
+        hap.patch(CASES[arch]()[0], hap.HAPConfig(first_cut="vision"))

@@ -147,7 +147,7 @@ class Patch:
         st = self.state
         self.cache = kwargs.get("cache")
         if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
-            _lookahead(st, layer, index, hidden, kwargs, rope=not st.policy.prerope)
+            _lookahead(st, layer, index, hidden, kwargs, rope=st.policy.first_cut != "prerope")
         if st.cut_index(index) is not None:
             hidden = _cut(st, self.text_config, index, hidden, kwargs)
             self.overrides = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")

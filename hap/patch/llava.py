@@ -3,7 +3,7 @@ with a Qwen2 decoder and grouped-query attention).
 
 The visual tokens are the `image_token_id` placeholders the processor expands (576 for CLIP-L/336
 with CLS dropped, 729 for SigLIP-384 with strategy "full"), a square grid in row-major order.
-For `visionzip` the adapter also captures the [CLS] row of the vision tower's feature layer's
+For `visionzip` (and HAP's first_cut="vision") the adapter also captures the [CLS] row of the vision tower's feature layer's
 attention and that layer's keys (a CLIP tower; SigLIP has no [CLS] token).
 """
 
@@ -33,15 +33,16 @@ def cls_layer(model) -> torch.nn.Module:
     tower has no [CLS] token (SigLIP), the features keep it ("full" strategy) or are not one layer's output."""
     tower = model.model.vision_tower
     if not hasattr(getattr(tower, "embeddings", None), "class_embedding"):
-        raise ValueError(f"visionzip needs a [CLS] token: the vision tower {type(tower).__name__} has no [CLS] token")
+        raise ValueError(f"visionzip and first_cut='vision' need a [CLS] token: the vision tower "
+                         f"{type(tower).__name__} has no [CLS] token")
     config = model.config
     feature = config.vision_feature_layer
     if config.vision_feature_select_strategy != "default" or not isinstance(feature, int):
-        raise ValueError("visionzip needs LLaVA's 'default' feature strategy ([CLS] dropped) and one feature layer")
+        raise ValueError("the [CLS] cues need LLaVA's 'default' feature strategy ([CLS] dropped) and one feature layer")
     layers = tower.encoder.layers
     index = feature % (len(layers) + 1) - 1  # hidden_states[j] is the output of layer j - 1
     if index < 0:
-        raise ValueError("visionzip needs the features of a vision-tower layer, not its embeddings")
+        raise ValueError("the [CLS] cues need the features of a vision-tower layer, not its embeddings")
     return layers[index]
 
 
@@ -68,7 +69,7 @@ def capture_cls(patch: decoder.Patch, layer, args, kwargs) -> None:
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None) -> decoder.Patch:
     """`decoder.apply_patch`, plus the [CLS] capture for `visionzip`."""
-    layer = cls_layer(model) if policy_for(config).vision else None
+    layer = cls_layer(model) if policy_for(config).needs_cls else None
     patch = decoder.apply_patch(model, config, trace, priority, tail)
     if layer is not None:
         patch.handles.append(layer.register_forward_pre_hook(partial(capture_cls, patch), with_kwargs=True))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..config import HAPConfig
+from ..methods import policy_for
 from . import decoder
 from .decoder import remove_patch
 
@@ -36,7 +37,9 @@ def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None) -> decoder.Patch:
-    """`decoder.apply_patch` with M-RoPE positions for decode steps given none; `visionzip` is refused."""
-    if config.method == "visionzip":
-        raise ValueError(f"visionzip needs a [CLS] token: the {type(model).__name__} vision tower has no [CLS] token")
+    """`decoder.apply_patch` with M-RoPE positions for decode steps given none; the [CLS] cues (visionzip,
+    first_cut="vision") are refused."""
+    if policy_for(config).needs_cls:
+        raise ValueError(f"visionzip and first_cut='vision' need a [CLS] token: the {type(model).__name__} vision "
+                         "tower has no [CLS] token")
     return decoder.apply_patch(model, config, trace, priority, tail, decode_positions=mrope_positions)
