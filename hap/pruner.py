@@ -53,7 +53,7 @@ class PruneState:
     #                                                          write into the hidden states after the cut
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
-    scoring_seconds: float = 0.0
+    scoring_seconds: float = 0.0  # time in the capture (timed by the adapter) and in the cuts
     # (layer, lookahead) -> (attn, head stats, sink tokens) of a captured layer, until the cut it scores
     _maps: dict[tuple[int, bool], tuple[torch.Tensor, HeadStats, torch.Tensor]] = field(default_factory=dict)
 
@@ -146,7 +146,6 @@ class PruneState:
         the layer's input hidden states (for the sink detector). A lookahead capture (before the
         layer's own cut) only scores that cut; the layer's trace comes from its capture after the cut.
         """
-        t0 = time.perf_counter()
         device = self.visual_pos.device  # the layer may sit on another device (a model split over GPUs)
         vp = self.visual_pos.to(rows.device)
         attn = rows.gather(3, vp[:, None, None, :].expand(*rows.shape[:3], -1)).to(device)  # [B, H, P, N_cur]
@@ -159,7 +158,6 @@ class PruneState:
             self._maps[(layer, lookahead)] = (attn, stats, sink)
         if self.tracer is not None and not lookahead:
             self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
-        self.scoring_seconds += time.perf_counter() - t0
 
     def cut(self, layer: int, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. VisionZip

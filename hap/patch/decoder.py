@@ -147,7 +147,9 @@ class Patch:
         st = self.state
         self.cache = kwargs.get("cache")
         if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
+            t0 = time.perf_counter()
             _lookahead(st, layer, index, hidden, kwargs, rope=st.policy.first_cut != "prerope")
+            st.scoring_seconds += time.perf_counter() - t0
         if st.cut_index(index) is not None:
             hidden = _cut(st, self.text_config, index, hidden, kwargs)
             self.overrides = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")
@@ -175,7 +177,9 @@ class Patch:
     def query_done(self, index: int, module, args, output: torch.Tensor) -> None:
         """After the q projection of decoder layer `index`: keep the prompt rows of a pending capture."""
         if self.pending is not None and self.pending[0] == index:
+            t0 = time.perf_counter()
             self.pending_q = _take(output, self.pending[2])
+            self.state.scoring_seconds += time.perf_counter() - t0
 
     @torch.no_grad()
     def layer_done(self, index: int, layer, args, kwargs, output) -> None:
@@ -183,6 +187,7 @@ class Patch:
         applied here) and the keys it cached (recomputed without a cache)."""
         if self.pending is None:
             return
+        t0 = time.perf_counter()
         (_, hidden, rows), q, self.pending, self.pending_q = self.pending, self.pending_q, None, None
         attn = layer.self_attn
         cos, sin = kwargs["position_embeddings"]
@@ -191,6 +196,7 @@ class Patch:
         if k is None:
             k = _heads(attn, attn.k_proj(layer.input_layernorm(hidden)), "k_norm", (cos, sin))
         _record(self.state, layer, index, q, k, hidden)
+        self.state.scoring_seconds += time.perf_counter() - t0
 
     def decoder_done(self, module, args, kwargs, output) -> None:
         """After the decoder: the prefill's wall time."""
