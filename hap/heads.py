@@ -50,12 +50,11 @@ def detect_sinks(detector: str, visual_hidden: torch.Tensor, attn: torch.Tensor,
     """Sink tokens of one layer, bool `[batch, visual]`: by the norm test (`sink_tokens`, rho), by attention
     consensus over the layer's heads (`consensus_sinks` of `visual_distribution(attn, row_valid)`), or by
     either ("both"). visual_hidden [batch, visual, d]; attn [batch, heads, P, visual]; row_valid [batch, P]."""
-    sinks = torch.zeros(attn.shape[0], attn.shape[-1], dtype=torch.bool, device=attn.device)
-    if detector in ("norm", "both"):
-        sinks |= sink_tokens(visual_hidden, rho).to(attn.device)
-    if detector in ("consensus", "both"):
-        sinks |= consensus_sinks(visual_distribution(attn, row_valid), share, quorum)
-    return sinks
+    norm = sink_tokens(visual_hidden, rho).to(attn.device) if detector in ("norm", "both") else None
+    consensus = consensus_sinks(visual_distribution(attn, row_valid), share, quorum) if detector != "norm" else None
+    if norm is None or consensus is None:
+        return consensus if norm is None else norm
+    return norm | consensus
 
 
 def _row_mean(x: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
@@ -72,21 +71,30 @@ def visual_distribution(attn: torch.Tensor, row_valid: torch.Tensor) -> torch.Te
     return (a * w).sum(2) / w.sum(2).clamp_min(1.0)
 
 
+def _positive(x: torch.Tensor) -> torch.Tensor:
+    """`x` with its zeros replaced by 1 (a divisor for quantities that are 0 where `x` is)."""
+    return torch.where(x > 0, x, torch.ones_like(x))
+
+
 def head_stats(attn: torch.Tensor, row_valid: torch.Tensor, sink: torch.Tensor) -> HeadStats:
     """PAQ and its parts for every head.
 
     attn [batch, heads, prompt, visual]; row_valid bool [batch, prompt]; sink bool [batch, visual].
-    With at most one non-sink token the dispersion is 0 (one token is perfectly focused).
+    With at most one non-sink token the dispersion is 0 (one token is perfectly focused). One pass over the
+    rows without renormalising them: with y the row restricted to the non-sink tokens and Z its sum, the
+    entropy of b = y / Z is log Z - sum(y log y) / Z (0 where Z = 0).
     """
     attn = attn.float()
-    mass = attn.sum(-1)  # [B, H, P]
-    a = attn / mass.unsqueeze(-1).clamp_min(_EPS)  # rows as distributions over the visual tokens
-    sink_f = sink[:, None, None, :].to(a.dtype)
-    sink_mass = (a * sink_f).sum(-1)  # [B, H, P]
-    b = a * (1 - sink_f)
-    b = b / b.sum(-1, keepdim=True).clamp_min(_EPS)
-    entropy = -(b * b.clamp_min(_EPS).log()).sum(-1)  # [B, H, P]
-    free = (~sink).sum(-1).to(a.dtype)  # [B] non-sink tokens
+    mass = attn.sum(-1)  # [B, H, P] the row's visual share
+    if bool(sink.any()):
+        y = attn * (~sink)[:, None, None, :].to(attn.dtype)
+        free_mass = y.sum(-1)
+    else:
+        y, free_mass = attn, mass
+    sink_mass = (mass - free_mass) / _positive(mass)  # share of the row's visual attention on sinks
+    z = _positive(free_mass)  # rows can hold ~1e-20 of a head's attention: no epsilon floor here
+    entropy = torch.where(free_mass > 0, z.log() - torch.special.xlogy(y, y).sum(-1) / z, 0.0)  # [B, H, P]
+    free = (~sink).sum(-1).to(attn.dtype)  # [B] non-sink tokens
     log_free = free.clamp_min(2).log()[:, None, None]
     norm_entropy = torch.where(free[:, None, None] > 1, entropy / log_free, torch.zeros_like(entropy))
     sigma = _row_mean(sink_mass, row_valid)

@@ -195,7 +195,7 @@ class Patch:
         k = _cached_keys(kwargs.get("cache"), index)
         if k is None:
             k = _heads(attn, attn.k_proj(layer.input_layernorm(hidden)), "k_norm", (cos, sin))
-        _record(self.state, layer, index, q, k, hidden)
+        _record(self.state, layer, index, q, k, hidden, rows)
         self.state.scoring_seconds += time.perf_counter() - t0
 
     def decoder_done(self, module, args, kwargs, output) -> None:
@@ -266,7 +266,7 @@ def _lookahead(st: PruneState, layer, index: int, hidden: torch.Tensor, kwargs: 
     cos, sin = kwargs["position_embeddings"]
     q = _heads(attn, attn.q_proj(_take(x, rows)), "q_norm", (_take(cos, rows), _take(sin, rows)) if rope else None)
     k = _heads(attn, attn.k_proj(x), "k_norm", (cos, sin) if rope else None)
-    _record(st, layer, index, q, k, hidden, lookahead=True)
+    _record(st, layer, index, q, k, hidden, rows, lookahead=True)
 
 
 def _cached_keys(cache, index: int) -> torch.Tensor | None:
@@ -277,11 +277,11 @@ def _cached_keys(cache, index: int) -> torch.Tensor | None:
 
 @torch.no_grad()
 def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor,
-            lookahead: bool = False) -> None:
-    rows = st.row_positions(hidden.shape[1]).to(q.device)
+            rows: torch.Tensor, lookahead: bool = False) -> None:
+    """The prompt rows' attention (queries `q` of the rows at positions `rows` [B, P], keys `k`) to the pruner."""
     key_valid = st.key_valid()
     key_valid = None if key_valid is None else key_valid.to(q.device)
-    st.record(index, prompt_attention(q, k, rows, key_valid, layer.self_attn.scaling), hidden, lookahead)
+    st.record(index, prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling), hidden, lookahead)
 
 
 @torch.no_grad()
