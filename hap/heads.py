@@ -16,6 +16,7 @@ import torch
 SINK, DISPERSED, OPTIMAL = "sink", "dispersed", "optimal"
 CLASSES = (SINK, DISPERSED, OPTIMAL)
 _EPS = 1e-12
+_TINY = 1e-30  # a divisor floor far below any attention mass float32 holds in a row (normal floats reach 1e-38)
 
 
 @dataclass
@@ -58,7 +59,7 @@ def detect_sinks(detector: str, visual_hidden: torch.Tensor, attn: torch.Tensor,
 
 
 def _row_mean(x: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
-    """Mean of `x [batch, heads, prompt]` over the valid rows -> `[batch, heads]`."""
+    """Mean of `x [..., batch, heads, prompt]` over the valid rows -> `[..., batch, heads]`."""
     w = row_valid[:, None, :].to(x.dtype)
     return (x * w).sum(-1) / w.sum(-1).clamp_min(1.0)
 
@@ -69,11 +70,6 @@ def visual_distribution(attn: torch.Tensor, row_valid: torch.Tensor) -> torch.Te
     a = attn.float() / attn.float().sum(-1, keepdim=True).clamp_min(_EPS)
     w = row_valid[:, None, :, None].to(a.dtype)
     return (a * w).sum(2) / w.sum(2).clamp_min(1.0)
-
-
-def _positive(x: torch.Tensor) -> torch.Tensor:
-    """`x` with its zeros replaced by 1 (a divisor for quantities that are 0 where `x` is)."""
-    return torch.where(x > 0, x, torch.ones_like(x))
 
 
 def head_stats(attn: torch.Tensor, row_valid: torch.Tensor, sink: torch.Tensor) -> HeadStats:
@@ -91,20 +87,14 @@ def head_stats(attn: torch.Tensor, row_valid: torch.Tensor, sink: torch.Tensor) 
         free_mass = y.sum(-1)
     else:
         y, free_mass = attn, mass
-    sink_mass = (mass - free_mass) / _positive(mass)  # share of the row's visual attention on sinks
-    z = _positive(free_mass)  # rows can hold ~1e-20 of a head's attention: no epsilon floor here
+    sink_mass = (mass - free_mass) / mass.clamp_min(_TINY)  # share of the row's visual attention on sinks
+    z = free_mass.clamp_min(_TINY)  # a row can hold ~1e-20 of its head's attention: no 1e-12 floor here
     entropy = torch.where(free_mass > 0, z.log() - torch.special.xlogy(y, y).sum(-1) / z, 0.0)  # [B, H, P]
     free = (~sink).sum(-1).to(attn.dtype)  # [B] non-sink tokens
-    log_free = free.clamp_min(2).log()[:, None, None]
-    norm_entropy = torch.where(free[:, None, None] > 1, entropy / log_free, torch.zeros_like(entropy))
-    sigma = _row_mean(sink_mass, row_valid)
-    delta = _row_mean(norm_entropy, row_valid).clamp(0.0, 1.0)
-    return HeadStats(
-        sink_share=sigma,
-        dispersion=delta,
-        visual_share=_row_mean(mass, row_valid),
-        paq=(1 - sigma) * (1 - delta),
-    )
+    norm_entropy = entropy / free.clamp_min(2).log()[:, None, None] * (free > 1)[:, None, None]
+    sigma, delta, mu = _row_mean(torch.stack([sink_mass, norm_entropy, mass]), row_valid)  # each [B, H]
+    delta = delta.clamp(0.0, 1.0)
+    return HeadStats(sink_share=sigma, dispersion=delta, visual_share=mu, paq=(1 - sigma) * (1 - delta))
 
 
 def classify(stats: HeadStats, tau_sink: float, tau_disp: float) -> list[list[list[str]]]:

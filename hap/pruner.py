@@ -56,6 +56,7 @@ class PruneState:
     scoring_seconds: float = 0.0  # time in the capture (timed by the adapter) and in the cuts
     # (layer, lookahead) -> (attn, head stats, sink tokens) of a captured layer, until the cut it scores
     _maps: dict[tuple[int, bool], tuple[torch.Tensor, HeadStats, torch.Tensor]] = field(default_factory=dict)
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict)  # sequence length -> row_positions
 
     @classmethod
     def start(
@@ -119,10 +120,12 @@ class PruneState:
 
     def row_positions(self, seq_len: int) -> torch.Tensor:
         """long [batch, P] current positions of each sample's prompt rows in a sequence of `seq_len` tokens
-        (clamped at 0 for the invalid rows of a short prompt)."""
-        P = self.row_valid.shape[1]
-        ends = seq_len - 1 - self.row_gap  # [B]
-        return (ends[:, None] - torch.arange(P - 1, -1, -1, device=ends.device)).clamp_min(0)
+        (clamped at 0 for the invalid rows of a short prompt); computed once per length."""
+        if seq_len not in self._rows:
+            P = self.row_valid.shape[1]
+            ends = seq_len - 1 - self.row_gap  # [B]
+            self._rows[seq_len] = (ends[:, None] - torch.arange(P - 1, -1, -1, device=ends.device)).clamp_min(0)
+        return self._rows[seq_len]
 
     def decode_positions(self, cached: int, new: int) -> torch.Tensor:
         """long [1, new] positions of a decode step's tokens when the caller gives none: those the stock model

@@ -80,6 +80,7 @@ class Patch:
         self.overrides: dict = {}  # layer kwargs a cut changed, handed to every later layer
         self.pending: tuple | None = None  # (layer, hidden, rows) of a capture waiting for the layer to run
         self.pending_q: torch.Tensor | None = None  # [B, P, heads * head_dim] its rows of the layer's q projection
+        self.rotary: tuple = (None, None)  # (the layers' cos, its rows' (cos, sin)): the same within a segment
         self.cache = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
         self.vision_cues: tuple | None = None  # vision-side cues captured before the next prefill (VisionZip)
         self.prefill_started = 0.0
@@ -173,6 +174,12 @@ class Patch:
         )
         self.overrides = {"attention_mask": kwargs["attention_mask"]}
 
+    def row_rotary(self, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the prompt rows `rows` [B, P], gathered once for the layers sharing one rotary embedding."""
+        if self.rotary[0] is not cos:
+            self.rotary = (cos, (_take(cos, rows), _take(sin, rows)))
+        return self.rotary[1]
+
     @torch.no_grad()
     def query_done(self, index: int, module, args, output: torch.Tensor) -> None:
         """After the q projection of decoder layer `index`: keep the prompt rows of a pending capture."""
@@ -191,7 +198,7 @@ class Patch:
         (_, hidden, rows), q, self.pending, self.pending_q = self.pending, self.pending_q, None, None
         attn = layer.self_attn
         cos, sin = kwargs["position_embeddings"]
-        q = _heads(attn, q, "q_norm", (_take(cos, rows), _take(sin, rows)))
+        q = _heads(attn, q, "q_norm", self.row_rotary(cos, sin, rows))
         k = _cached_keys(kwargs.get("cache"), index)
         if k is None:
             k = _heads(attn, attn.k_proj(layer.input_layernorm(hidden)), "k_norm", (cos, sin))
