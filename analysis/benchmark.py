@@ -9,8 +9,20 @@ layer-averaged retained fraction). The small model has 6 decoder layers, so budg
 default on a decoder this shallow): layers [0, K) would otherwise keep all 144 tokens and alone
 average more than the budget.
 
+Every knob of `hap.knobs` but the method and the budget is a flag, shared by every method of the run
+(the HAP+ ones shape `hap` only, docs/method.md §10). Besides `hap.METHODS`, `--methods` takes
+`hap_paper` (`hap.HAPConfig.paper()` on the run's schedule: first_layers, groups, decay) and `oracle`
+(analysis only: the uniform scores with the question's answering patches ranked first at every cut
+through `hap.patched(..., priority=...)`; a question with no answering patch gets plain uniform).
+The validation sweep of a HAP+ setting against the paper, e.g.
+
+    python -m analysis.benchmark --model assets/tiny-llava --seeds 400000:400100 --retain 0.111 0.056 \
+        --methods hap hap_paper uniform --head-weight paq_visual --out results/sweep
+
 Outputs in --out: benchmark.json (binding keys: accuracy[method][retain], relative[method][retain],
-grounding_spearman, n_questions), benchmark.md (tables), accuracy.png, paq_grounding.png.
+accuracy_by_type[method][retain][kind], kept_recall[method][retain], grounding_spearman, n_questions,
+norm_ratio: per decoder layer, the median over questions of max / median L2 norm of the visual tokens'
+input hidden states), benchmark.md (tables), accuracy.png, paq_grounding.png.
 """
 
 from __future__ import annotations
@@ -28,12 +40,14 @@ import torch
 
 import hap
 from hap.knobs import knob
-from hap.run import chat_prompt
+from hap.run import chat_prompt, template_tail
 from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)
-METHODS = ("hap", "uniform", "fastv", "pdrop", "random")
-KNOB_FLAGS = ("first_layers", "groups", "decay", "temperature", "rows")  # shared by every method of the run
+METHODS = ("hap", "uniform", "fastv", "pdrop", "random")  # the default comparison
+CHOICES = (*(m for m in hap.METHODS if m != "none"), "hap_paper", "oracle")
+KNOB_FLAGS = tuple(k.name for k in hap.KNOBS if k.name not in ("method", "retain", "flops_ratio"))  # every method's
+SCHEDULE = ("first_layers", "groups", "decay")  # the knobs `hap_paper` takes from the run
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
@@ -52,16 +66,24 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def run_batch(model, processor, batch, config: hap.HAPConfig, trace: bool, max_new_tokens: int = 3):
-    """Greedy answers for a batch of (scene, question) under `config`; returns (answers, PruneState)."""
+def batch_inputs(processor, batch) -> dict:
+    """The left-padded processor inputs of a batch of (scene, question)."""
     processor.tokenizer.padding_side = "left"
-    inputs = processor(
+    return processor(
         images=[scene.image for scene, _ in batch],
         text=[chat_prompt(processor, q.text) for _, q in batch],
         padding=True,
         return_tensors="pt",
     )
-    with hap.patched(model, config, trace=trace) as patch, torch.inference_mode():
+
+
+def run_batch(model, processor, batch, config: hap.HAPConfig, trace: bool, max_new_tokens: int = 3,
+              priority: torch.Tensor | None = None):
+    """Greedy answers for a batch of (scene, question) under `config` (and `priority [batch, visual]`, see
+    `hap.patched`); returns (answers, PruneState)."""
+    inputs = batch_inputs(processor, batch)
+    tail = template_tail(processor)
+    with hap.patched(model, config, trace=trace, priority=priority, tail=tail) as patch, torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     new = out[:, inputs["input_ids"].shape[1] :]
     answers = [s.strip() for s in processor.batch_decode(new, skip_special_tokens=True)]
@@ -71,12 +93,35 @@ def run_batch(model, processor, batch, config: hap.HAPConfig, trace: bool, max_n
 def layer_recall(state, sample: int, target: np.ndarray) -> float:
     """Share of the queried object's patches present in each decoder layer, averaged over the layers
     (the same layer average as the retained-token budget, so schedules compare fairly)."""
-    if state.schedule is None:
+    if state is None or state.schedule is None:
         return 1.0
     present = np.ones(state.schedule.num_layers)
     for (start, end), cut in zip(state.schedule.ranges, state.cuts):
         present[start:end] = target[cut.kept[sample].numpy()].sum() / target.sum()
     return float(present.mean())
+
+
+@torch.inference_mode()
+def norm_ratios(model, processor, batch) -> np.ndarray:
+    """max / median L2 norm of the visual tokens' input hidden states, `[questions, layers]` (the stock model:
+    a ratio far above 1 means a massive-activation sink token)."""
+    inputs = batch_inputs(processor, batch)
+    hidden = model(**inputs, output_hidden_states=True).hidden_states[:-1]  # the input of each decoder layer
+    visual = inputs["input_ids"] == model.config.image_token_id
+    B = visual.shape[0]
+    norms = torch.stack([h[visual].view(B, -1, h.shape[-1]).float().norm(dim=-1) for h in hidden], 1)  # [B, L, N]
+    return (norms.max(-1).values / norms.median(-1).values).numpy()
+
+
+def method_run(name: str, retain: float, base: dict, batch) -> tuple[hap.HAPConfig, torch.Tensor | None]:
+    """(config, priority) of benchmark method `name`: a `hap.METHODS` entry, `hap_paper` (the paper's HAP on
+    the run's schedule) or `oracle` (uniform scores, the question's answering patches first)."""
+    if name == "hap_paper":
+        return hap.HAPConfig.paper(retain=retain, **{k: base[k] for k in SCHEDULE}), None
+    if name == "oracle":
+        priority = torch.from_numpy(np.stack([q.target_mask for _, q in batch])).float()
+        return hap.HAPConfig(method="uniform", retain=retain, **base), priority
+    return hap.HAPConfig(method=name, retain=retain, **base), None
 
 
 def grounding(state, batch) -> dict[str, np.ndarray]:
@@ -106,18 +151,25 @@ def grounding(state, batch) -> dict[str, np.ndarray]:
     return out
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run_parser(doc: str, seeds: str, out: str, retains: tuple[float, ...], knobs: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The flags of a run on scenes: --model, --seeds (default `seeds`), --per-scene, --out, --retain, the knob
+    flags `knobs` (unset: the library default, first_layers 0 on the 6-layer model), --batch-size, --threads."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--model", default="assets/tiny-llava")
-    p.add_argument("--seeds", default="500000:500200", help="held-out scene seeds A:B")
+    p.add_argument("--seeds", default=seeds, help="scene seeds A:B")
     p.add_argument("--per-scene", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path("results/benchmark"))
-    for name in KNOB_FLAGS:
-        knob(name).add_to(p)  # unset: the library default (first_layers 0 on the 6-layer model)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--retain", type=float, nargs="+", default=list(RETAINS))
+    p.add_argument("--out", type=Path, default=Path(out))
+    p.add_argument("--retain", type=float, nargs="+", default=list(retains))
+    for name in knobs:
+        knob(name).add_to(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    p = run_parser(__doc__, "500000:500200", "results/benchmark", RETAINS, KNOB_FLAGS)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=CHOICES)
     return p
 
 
@@ -129,6 +181,13 @@ class Tally:
     recall: dict[tuple[str, float], list[float]] = field(default_factory=lambda: defaultdict(list))
     heads: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))  # grounding(...) parts
     heads_last: list[np.ndarray] = field(default_factory=list)  # PAQ with the last token as the only row
+    norms: list[np.ndarray] = field(default_factory=list)  # norm_ratios(...) [questions, layers] per batch
+
+    def add(self, key: tuple[str, float], batch, answers: list[str], state) -> None:
+        """One pruned run of `batch`: correctness of each answer, kept recall of each question with a target."""
+        self.correct[key] += [a == q.answer for a, (_, q) in zip(answers, batch)]
+        self.recall[key] += [layer_recall(state, b, q.target_mask) for b, (_, q) in enumerate(batch)
+                             if q.target_mask.any()]
 
 
 def evaluate(model, processor, batches: list, base: dict, methods: list[str], retains: list[float]) -> Tally:
@@ -144,26 +203,31 @@ def evaluate(model, processor, batches: list, base: dict, methods: list[str], re
             model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": "last"}), trace=True
         )
         tally.heads_last.append(grounding(state_last, batch)["paq"])
+        tally.norms.append(norm_ratios(model, processor, batch))
         for retain in retains:
             for method in methods:
-                config = hap.HAPConfig(method=method, retain=retain, **base)
-                answers, state = run_batch(model, processor, batch, config, trace=False)
-                tally.correct[(method, retain)] += [x == y for x, y in zip(answers, truth)]
-                for b, (_, q) in enumerate(batch):
-                    if q.target_mask.any():
-                        tally.recall[(method, retain)].append(layer_recall(state, b, q.target_mask))
+                config, priority = method_run(method, retain, base, batch)
+                answers, state = run_batch(model, processor, batch, config, trace=False, priority=priority)
+                tally.add((method, retain), batch, answers, state)
     return tally
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parser().parse_args(argv)
+def load_run(args: argparse.Namespace, names: tuple[str, ...]) -> tuple:
+    """(model, processor, items, batches, knobs) of a run's arguments (--model, --seeds, --per-scene,
+    --batch-size, --threads and the knob flags `names`, resolved for the model's decoder)."""
     torch.set_num_threads(args.threads)
     a, b = (int(v) for v in args.seeds.split(":"))
     model, processor = hap.load_model(args.model, device="cpu")
     items = list(heldout_items(range(a, b), args.per_scene))
     batches = [items[i : i + args.batch_size] for i in range(0, len(items), args.batch_size)]
-    given = hap.HAPConfig(**{name: getattr(args, name) for name in KNOB_FLAGS if getattr(args, name) is not None})
-    base = {name: getattr(given.resolved(model.config.text_config.num_hidden_layers), name) for name in KNOB_FLAGS}
+    given = hap.HAPConfig(**{name: getattr(args, name) for name in names if getattr(args, name) is not None})
+    resolved = given.resolved(model.config.text_config.num_hidden_layers)
+    return model, processor, items, batches, {name: getattr(resolved, name) for name in names}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    model, processor, items, batches, base = load_run(args, KNOB_FLAGS)
     t0 = time.perf_counter()
     tally = evaluate(model, processor, batches, base, args.methods, args.retain)
     seconds = time.perf_counter() - t0
@@ -191,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         "num_visual": N_PATCHES,
         "retained_tokens": {str(r): r * N_PATCHES for r in args.retain},
         "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in args.retain} for m in args.methods},
+        "norm_ratio": np.median(np.concatenate(tally.norms), 0).tolist(),
         "seconds": seconds,
     }
     report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()}, np.concatenate(tally.heads_last)))
@@ -259,8 +324,21 @@ def markdown(r: dict) -> str:
             f"{k} {v['share_of_head_questions']:.2f}, "
             + ("-" if v["mean_grounding"] is None else f"{v['mean_grounding']:.2f}") for k, v in r["classes"].items()
         ),
+        "Visual hidden-state norm, max / median per decoder layer (median over questions): "
+        + ", ".join(f"{v:.1f}" for v in r["norm_ratio"]) + ".",
     ]
+    kinds = list(r["unpruned_by_type"])
+    for retain in r["retained_tokens"]:
+        lines += ["", f"Accuracy by question kind at retain {retain} (unpruned: "
+                  + ", ".join(f"{k} {_cell(r['unpruned_by_type'][k])}" for k in kinds) + ")", "",
+                  "| method | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        lines += [f"| {m} | " + " | ".join(_cell(by[retain][k]) for k in kinds) + " |"
+                  for m, by in r["accuracy_by_type"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: float) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.3f}"
 
 
 def plots(r: dict, out: Path) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from analysis.ground_truth import head_grounding
 from analysis.scenes import Question, Scene
-from hap.heads import classify, head_stats, sink_tokens, visual_distribution
+from hap.heads import classify, consensus_sinks, head_stats, sink_tokens, visual_distribution
 from hap.run import chat_prompt
 
 PROBE_TOKENS = 8
@@ -44,13 +44,6 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 
     rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
     return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def consensus_sinks(dist: torch.Tensor, share: float = 0.5, quorum: float = 0.25) -> torch.Tensor:
-    """Attention-consensus sink test: `dist [heads, visual]` (every head of every layer, rows summing
-    to 1) -> bool `[visual]`: tokens holding at least `share` of the visual attention of at least
-    `quorum` of all heads."""
-    return ((dist >= share).float().mean(0) >= quorum)
 
 
 def _forward(model, processor, scene: Scene, question: Question, mask: torch.Tensor | None = None):

@@ -16,7 +16,8 @@ Printed per method and budget: prefill time, measured speed-up over `none`, the 
 speed-up (unpruned / pruned prefill FLOPs), their ratio (1.0 = pruning pays what the FLOPs
 promise), peak GPU memory, and HAP's scoring overhead: its extra time over the `random` policy,
 which runs the same schedule without capturing or scoring anything, as a percent of HAP's
-prefill. A `text only` row (the prompt without any visual token) shows the fixed cost no
+prefill, and the time spent inside the pruner's capture and cut code as timed in the same prefill
+(`scoring`, percent of the prefill: less noisy than a difference of two medians on a busy machine). A `text only` row (the prompt without any visual token) shows the fixed cost no
 pruning can remove (embedding, weights streamed once per layer, the output head).
 """
 
@@ -101,11 +102,10 @@ def make_inputs(model, text_tokens: int, device: str, with_image: bool = True) -
     return inputs
 
 
-def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> tuple[float, float]:
-    """(seconds, peak GPU GiB or nan) of one prefill."""
+def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> tuple[float, float, float]:
+    """(seconds, peak GPU GiB or nan, seconds inside the pruner's scoring) of one prefill."""
     cuda = device.startswith("cuda")
-    if config is not None:
-        hap.patch(model, config)
+    patch = hap.patch(model, config) if config is not None else None
     try:
         if cuda:
             torch.cuda.synchronize()
@@ -115,7 +115,8 @@ def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> tup
             model(**inputs)
         if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        scoring = patch.state.scoring_seconds if patch is not None and patch.state is not None else 0.0
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), scoring
     finally:
         if config is not None:
             hap.unpatch(model)
@@ -169,41 +170,45 @@ def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.d
                 continue
             runs[(method, retain)] = (inputs, config)
     runs[("text only", 0.0)] = (make_inputs(model, args.text_tokens, device, with_image=False), None)
-    median, peak = measure(model, runs, args.repeats, device)
+    median, peak, scoring = measure(model, runs, args.repeats, device)
     print(f"shape={name} layers={shape.layers} device={device} dtype={dtype} threads={args.threads} "
           f"visual={GRID * GRID} text={args.text_tokens} first_layers={first} repeats={args.repeats}")
     print(f"none: prefill {median[('none', 1.0)] * 1000:.1f} ms, peak {peak[('none', 1.0)]:.2f} GiB; text only "
           f"(no visual token): {median[('text only', 0.0)] * 1000:.1f} ms")
-    rows = table(schedules, median, peak, args.text_tokens, shape)
+    rows = table(schedules, median, peak, args.text_tokens, shape, scoring)
     print(f"{'method':8} {'retain':>7} {'kept':>7} {'ms':>8} {'speedup':>8} {'ideal':>7} {'meas/ideal':>10} "
-          f"{'peak GiB':>9} {'overhead':>9}")
+          f"{'peak GiB':>9} {'scoring':>8} {'overhead':>9}")
     for r in rows:
         overhead = "" if r["overhead"] is None else f"{100 * r['overhead']:8.1f}%"
         print(f"{r['method']:8} {r['retain']:7.3f} {r['kept']:7.1f} {r['seconds'] * 1000:8.1f} {r['speedup']:8.2f} "
-              f"{r['ideal']:7.2f} {r['speedup'] / r['ideal']:10.2f} {r['peak_gib']:9.2f} {overhead:>9}")
+              f"{r['ideal']:7.2f} {r['speedup'] / r['ideal']:10.2f} {r['peak_gib']:9.2f} "
+              f"{100 * r['scoring']:7.1f}% {overhead:>9}")
     for line in skipped:
         print(f"skipped {line}")
     return rows
 
 
-def measure(model, runs: dict, repeats: int, device: str) -> tuple[dict, dict]:
-    """Median seconds and peak GiB of each run `{key: (inputs, config)}`, interleaved round-robin
-    over `repeats` rounds after two warm-up rounds."""
+def measure(model, runs: dict, repeats: int, device: str) -> tuple[dict, dict, dict]:
+    """Median seconds, peak GiB and median scoring seconds of each run `{key: (inputs, config)}`, interleaved
+    round-robin over `repeats` rounds after two warm-up rounds."""
     for _ in range(2):
         for batch, config in runs.values():
             timed(model, batch, config, device)
-    times: dict[tuple[str, float], list[tuple[float, float]]] = {key: [] for key in runs}
+    times: dict[tuple[str, float], list[tuple[float, float, float]]] = {key: [] for key in runs}
     for _ in range(repeats):
         for key, (batch, config) in runs.items():
             times[key].append(timed(model, batch, config, device))
-    median = {key: statistics.median(t for t, _ in v) for key, v in times.items()}
-    peak = {key: max(m for _, m in v) for key, v in times.items()}
-    return median, peak
+    median = {key: statistics.median(t for t, _, _ in v) for key, v in times.items()}
+    peak = {key: max(m for _, m, _ in v) for key, v in times.items()}
+    scoring = {key: statistics.median(s for _, _, s in v) for key, v in times.items()}
+    return median, peak, scoring
 
 
-def table(schedules: dict, median: dict, peak: dict, text_tokens: int, shape: hap.DecoderShape) -> list[dict]:
+def table(schedules: dict, median: dict, peak: dict, text_tokens: int, shape: hap.DecoderShape,
+          scoring: dict | None = None) -> list[dict]:
     """One row per (method, retain): kept tokens, seconds, measured speed-up over `none`, FLOPs-ideal
-    speed-up, peak GiB and, for HAP, its extra time over `random` as a fraction of HAP's prefill."""
+    speed-up, peak GiB, the pruner's scoring time as a fraction of the prefill (`scoring`: median seconds per
+    run, 0 where not given) and, for HAP, its extra time over `random` as a fraction of HAP's prefill."""
     rows = []
     for (method, retain), schedule in schedules.items():
         seconds = median[(method, retain)]
@@ -211,7 +216,7 @@ def table(schedules: dict, median: dict, peak: dict, text_tokens: int, shape: ha
         rows.append(dict(
             method=method, retain=retain, kept=schedule.retained_tokens, seconds=seconds,
             speedup=median[("none", 1.0)] / seconds, ideal=1 / schedule.flops_ratio(text_tokens, shape),
-            peak_gib=peak[(method, retain)],
+            peak_gib=peak[(method, retain)], scoring=(scoring or {}).get((method, retain), 0.0) / seconds,
             overhead=(seconds - random) / seconds if method == "hap" and random is not None else None,
         ))
     return rows

@@ -179,10 +179,12 @@ def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: i
     """The schedule `config` asks for on a decoder of `shape` and a sequence of `num_visual` visual and
     `text_tokens` text tokens; None when the method does not prune. The one planner of the pruner, the
     lmms-eval plugin and the speed script: model-dependent defaults resolve here (`HAPConfig.resolved`),
-    FastV gets its single cut at K, and an unreachable budget raises ValueError naming the knobs."""
+    FastV gets its single cut at K, VisionZip its single cut before layer 0 (k = round(retain x N) in every
+    layer), and an unreachable budget raises ValueError naming the knobs."""
     config = config.resolved(shape.layers)
-    groups = policy_for(config).groups
-    if not groups:
+    policy = policy_for(config)
+    if not policy.groups:
         return None
-    return solve_schedule(num_visual, shape, first_layers=config.first_layers, groups=groups, decay=config.decay,
+    first_layers = 0 if policy.vision else config.first_layers
+    return solve_schedule(num_visual, shape, first_layers=first_layers, groups=policy.groups, decay=config.decay,
                           retain=config.retain, flops_ratio=config.flops_ratio, text_tokens=text_tokens)

@@ -28,7 +28,13 @@ class HAPConfig:
     tau_sink: float = knob("tau_sink").default  # sink share threshold of a sink head
     tau_disp: float = knob("tau_disp").default  # normalised entropy threshold of a dispersed head
     sink_rho: float = knob("sink_rho").default  # sink token: hidden-state norm > rho * median norm
-    rows: str = knob("rows").default  # "prompt" (every text token after the image) or "last"
+    rows: str = knob("rows").default  # "prompt" (every text token after the image), "last" or "question"
+    head_weight: str = knob("head_weight").default  # "paq" (paper) or "paq_visual" (x visual share)
+    sink_ranking: str = knob("sink_ranking").default  # "keep" (paper), "mask" or "mask_keep_one"
+    sink_detector: str = knob("sink_detector").default  # "norm" (paper), "consensus" or "both"
+    consensus_share: float = knob("consensus_share").default  # consensus sink: share of a head's visual attention
+    consensus_quorum: float = knob("consensus_quorum").default  # consensus sink: fraction of the layer's heads
+    first_cut: str = knob("first_cut").default  # "attention" (paper) or "prerope"
     seed: int = SEED.default  # seed of the `random` baseline
 
     def __post_init__(self) -> None:
@@ -41,6 +47,12 @@ class HAPConfig:
             setattr(self, k.name, k.check(getattr(self, k.name)))
         if self.retain is not None and self.flops_ratio is not None:
             raise ValueError("give either retain or flops_ratio, not both (the other is derived)")
+
+    @classmethod
+    def paper(cls, **overrides) -> HAPConfig:
+        """HAP exactly as docs/method.md formulates the paper: every knob with a paper value (`Knob.paper`) at
+        it, the others (budget, schedule) at their defaults; `overrides` win (e.g. retain, first_layers)."""
+        return cls(**{**{k.name: k.paper for k in KNOBS if k.paper is not None}, **overrides})
 
     def resolved(self, n_layers: int) -> HAPConfig:
         """A copy with the model-dependent defaults filled in for a decoder of `n_layers` layers."""

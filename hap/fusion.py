@@ -2,7 +2,8 @@
 
 A group's maps are stacked as `attn [batch, layers, heads, prompt, visual]` with `paq [batch,
 layers, heads]`. The weights w = softmax(PAQ / T) run over all (layer, head) pairs of the group;
-T = inf gives uniform averaging. The group map M = sum w * A factors into head fusion per layer
+T = inf gives uniform averaging. Given the heads' visual share mu (`head_weight="paq_visual"`,
+docs/method.md §10), w ~ mu exp(PAQ / T) instead. The group map M = sum w * A factors into head fusion per layer
 (softmax over that layer's heads) and layer fusion with beta_l = the layer's share of w.
 """
 
@@ -11,10 +12,19 @@ from __future__ import annotations
 import torch
 
 
-def fusion_weights(paq: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(PAQ / T) over every trailing dim: `paq [batch, ...]` -> same shape, summing to 1 per sample."""
-    flat = paq.float().flatten(1) / temperature
-    return flat.softmax(-1).view_as(paq)
+_EPS = 1e-12
+
+
+def weight_logits(paq: torch.Tensor, temperature: float, visual_share: torch.Tensor | None = None) -> torch.Tensor:
+    """PAQ / T, plus log mu when the visual share `visual_share` (same shape as `paq`) is given."""
+    logits = paq.float() / temperature
+    return logits if visual_share is None else logits + visual_share.float().clamp_min(_EPS).log()
+
+
+def fusion_weights(paq: torch.Tensor, temperature: float, visual_share: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(PAQ / T) (or mu exp(PAQ / T) normalised, with `visual_share`) over every trailing dim:
+    `paq [batch, ...]` -> same shape, summing to 1 per sample."""
+    return weight_logits(paq, temperature, visual_share).flatten(1).softmax(-1).view_as(paq)
 
 
 def fuse(attn: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -45,12 +55,16 @@ def token_scores(fused: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
     return rows.norm(dim=1)
 
 
-def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+def select_top(scores: torch.Tensor, k: int, priority: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the k highest scores per sample, ties broken by position, in ascending order.
 
-    scores [batch, V] -> long [batch, k].
+    scores [batch, V] -> long [batch, k]. With `priority [batch, V]`, tokens are ranked by priority first
+    and by score among equal priorities (lexicographic order).
     """
     if not 1 <= k <= scores.shape[-1]:
         raise ValueError(f"k={k} must be in [1, {scores.shape[-1]}]")
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    if priority is not None:
+        first = torch.sort(priority.gather(1, order), dim=-1, descending=True, stable=True).indices
+        order = order.gather(1, first)
     return order[:, :k].sort(dim=-1).values

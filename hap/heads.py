@@ -16,6 +16,7 @@ import torch
 SINK, DISPERSED, OPTIMAL = "sink", "dispersed", "optimal"
 CLASSES = (SINK, DISPERSED, OPTIMAL)
 _EPS = 1e-12
+_TINY = 1e-30  # a divisor floor far below any attention mass float32 holds in a row (normal floats reach 1e-38)
 
 
 @dataclass
@@ -38,8 +39,27 @@ def sink_tokens(visual_hidden: torch.Tensor, rho: float) -> torch.Tensor:
     return norms > rho * norms.median(dim=-1, keepdim=True).values
 
 
+def consensus_sinks(dist: torch.Tensor, share: float = 0.5, quorum: float = 0.25) -> torch.Tensor:
+    """Attention-consensus sink test (docs/method.md §10): `dist [..., heads, visual]` (each head's visual
+    distribution, summing to 1) -> bool `[..., visual]`: tokens holding at least `share` of the visual
+    attention of at least `quorum` of the heads."""
+    return (dist >= share).float().mean(-2) >= quorum
+
+
+def detect_sinks(detector: str, visual_hidden: torch.Tensor, attn: torch.Tensor, row_valid: torch.Tensor,
+                 rho: float, share: float, quorum: float) -> torch.Tensor:
+    """Sink tokens of one layer, bool `[batch, visual]`: by the norm test (`sink_tokens`, rho), by attention
+    consensus over the layer's heads (`consensus_sinks` of `visual_distribution(attn, row_valid)`), or by
+    either ("both"). visual_hidden [batch, visual, d]; attn [batch, heads, P, visual]; row_valid [batch, P]."""
+    norm = sink_tokens(visual_hidden, rho).to(attn.device) if detector in ("norm", "both") else None
+    consensus = consensus_sinks(visual_distribution(attn, row_valid), share, quorum) if detector != "norm" else None
+    if norm is None or consensus is None:
+        return consensus if norm is None else norm
+    return norm | consensus
+
+
 def _row_mean(x: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
-    """Mean of `x [batch, heads, prompt]` over the valid rows -> `[batch, heads]`."""
+    """Mean of `x [..., batch, heads, prompt]` over the valid rows -> `[..., batch, heads]`."""
     w = row_valid[:, None, :].to(x.dtype)
     return (x * w).sum(-1) / w.sum(-1).clamp_min(1.0)
 
@@ -56,27 +76,25 @@ def head_stats(attn: torch.Tensor, row_valid: torch.Tensor, sink: torch.Tensor) 
     """PAQ and its parts for every head.
 
     attn [batch, heads, prompt, visual]; row_valid bool [batch, prompt]; sink bool [batch, visual].
-    With at most one non-sink token the dispersion is 0 (one token is perfectly focused).
+    With at most one non-sink token the dispersion is 0 (one token is perfectly focused). One pass over the
+    rows without renormalising them: with y the row restricted to the non-sink tokens and Z its sum, the
+    entropy of b = y / Z is log Z - sum(y log y) / Z (0 where Z = 0).
     """
     attn = attn.float()
-    mass = attn.sum(-1)  # [B, H, P]
-    a = attn / mass.unsqueeze(-1).clamp_min(_EPS)  # rows as distributions over the visual tokens
-    sink_f = sink[:, None, None, :].to(a.dtype)
-    sink_mass = (a * sink_f).sum(-1)  # [B, H, P]
-    b = a * (1 - sink_f)
-    b = b / b.sum(-1, keepdim=True).clamp_min(_EPS)
-    entropy = -(b * b.clamp_min(_EPS).log()).sum(-1)  # [B, H, P]
-    free = (~sink).sum(-1).to(a.dtype)  # [B] non-sink tokens
-    log_free = free.clamp_min(2).log()[:, None, None]
-    norm_entropy = torch.where(free[:, None, None] > 1, entropy / log_free, torch.zeros_like(entropy))
-    sigma = _row_mean(sink_mass, row_valid)
-    delta = _row_mean(norm_entropy, row_valid).clamp(0.0, 1.0)
-    return HeadStats(
-        sink_share=sigma,
-        dispersion=delta,
-        visual_share=_row_mean(mass, row_valid),
-        paq=(1 - sigma) * (1 - delta),
-    )
+    mass = attn.sum(-1)  # [B, H, P] the row's visual share
+    if bool(sink.any()):
+        y = attn * (~sink)[:, None, None, :].to(attn.dtype)
+        free_mass = y.sum(-1)
+    else:
+        y, free_mass = attn, mass
+    sink_mass = (mass - free_mass) / mass.clamp_min(_TINY)  # share of the row's visual attention on sinks
+    z = free_mass.clamp_min(_TINY)  # a row can hold ~1e-20 of its head's attention: no 1e-12 floor here
+    entropy = torch.where(free_mass > 0, z.log() - torch.special.xlogy(y, y).sum(-1) / z, 0.0)  # [B, H, P]
+    free = (~sink).sum(-1).to(attn.dtype)  # [B] non-sink tokens
+    norm_entropy = entropy / free.clamp_min(2).log()[:, None, None] * (free > 1)[:, None, None]
+    sigma, delta, mu = _row_mean(torch.stack([sink_mass, norm_entropy, mass]), row_valid)  # each [B, H]
+    delta = delta.clamp(0.0, 1.0)
+    return HeadStats(sink_share=sigma, dispersion=delta, visual_share=mu, paq=(1 - sigma) * (1 - delta))
 
 
 def classify(stats: HeadStats, tau_sink: float, tau_disp: float) -> list[list[list[str]]]:

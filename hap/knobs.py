@@ -14,8 +14,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-METHODS = ("hap", "uniform", "fastv", "pdrop", "random", "none")
-ROWS = ("prompt", "last")
+METHODS = ("hap", "uniform", "fastv", "pdrop", "random", "visionzip", "none")
+ROWS = ("prompt", "last", "question")
+HEAD_WEIGHTS = ("paq", "paq_visual")
+SINK_RANKINGS = ("keep", "mask", "mask_keep_one")
+SINK_DETECTORS = ("norm", "consensus", "both")
+FIRST_CUTS = ("attention", "prerope", "vision")
 DEEP_DECODER = 16  # decoder layers from which a model counts as deep for the per-model defaults
 
 
@@ -46,6 +50,7 @@ class Knob:
     choices: tuple[str, ...] | None = None
     optional: bool = False  # None allowed (retain / flops_ratio)
     rule: Callable[[int], object] | None = None  # per-model default from the number of decoder layers
+    paper: object = None  # the value of HAP as the paper formulates it (docs/method.md §2-§6); None: no such value
 
     @property
     def flag(self) -> str:
@@ -108,7 +113,8 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("method", str, "hap", "pruning method: HAP or a baseline; none runs the stock model", choices=METHODS),
+    Knob("method", str, "hap", "pruning method: HAP or a baseline; none runs the stock model", choices=METHODS,
+         paper="hap"),
     Knob("retain", float, None,
          "visual tokens kept, averaged over all decoder layers, as a fraction; when neither retain nor flops_ratio "
          f"is given: 0.111 on decoders of {DEEP_DECODER}+ layers, else 0.25",
@@ -122,14 +128,34 @@ KNOBS: tuple[Knob, ...] = (
     Knob("decay", float, 0.5, "lambda: each group keeps lambda times the tokens of the one before",
          low=0.0, high=1.0, low_open=True),
     Knob("temperature", float, 0.1, "T of softmax(PAQ / T) over heads; inf = uniform averaging", low=0.0,
-         low_open=True),
-    Knob("tau_sink", float, 0.5, "a head whose sink share is >= tau_sink is a sink head", low=0.0, high=1.0),
+         low_open=True, paper=0.1),
+    Knob("tau_sink", float, 0.5, "a head whose sink share is >= tau_sink is a sink head", low=0.0, high=1.0,
+         paper=0.5),
     Knob("tau_disp", float, 0.9, "a non-sink head whose normalised entropy is >= tau_disp is dispersed",
-         low=0.0, high=1.0),
+         low=0.0, high=1.0, paper=0.9),
     Knob("sink_rho", float, 10.0, "a visual token is a sink when its hidden-state norm > rho x the median norm",
-         low=1.0),
-    Knob("rows", str, "prompt", "prompt rows scoring the tokens: every text token after the image, or the last",
-         choices=ROWS),
+         low=1.0, paper=10.0),
+    Knob("rows", str, "prompt",
+         "prompt rows scoring the tokens: every text token after the image, the last one, or the question's "
+         "(the prompt rows minus the chat template's tail, e.g. ' ASSISTANT:')", choices=ROWS, paper="prompt"),
+    Knob("head_weight", str, "paq",
+         "head weights of the fusion: softmax(PAQ / T) (paq), or x each head's visual share (paq_visual: "
+         "w ~ mu exp(PAQ / T))", choices=HEAD_WEIGHTS, paper="paq"),
+    Knob("sink_ranking", str, "keep",
+         "sink tokens in the ranking of a cut: kept as scored (keep), ranked last (mask), or ranked last but the "
+         "best-scored one kept first as an anchor (mask_keep_one)", choices=SINK_RANKINGS, paper="keep"),
+    Knob("sink_detector", str, "norm",
+         "sink tokens: hidden-state norm test (norm), attention consensus over the layer's heads (consensus), "
+         "or either (both)", choices=SINK_DETECTORS, paper="norm"),
+    Knob("consensus_share", float, 0.5,
+         "consensus sink test: a token holding >= this share of a head's visual attention...", low=0.0, high=1.0,
+         low_open=True),
+    Knob("consensus_quorum", float, 0.25, "...for >= this fraction of the layer's heads", low=0.0, high=1.0,
+         low_open=True),
+    Knob("first_cut", str, "attention",
+         "scores of a cut before layer 0: layer 0's attention (attention), or its q.k without rotary embedding "
+         "(prerope: no recency bias), or the vision tower's [CLS] attention (vision; CLIP towers)",
+         choices=FIRST_CUTS, paper="attention"),
 )
 SEED = Knob("seed", int, 0, "seed of the random baseline", low=0)  # a HAPConfig field, not a user-facing knob
 _BY_NAME = {k.name: k for k in (*KNOBS, SEED)}

@@ -10,7 +10,11 @@ cut, and how heads are weighted:
     pdrop     G          last token            last layer of the segment  uniform
     fastv     1 (at K)   last token            layer K-1                  uniform
     random    G          -                     -                          seeded uniform choice
+    visionzip 1, at 0    -                     - (the vision tower's [CLS] attention, `hap.visionzip`)
     none      no cuts
+
+HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `first_cut`)
+shape the `hap` policy only; the baselines score as published (`rows` applies to `uniform` too).
 """
 
 from __future__ import annotations
@@ -21,16 +25,30 @@ from dataclasses import dataclass
 import torch
 
 from .config import HAPConfig
-from .fusion import group_map, token_scores
+from .fusion import fuse, fusion_weights, token_scores
 
 
 @dataclass(frozen=True)
 class Policy:
     groups: int  # 0 = no pruning
-    rows: str  # "prompt" or "last"
+    rows: str  # "prompt", "last" or "question"
     whole_segment: bool  # score with every layer of the previous segment, else only its last layer
     temperature: float  # inf = plain head averaging
     random: bool = False
+    visual_weights: bool = False  # head weights x visual share (head_weight="paq_visual")
+    sink_ranking: str = "keep"  # sink tokens at a cut: "keep", "mask" or "mask_keep_one"
+    first_cut: str = "attention"  # a cut before layer 0 scored by layer 0's attention, its pre-RoPE q.k, or [CLS]
+    vision: bool = False  # VisionZip: one cut before layer 0 from the vision tower's [CLS] attention
+
+    @property
+    def needs_maps(self) -> bool:
+        """Whether the cuts are scored by decoder attention maps (not random, not vision-side)."""
+        return not (self.random or self.vision)
+
+    @property
+    def needs_cls(self) -> bool:
+        """Whether a cut uses the vision tower's [CLS] attention (VisionZip, or first_cut="vision")."""
+        return self.vision or (self.groups > 0 and self.first_cut == "vision")
 
 
 def policy_for(config: HAPConfig) -> Policy:
@@ -38,13 +56,17 @@ def policy_for(config: HAPConfig) -> Policy:
     if m == "none":
         return Policy(0, config.rows, True, math.inf)
     if m == "hap":
-        return Policy(config.groups, config.rows, True, config.temperature)
+        return Policy(config.groups, config.rows, True, config.temperature,
+                      visual_weights=config.head_weight == "paq_visual", sink_ranking=config.sink_ranking,
+                      first_cut=config.first_cut)
     if m == "uniform":
         return Policy(config.groups, config.rows, True, math.inf)
     if m == "pdrop":
         return Policy(config.groups, "last", False, math.inf)
     if m == "fastv":
         return Policy(1, "last", False, math.inf)
+    if m == "visionzip":
+        return Policy(1, config.rows, False, math.inf, vision=True)
     return Policy(config.groups, config.rows, False, math.inf, random=True)
 
 
@@ -52,30 +74,54 @@ def scoring_layers(policy: Policy, segment: tuple[int, int]) -> list[int]:
     """Layers whose maps score the cut that follows `segment` = [start, end).
 
     A cut before layer 0 has no layer behind it; it looks ahead at layer 0's own attention over
-    the full input (as PyramidDrop scores with the next layer's queries and keys).
+    the full input (as PyramidDrop scores with the next layer's queries and keys), unless HAP's
+    first_cut="vision" scores it by the vision tower's [CLS] attention (docs/method.md §10).
     """
     start, end = segment
-    if policy.random:
+    if not policy.needs_maps:
         return []
     if start == end:
-        return [end]
+        return [] if policy.first_cut == "vision" else [end]
     return list(range(start, end)) if policy.whole_segment else [end - 1]
+
+
+def head_weights(policy: Policy, paq: torch.Tensor, visual_share: torch.Tensor) -> torch.Tensor:
+    """The fusion weights of the scoring heads, `paq`, `visual_share` [batch, layers, heads] -> the same shape,
+    summing to 1 per sample: softmax(PAQ / T), times the visual share where the policy says so."""
+    return fusion_weights(paq, policy.temperature, visual_share if policy.visual_weights else None)
+
+
+def rank_sinks(scores: torch.Tensor, sink: torch.Tensor, mode: str) -> torch.Tensor:
+    """Scores with the sink tokens moved in the ranking (docs/method.md §10): `scores [batch, visual]`,
+    `sink` bool [batch, visual]; "keep": unchanged; "mask": sinks last; "mask_keep_one": sinks last except
+    the best-scored sink of each sample, first (an anchor)."""
+    if mode == "keep":
+        return scores
+    out = scores.masked_fill(sink, -math.inf)
+    if mode == "mask_keep_one":
+        best = scores.masked_fill(~sink, -math.inf).argmax(-1, keepdim=True)  # [B, 1]
+        anchor = torch.zeros_like(sink).scatter_(1, best, True) & sink
+        out = out.masked_fill(anchor, math.inf)
+    return out
 
 
 def cut_scores(
     policy: Policy,
     attn: torch.Tensor | None,
-    paq: torch.Tensor | None,
+    weights: torch.Tensor | None,
     row_valid: torch.Tensor,
     num_visual: int,
     seed: int,
     cut_index: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores of the visual tokens present at a cut, `[batch, visual]` (higher = keep).
 
-    attn [batch, layers, heads, P, visual] and paq [batch, layers, heads] of the scoring layers.
+    attn [batch, layers, heads, P, visual] and weights [batch, layers, heads] (`head_weights`) of the scoring
+    layers; sink bool [batch, visual]: the tokens any scoring layer flagged as sinks (for `sink_ranking`).
     """
     if policy.random:
         gen = torch.Generator().manual_seed(seed * 1009 + cut_index)
         return torch.rand(num_visual, generator=gen).expand(row_valid.shape[0], -1)
-    return token_scores(group_map(attn, paq, policy.temperature), row_valid)
+    scores = token_scores(fuse(attn, weights), row_valid)
+    return scores if sink is None else rank_sinks(scores, sink, policy.sink_ranking)

@@ -5,9 +5,11 @@ Architecture-free: adapters (`hap.patch.*`) feed it tensors at each decoder laye
 index lists it returns to hidden states, masks, positions and the cache. Positions below are
 indices into the *current* (possibly already shortened) sequence unless said otherwise.
 
-Layout of a sample's sequence, which cuts preserve: [prefix text][visual tokens][prompt rows...],
-where the prompt rows are every text token after the last visual token (or only the last token),
-so in a sequence of length T they are always the last P positions.
+Layout of a sample's sequence, which cuts preserve: [prefix text][visual tokens][prompt rows][gap],
+where the prompt rows are every text token after the last visual token (or only the last token) and
+the gap is what follows the sample's last real token (right padding, found from the attention mask).
+Cuts drop visual tokens only, so in a sequence of length T a sample's rows are the P positions
+ending `gap + 1` before the end, whatever was cut.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import torch
 
 from .budget import DecoderShape, Schedule, plan
 from .config import HAPConfig
-from .fusion import fusion_weights, select_top
-from .heads import head_stats, sink_tokens
-from .methods import Policy, cut_scores, policy_for, scoring_layers
+from .fusion import select_top
+from .heads import HeadStats, detect_sinks, head_stats
+from .methods import Policy, cut_scores, head_weights, policy_for, scoring_layers
 from .trace import CutTrace, Tracer
+from .visionzip import select
 
 
 @dataclass
@@ -34,6 +37,7 @@ class PruneState:
     schedule: Schedule | None
     num_visual: int
     row_valid: torch.Tensor  # bool [batch, P]
+    row_gap: torch.Tensor  # long [batch] tokens after each sample's last prompt row (right padding)
     seq_index: torch.Tensor  # long [batch, T_cur] original position of each current token
     visual_pos: torch.Tensor  # long [batch, N_cur] current positions of the visual tokens
     kept_orig: torch.Tensor  # long [batch, N_cur] original visual index (0..N-1) of each
@@ -43,11 +47,16 @@ class PruneState:
     lookahead_layers: set[int]  # layers also captured before their own cut, to score it (a cut before layer 0)
     tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
+    priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
+    vision: tuple[torch.Tensor, torch.Tensor] | None = None  # VisionZip cues: [CLS] attention [B, N], keys [B, N, d]
+    merged: tuple[torch.Tensor, torch.Tensor] | None = None  # VisionZip: (positions [B, c], embeds [B, c, D]) to
+    #                                                          write into the hidden states after the cut
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
-    scoring_seconds: float = 0.0
-    # (layer, lookahead) -> (attn, paq) of a captured layer, until the cut it scores
-    _maps: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    scoring_seconds: float = 0.0  # time in the capture (timed by the adapter) and in the cuts
+    # (layer, lookahead) -> (attn, head stats, sink tokens) of a captured layer, until the cut it scores
+    _maps: dict[tuple[int, bool], tuple[torch.Tensor, HeadStats, torch.Tensor]] = field(default_factory=dict)
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict)  # sequence length -> row_positions
 
     @classmethod
     def start(
@@ -57,8 +66,13 @@ class PruneState:
         attention_mask: torch.Tensor | None,
         shape: DecoderShape,
         trace: bool,
+        priority: torch.Tensor | None = None,
+        tail: int = 0,
     ) -> "PruneState":
-        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None.
+        """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None;
+        priority [batch, N] or None: an analysis hook, values that rank the visual tokens (by original
+        index) before the method's scores at every cut (e.g. 1 on the patches that answer the question);
+        tail: tokens of the chat template after the question (e.g. " ASSISTANT:"), left out by rows="question".
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
         config = config.resolved(shape.layers)
@@ -69,18 +83,22 @@ class PruneState:
         N = int(counts[0])
         if N == 0:
             raise ValueError("the input holds no visual tokens: the prompt must contain exactly one image")
+        if priority is not None and tuple(priority.shape) != (B, N):
+            raise ValueError(f"priority must be [batch, visual] = [{B}, {N}]; got {list(priority.shape)}")
         device = visual_mask.device
         positions = torch.arange(T, device=device)
         visual_pos = positions.expand(B, T)[visual_mask].view(B, N)
         policy = policy_for(config)
         schedule = plan(config, shape, N, T - N)
         scoring, lookahead = _scoring_sets(policy, schedule)
+        row_valid, row_gap = _prompt_rows(policy.rows, visual_pos[:, -1], _last_tokens(attention_mask, T), T, tail)
         return cls(
             config=config,
             policy=policy,
             schedule=schedule,
             num_visual=N,
-            row_valid=_prompt_rows(policy.rows, visual_pos[:, -1], T),
+            row_valid=row_valid,
+            row_gap=row_gap,
             seq_index=positions.expand(B, T).clone(),
             visual_pos=visual_pos,
             kept_orig=torch.arange(N, device=device).expand(B, N).clone(),
@@ -90,6 +108,7 @@ class PruneState:
             lookahead_layers=lookahead,
             tracer=Tracer(N, config.temperature) if trace else None,
             prompt_len=T,
+            priority=None if priority is None else priority.float().to(device),
         )
 
     # --- queries the adapter asks at each layer -------------------------------------------------
@@ -100,9 +119,21 @@ class PruneState:
         return self.schedule.cuts.index(layer)
 
     def row_positions(self, seq_len: int) -> torch.Tensor:
-        """long [P] current positions of the prompt rows (the last P tokens)."""
-        P = self.row_valid.shape[1]
-        return torch.arange(seq_len - P, seq_len, device=self.row_valid.device)
+        """long [batch, P] current positions of each sample's prompt rows in a sequence of `seq_len` tokens
+        (clamped at 0 for the invalid rows of a short prompt); computed once per length."""
+        if seq_len not in self._rows:
+            P = self.row_valid.shape[1]
+            ends = seq_len - 1 - self.row_gap  # [B]
+            self._rows[seq_len] = (ends[:, None] - torch.arange(P - 1, -1, -1, device=ends.device)).clamp_min(0)
+        return self._rows[seq_len]
+
+    def decode_positions(self, cached: int, new: int) -> torch.Tensor:
+        """long [1, new] positions of a decode step's tokens when the caller gives none: those the stock model
+        would take from an unpruned cache. `cached` = tokens in layer 0's cache, which a cut before
+        layer 0 shortened by the tokens it dropped."""
+        dropped = self.prompt_len - self.segment_index[0].shape[1] if 0 in self.segment_index else 0
+        start = cached + dropped
+        return torch.arange(start, start + new, device=self.seq_index.device)[None]
 
     def key_valid(self) -> torch.Tensor | None:
         """bool [batch, T_cur] padding mask of the current sequence, or None without padding."""
@@ -118,36 +149,48 @@ class PruneState:
         the layer's input hidden states (for the sink detector). A lookahead capture (before the
         layer's own cut) only scores that cut; the layer's trace comes from its capture after the cut.
         """
-        t0 = time.perf_counter()
         device = self.visual_pos.device  # the layer may sit on another device (a model split over GPUs)
         vp = self.visual_pos.to(rows.device)
         attn = rows.gather(3, vp[:, None, None, :].expand(*rows.shape[:3], -1)).to(device)  # [B, H, P, N_cur]
         vis_hidden = hidden.gather(1, vp.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1]))
-        sink = sink_tokens(vis_hidden, self.config.sink_rho).to(device)
+        c = self.config
+        sink = detect_sinks(c.sink_detector, vis_hidden, attn, self.row_valid, c.sink_rho, c.consensus_share,
+                            c.consensus_quorum)
         stats = head_stats(attn, self.row_valid, sink)
         if lookahead or layer in self.scoring_layers:
-            self._maps[(layer, lookahead)] = (attn, stats.paq)
+            self._maps[(layer, lookahead)] = (attn, stats, sink)
         if self.tracer is not None and not lookahead:
             self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
-        self.scoring_seconds += time.perf_counter() - t0
 
-    def cut(self, layer: int) -> torch.Tensor:
-        """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept."""
+    def cut(self, layer: int, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. VisionZip
+        (docs/method.md §7) merges `visual_embeds` [batch, N_cur, D] (the visual rows of the hidden states) into
+        its contextual tokens, left in `merged` for the adapter to write."""
         t0 = time.perf_counter()
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
         scored = scoring_layers(self.policy, (starts[g], layer))
-        attn = paq = None
+        attn = paq = weights = sink = None
         keys = [(l, l == layer) for l in scored]
         if scored:
-            attn = torch.stack([self._maps[key][0] for key in keys], 1)  # [B, Lg, H, P, N_cur]
-            paq = torch.stack([self._maps[key][1] for key in keys], 1)  # [B, Lg, H]
+            maps = [self._maps[key] for key in keys]
+            attn = torch.stack([m[0] for m in maps], 1)  # [B, Lg, H, P, N_cur]
+            paq = torch.stack([m[1].paq for m in maps], 1)  # [B, Lg, H]
+            weights = head_weights(self.policy, paq, torch.stack([m[1].visual_share for m in maps], 1))
+            sink = torch.stack([m[2] for m in maps]).any(0)  # [B, N_cur] a sink in any scoring layer
             if self.tracer is not None:
                 self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
-        scores = cut_scores(self.policy, attn, paq, self.row_valid, n_cur, self.config.seed, g)
         k = min(self.schedule.kept[g], n_cur)
-        chosen = select_top(scores.to(self.visual_pos.device), k)  # [B, k] indices into the current visual list
+        if self.policy.vision:
+            chosen, slots, merged = self._visionzip(visual_embeds, k)
+        else:
+            if scored or self.policy.random:
+                scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
+            else:  # HAP's first cut before layer 0 by the [CLS] attention (first_cut="vision", §10)
+                scores = self._cls_cues()[0]
+            priority = None if self.priority is None else self.priority.gather(1, self.kept_orig)
+            chosen = select_top(scores.to(self.visual_pos.device), k, priority)  # [B, k] into the current visual list
         B, T = self.seq_index.shape
         keep = torch.ones(B, T, dtype=torch.bool, device=self.seq_index.device)
         keep.scatter_(1, self.visual_pos, False)
@@ -156,14 +199,27 @@ class PruneState:
         new_pos = keep.long().cumsum(1) - 1
         self.visual_pos = new_pos.gather(1, self.visual_pos.gather(1, chosen))
         self.kept_orig = self.kept_orig.gather(1, chosen)
+        if self.policy.vision:
+            self.merged = (self.visual_pos.gather(1, slots), merged)
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
-        weights = None if paq is None else fusion_weights(paq, self.policy.temperature).cpu()
-        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(), weights))
+        self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(),
+                                  None if weights is None else weights.cpu()))
         for key in keys:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0
         return kept_positions
+
+    def _cls_cues(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This prefill's vision cues ([CLS] attention [B, N], keys [B, N, d]) on the pruner's device."""
+        if self.vision is None or self.vision[0].shape != self.visual_pos.shape:
+            raise ValueError("the vision tower's [CLS] attention of this prefill is missing: pass pixel_values")
+        return tuple(t.to(self.visual_pos.device) for t in self.vision)
+
+    def _visionzip(self, visual_embeds: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hap.visionzip.select` on this prefill's vision cues: (chosen [B, k], slots [B, c], merged [B, c, D])."""
+        cls_attention, keys = self._cls_cues()
+        return select(cls_attention, keys, visual_embeds.to(self.visual_pos.device), k)
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.
@@ -177,16 +233,32 @@ class PruneState:
         return torch.cat([attention_mask.gather(1, index), attention_mask[:, self.prompt_len :]], 1)
 
 
-def _prompt_rows(rows: str, last_visual: torch.Tensor, T: int) -> torch.Tensor:
-    """bool [batch, P] valid prompt rows: the last P positions, those after each sample's last visual token
-    (`last_visual` long [batch]) for rows "prompt", the last token alone for "last"."""
-    B = last_visual.shape[0]
+def _last_tokens(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """long [batch] position of each sample's last real token from the 2-D mask [batch, T], or None
+    without a mask (the last position)."""
+    if attention_mask is None:
+        return None
+    return T - 1 - attention_mask.bool().flip(1).long().argmax(1)
+
+
+def _prompt_rows(rows: str, last_visual: torch.Tensor, last_token: torch.Tensor | None, T: int,
+                 tail: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool [batch, P] valid rows, long [batch] gap) of each sample: the P positions ending at its last real token
+    (`last_token` long [batch]; None: T - 1), valid after its last visual token (`last_visual` long [batch])
+    for rows "prompt", the last token alone for "last", and for "question" the prompt rows without the
+    chat template's `tail` tokens (docs/method.md §10); the gap is the count of tokens after the last row."""
+    B, device = last_visual.shape[0], last_visual.device
+    last_token = torch.full_like(last_visual, T - 1) if last_token is None else last_token.to(device)
+    if rows == "question":
+        last_token = last_token - tail
+    gap = T - 1 - last_token
     if rows == "last":
-        return torch.ones(B, 1, dtype=torch.bool, device=last_visual.device)
-    P = int((T - 1 - last_visual).max())
-    if P < 1:
+        return torch.ones(B, 1, dtype=torch.bool, device=device), gap
+    counts = last_token - last_visual  # [B] prompt rows of each sample
+    P = int(counts.max())
+    if int(counts.min()) < 1:
         raise ValueError("no prompt token follows the image: put the image before the question")
-    return torch.arange(T - P, T, device=last_visual.device)[None, :] > last_visual[:, None]
+    return torch.arange(P - 1, -1, -1, device=device)[None, :] < counts[:, None], gap
 
 
 def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], set[int]]:
@@ -195,8 +267,8 @@ def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], 
     if schedule is not None:
         starts = [0] + schedule.cuts
         for g, cut in enumerate(schedule.cuts):
-            if starts[g] == cut and not policy.random:
-                lookahead.add(cut)
+            if starts[g] == cut:
+                lookahead.update(scoring_layers(policy, (cut, cut)))
             else:
                 scoring.update(scoring_layers(policy, (starts[g], cut)))
     return scoring, lookahead

@@ -21,6 +21,16 @@ def chat_prompt(processor, question: str) -> str:
     return processor.apply_chat_template(messages, add_generation_prompt=True)
 
 
+def template_tail(processor) -> int:
+    """Tokens the chat template puts after the question (e.g. " ASSISTANT:"): the common suffix of two
+    prompts whose questions end differently (rows="question" leaves them out, docs/method.md §10)."""
+    a, b = (processor.tokenizer(chat_prompt(processor, q)).input_ids for q in ("is it red ?", "what shape"))
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
 def build_inputs(processor, image: Image.Image, prompt: str, limits: InputLimits) -> tuple[dict, str, list[str]]:
     """Chat-template the cleaned prompt with one image slot and run the processor."""
     tok = processor.tokenizer
@@ -74,7 +84,7 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
             f"prompt too long: {T} tokens + max_new_tokens={max_new_tokens} exceed the model's {limit} positions; "
             "shorten the prompt"
         )
-    patch = apply(model, config, trace=trace)
+    patch = apply(model, config, trace=trace, tail=template_tail(processor))
     try:
         t1 = time.perf_counter()
         with torch.inference_mode():

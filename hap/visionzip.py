@@ -64,3 +64,15 @@ def contextual_tokens(keys: torch.Tensor, embeds: torch.Tensor, dominant: torch.
     rest_embeds = embeds.gather(1, rest[..., None].expand(-1, -1, embeds.shape[-1]))
     merged = members.transpose(1, 2) @ rest_embeds / members.sum(1)[..., None]
     return targets, merged
+
+
+def select(cls_attention: torch.Tensor, keys: torch.Tensor, embeds: torch.Tensor,
+           k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VisionZip's `k` tokens: `split_budget(k)` dominant ones by [CLS] attention, the rest merged into contextual
+    ones. cls_attention [batch, N], keys [batch, N, d], embeds [batch, N, D] -> (chosen long [batch, k] ascending,
+    slots long [batch, k_ctx]: where in `chosen` each contextual token sits, merged [batch, k_ctx, D])."""
+    n_dominant, n_contextual = split_budget(k)
+    dominant = dominant_tokens(cls_attention, n_dominant)
+    targets, merged = contextual_tokens(keys, embeds, dominant, n_contextual)
+    chosen = torch.cat([dominant, targets], 1).sort(1).values
+    return chosen, torch.searchsorted(chosen, targets), merged

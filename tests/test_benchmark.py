@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from analysis.benchmark import METHODS, RETAINS, main, spearman
+from analysis.scenes import QTYPES
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-llava"
 
@@ -22,12 +23,14 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
     """On the shipped (trained) model, so that the unpruned accuracy is not 0 and the retain-1.0 check means
     something; every check below fails for some wrong report."""
     out = tmp_path / "bench"
-    main(["--model", str(SHIPPED), "--seeds", "500000:500004", "--per-scene", "2", "--out", str(out)])
+    main(["--model", str(SHIPPED), "--seeds", "500000:500004", "--per-scene", "2", "--out", str(out),
+          "--methods", *METHODS, "oracle"])
     report = json.loads((out / "benchmark.json").read_text())
+    text = json.loads((SHIPPED / "config.json").read_text())["text_config"]
     n = report["n_questions"]
     assert n == 8 and report["config"]["first_layers"] == 0  # the per-model default on 6 layers
     assert 0 < report["unpruned_accuracy"] and (report["unpruned_accuracy"] * n).is_integer()
-    for method in METHODS:
+    for method in (*METHODS, "oracle"):
         accuracy, recall = report["accuracy"][method], report["kept_recall"][method]
         assert set(accuracy) == set(recall) == {str(r) for r in RETAINS}
         assert all((v * n) == pytest.approx(round(v * n)) for v in accuracy.values())  # a share of n questions
@@ -37,7 +40,11 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
         assert accuracy["1.0"] == report["unpruned_accuracy"]
         assert recall["1.0"] == 1.0 and recall["0.056"] < recall["0.222"] <= 1.0  # pruning drops object patches
     assert -1.0 <= report["grounding_spearman"] <= 1.0  # NaN fails too
-    assert np.array(report["head_paq"]).shape == (6, 8)  # the shipped decoder: 6 layers x 8 heads
+    assert np.array(report["head_paq"]).shape == (text["num_hidden_layers"], text["num_attention_heads"])
+    assert len(report["norm_ratio"]) == text["num_hidden_layers"] and min(report["norm_ratio"]) >= 1.0
+    for r in ("0.222", "0.111", "0.056"):  # the answering patches first: recall at least the uniform one's
+        assert report["kept_recall"]["oracle"][r] >= report["kept_recall"]["uniform"][r]
+    assert set(report["accuracy_by_type"]["oracle"]["0.111"]) == set(QTYPES)
     for name in ("benchmark.md", "accuracy.png", "paq_grounding.png"):
         assert (out / name).stat().st_size > 0
 
@@ -55,3 +62,30 @@ def test_layer_recall_averages_over_decoder_layers():
     target = np.array([True, True, False, False, False, False])
     # layer 0: all tokens (1.0); layers 1-2: both target patches (1.0); layer 3: none (0.0)
     assert layer_recall(SimpleNamespace(schedule=schedule, cuts=cuts), 0, target) == 0.75
+
+
+def test_the_ablation_runs_every_knob_alone_and_together(tmp_path):
+    from analysis.ablation import TOGETHER, main as ablation, variants
+
+    names = variants()
+    assert names["hap_paper"] == {} and names["all"] == TOGETHER and len(names) == 10
+    report = ablation(["--model", str(SHIPPED), "--seeds", "400000:400002", "--per-scene", "2", "--retain", "0.111",
+                       "--out", str(tmp_path)])
+    assert set(report["variants"]) == set(names) and report["variants"]["hap_paper"]["delta"]["0.111"] == 0.0
+    for v in report["variants"].values():
+        assert 0.0 <= v["kept_recall"]["0.111"] <= 1.0 and (v["accuracy"]["0.111"] * 4).is_integer()
+    assert "| all |" in (tmp_path / "ablation.md").read_text()
+
+
+def test_hap_paper_is_the_paper_preset_on_the_run_schedule(tmp_path):
+    """`hap` given every paper value by its flag answers as `hap_paper`, whatever the library defaults;
+    `visionzip` is a benchmark method too."""
+    from analysis.benchmark import KNOB_FLAGS
+    from hap import KNOBS
+
+    paper = [arg for k in KNOBS if k.paper is not None and k.name in KNOB_FLAGS for arg in (k.flag, str(k.paper))]
+    report = main(["--model", str(SHIPPED), "--seeds", "500000:500002", "--per-scene", "1", "--out", str(tmp_path),
+                   "--methods", "hap", "hap_paper", "visionzip", "--retain", "0.111", *paper])
+    assert report["accuracy"]["hap"] == report["accuracy"]["hap_paper"]
+    assert 0.0 <= report["kept_recall"]["visionzip"]["0.111"] <= 1.0  # the peer runs on the same budget
+    assert report["kept_recall"]["hap"] == report["kept_recall"]["hap_paper"]

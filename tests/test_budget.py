@@ -97,6 +97,11 @@ def test_plan_gives_fastv_one_cut_at_k_and_none_no_schedule():
     assert plan(HAPConfig(method="none"), LLAVA7B, 576) is None
 
 
+def test_plan_gives_visionzip_its_tokens_in_every_layer():
+    vz = plan(HAPConfig(method="visionzip", retain=0.111, first_layers=2), LLAVA7B, 576)
+    assert vz.cuts == [0] and vz.kept == [round(0.111 * 576)] and vz.visual_per_layer == [64] * 32
+
+
 def test_plan_with_a_flops_target_keeps_fewer_tokens_behind_a_longer_text():
     config = HAPConfig(flops_ratio=0.5, first_layers=2)
     short, long = plan(config, LLAVA7B, 576, text_tokens=10), plan(config, LLAVA7B, 576, text_tokens=300)

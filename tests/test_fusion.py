@@ -58,3 +58,11 @@ def test_fuse_is_the_weighted_sum_and_weights_sum_to_one_per_sample():
 def test_selection_refuses_a_k_out_of_range(k):
     with pytest.raises(ValueError, match=f"k={k} must be in"):
         select_top(torch.rand(1, 6), k)
+
+
+def test_select_top_ranks_by_priority_then_score():
+    scores = torch.tensor([[0.9, 0.1, 0.5, 0.3, 0.7]])
+    priority = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0]])
+    assert select_top(scores, 3, priority).tolist() == [[0, 1, 3]]  # both prioritised, then the best score
+    assert select_top(scores, 1, priority).tolist() == [[3]]  # among equal priority: the higher score
+    assert select_top(scores, 3, torch.zeros(1, 5)).tolist() == select_top(scores, 3).tolist()

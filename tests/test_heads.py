@@ -55,3 +55,16 @@ def test_invalid_rows_do_not_count():
     valid[0, -1] = False  # ...but it is padding
     stats = head_stats(attn, valid, sink)
     assert classify(stats, 0.5, 0.9)[0][:3] == ["sink", "dispersed", "optimal"]
+
+
+def test_head_stats_do_not_depend_on_how_little_a_head_looks_at_the_image():
+    """A row holding 1e-20 of its head's attention on the image is scored by its shape, like the same row at 0.5."""
+    torch.manual_seed(0)
+    row = torch.rand(1, 2, 3, 8)
+    row = row / row.sum(-1, keepdim=True)
+    valid, sink = torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 8, dtype=torch.bool)
+    sink[0, 2] = True
+    big, tiny = head_stats(0.5 * row, valid, sink), head_stats(1e-20 * row, valid, sink)
+    torch.testing.assert_close(tiny.dispersion, big.dispersion)
+    torch.testing.assert_close(tiny.sink_share, big.sink_share)
+    torch.testing.assert_close(tiny.sink_share, row[..., 2].mean(-1))

@@ -166,3 +166,31 @@ def test_unsupported_architectures_are_refused_by_name():
     )
     with pytest.raises(ValueError, match=r"no adapter for LlavaNextForConditionalGeneration.*supported: Llava"):
         hap.patch(LlavaNextForConditionalGeneration(config), hap.HAPConfig())
+
+
+def test_a_priority_ranks_above_the_scores_at_every_cut():
+    """The analysis hook: tokens of higher priority are kept first at every cut (by original visual index),
+    the method's scores order the rest; an all-zero priority changes nothing."""
+    model, make_inputs = llava_case(layers=6)
+    inputs = make_inputs(QUESTIONS, [0, 1])
+    config = hap.HAPConfig(method="uniform", retain=0.2, first_layers=0, groups=3)
+    favoured = [torch.tensor([3, 50, 77, 140]), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])]
+    priority = torch.zeros(2, 144)
+    for b, idx in enumerate(favoured):
+        priority[b, idx] = 1.0
+    with torch.no_grad():
+        with hap.patched(model, config) as plain:
+            model(**inputs)
+        with hap.patched(model, config, priority=torch.zeros(2, 144)) as zero:
+            model(**inputs)
+        with hap.patched(model, config, priority=priority) as patch:
+            model(**inputs)
+    for cut, cut_plain, cut_zero in zip(patch.state.cuts, plain.state.cuts, zero.state.cuts):
+        assert torch.equal(cut_zero.kept, cut_plain.kept)
+        for b, idx in enumerate(favoured):
+            kept, wanted = set(cut.kept[b].tolist()), set(idx.tolist())
+            assert wanted <= kept if len(kept) >= len(wanted) else kept <= wanted  # the favoured first
+    assert not torch.equal(patch.state.cuts[0].kept, plain.state.cuts[0].kept)
+    with pytest.raises(ValueError, match=r"priority must be \[batch, visual\] = \[2, 144\]"):
+        with hap.patched(model, config, priority=torch.zeros(2, 10)), torch.no_grad():
+            model(**inputs)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
+
 from ..config import HAPConfig
 from . import llava, qwen2_vl
 
@@ -27,9 +29,15 @@ def adapter_for(model):
     return ADAPTERS[name]
 
 
-def apply(model, config: HAPConfig, trace: bool = False):
-    """Patch `model` in place; a plain `model.generate(**inputs)` then prunes. Returns the patch state."""
-    return adapter_for(model).apply_patch(model, config, trace=trace)
+def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
+          tail: int | None = None):
+    """Patch `model` in place; a plain `model.generate(**inputs)` then prunes. Returns the patch state.
+
+    `priority [batch, visual]` (analysis only, e.g. an oracle): at every cut the visual tokens are ranked by
+    it first (by original visual index, row-major), by the method's scores among equal priorities.
+    `tail`: tokens of the chat template after the question (`hap.run.template_tail(processor)`), needed by
+    rows="question"."""
+    return adapter_for(model).apply_patch(model, config, trace=trace, priority=priority, tail=tail)
 
 
 def remove(model) -> None:
@@ -38,9 +46,11 @@ def remove(model) -> None:
 
 
 @contextmanager
-def patched(model, config: HAPConfig, trace: bool = False):
-    """`with hap.patched(model, config) as p:` patches for the block and always unpatches."""
-    state = apply(model, config, trace=trace)
+def patched(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
+            tail: int | None = None):
+    """`with hap.patched(model, config) as p:` patches for the block and always unpatches (`priority`, `tail`:
+    see `apply`)."""
+    state = apply(model, config, trace=trace, priority=priority, tail=tail)
     try:
         yield state
     finally:

@@ -15,7 +15,8 @@ of one `Patch` object, one per step of a forward:
   RoPE (cos, sin), the position ids (originals: no RoPE shift) and rebuilds the mask for the shorter
   sequence, then hands those to every later layer, so each later layer writes a shorter KV cache.
 - `layer_decode`: layers after a cut get a mask sized to their own cache.
-- `layer_done`: a capture deferred until the layer cached its keys reads them there.
+- `query_done`: a captured layer's prompt-row queries, taken from its own q projection (not recomputed).
+- `layer_done`: the capture, once the layer cached its keys, reads them there.
 - `decoder_done`: the prefill's wall time.
 """
 
@@ -23,15 +24,21 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from ..budget import DecoderShape
 from ..capture import prompt_attention
 from ..config import HAPConfig
+from ..methods import policy_for
 from ..pruner import PruneState
+
+
+Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
 
 
 def decoder_of(model) -> torch.nn.Module:
@@ -59,8 +66,10 @@ class Patch:
     """The hooks of one patched model (`model._hap`): one object whose methods are the named steps of a
     forward (model pre-hook, layer prefill, layer decode, layer done, decoder done)."""
 
-    def __init__(self, model, config: HAPConfig, trace: bool) -> None:
-        self.config, self.trace = config, trace
+    def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None,
+                 priority: torch.Tensor | None = None, tail: int = 0) -> None:
+        self.config, self.trace, self.priority, self.tail = config, trace, priority, tail
+        self.decode_positions = decode_positions or (lambda model, positions: positions)
         self.shape = decoder_shape(model)
         self.image_token = model.config.image_token_id
         self.text_config = decoder_of(model).config
@@ -69,8 +78,11 @@ class Patch:
         self.mode: str | None = None  # "prefill", "decode" or None (not pruning this forward)
         self.step_mask: torch.Tensor | None = None  # the decode step's 2-D mask as generate passes it
         self.overrides: dict = {}  # layer kwargs a cut changed, handed to every later layer
-        self.pending: tuple | None = None  # (queries, hidden) of a capture waiting for the layer's cached keys
+        self.pending: tuple | None = None  # (layer, hidden, rows) of a capture waiting for the layer to run
+        self.pending_q: torch.Tensor | None = None  # [B, P, heads * head_dim] its rows of the layer's q projection
+        self.rotary: tuple = (None, None)  # (the layers' cos, its rows' (cos, sin)): the same within a segment
         self.cache = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
+        self.vision_cues: tuple | None = None  # vision-side cues captured before the next prefill (VisionZip)
         self.prefill_started = 0.0
         self.prefill_seconds = 0.0
 
@@ -82,8 +94,9 @@ class Patch:
         for i, layer in enumerate(lm.layers):
             self.handles.append(layer.register_forward_pre_hook(partial(self.layer_pre_hook, i), with_kwargs=True))
             self.handles.append(layer.register_forward_hook(partial(self.layer_done, i), with_kwargs=True))
+            self.handles.append(layer.self_attn.q_proj.register_forward_hook(partial(self.query_done, i)))
 
-    def model_pre_hook(self, module, args, kwargs) -> None:
+    def model_pre_hook(self, module, args, kwargs) -> tuple[tuple, dict]:
         """Before the multimodal model: a prompt with the image starts a pruned prefill (plans it); a
         decode step on the pruned prefill's cache keeps its 2-D mask; anything else runs stock."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -92,18 +105,30 @@ class Patch:
             self.mode = None
         elif input_ids is not None and bool((input_ids == self.image_token).any()):
             cache = kwargs.get("cache")
+            if cache is not None and not isinstance(cache, DynamicCache):
+                raise ValueError(
+                    f"HAP prunes into a dynamic KV cache (each layer its own length); {type(cache).__name__} "
+                    "(e.g. cache_implementation='static') is not supported: use the default cache"
+                )
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("HAP prunes a fresh prefill: an image cannot be added to an existing KV cache")
             self.prefill_started = time.perf_counter()
             self.state = PruneState.start(
-                self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace
+                self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace,
+                self.priority, self.tail,
             )
+            self.state.vision, self.vision_cues = self.vision_cues, None
             self.mode = "prefill"
         elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
             self.mode = "decode"
             self.step_mask = kwargs.get("attention_mask")
+            if kwargs.get("position_ids") is None:  # a hand-written loop: the stock model would count positions
+                new = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[1]  # on the pruned cache
+                positions = self.state.decode_positions(self.cache.get_seq_length(0), new)
+                kwargs["position_ids"] = self.decode_positions(module, positions)
         else:
             self.mode = None
+        return args, kwargs
 
     def layer_pre_hook(self, index: int, layer, args, kwargs):
         """Before decoder layer `index`: the prefill or decode step, with the earlier cuts' overrides."""
@@ -122,19 +147,16 @@ class Patch:
         (deferred to `layer_done` when the layer writes its keys to the cache). Returns the hidden states."""
         st = self.state
         self.cache = kwargs.get("cache")
-        if index in st.lookahead_layers:
-            _record(st, layer, index, _queries(st, layer, hidden, kwargs), _keys(layer, hidden, kwargs), hidden,
-                    lookahead=True)
+        if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
+            t0 = time.perf_counter()
+            _lookahead(st, layer, index, hidden, kwargs, rope=st.policy.first_cut != "prerope")
+            st.scoring_seconds += time.perf_counter() - t0
         if st.cut_index(index) is not None:
             hidden = _cut(st, self.text_config, index, hidden, kwargs)
             self.overrides = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")
                               if k in kwargs}
-        if index in st.capture_layers:
-            q = _queries(st, layer, hidden, kwargs)
-            if kwargs.get("use_cache") and kwargs.get("cache") is not None:
-                self.pending = (q, hidden)  # keys come from the cache once the layer ran
-            else:
-                _record(st, layer, index, q, _keys(layer, hidden, kwargs), hidden)
+        if index in st.capture_layers:  # queries and keys come from the layer's own run
+            self.pending = (index, hidden, st.row_positions(hidden.shape[1]).to(hidden.device))
         return hidden
 
     def layer_decode(self, index: int, hidden: torch.Tensor, kwargs: dict) -> None:
@@ -152,13 +174,36 @@ class Patch:
         )
         self.overrides = {"attention_mask": kwargs["attention_mask"]}
 
+    def row_rotary(self, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the prompt rows `rows` [B, P], gathered once for the layers sharing one rotary embedding."""
+        if self.rotary[0] is not cos:
+            self.rotary = (cos, (_take(cos, rows), _take(sin, rows)))
+        return self.rotary[1]
+
+    @torch.no_grad()
+    def query_done(self, index: int, module, args, output: torch.Tensor) -> None:
+        """After the q projection of decoder layer `index`: keep the prompt rows of a pending capture."""
+        if self.pending is not None and self.pending[0] == index:
+            t0 = time.perf_counter()
+            self.pending_q = _take(output, self.pending[2])
+            self.state.scoring_seconds += time.perf_counter() - t0
+
+    @torch.no_grad()
     def layer_done(self, index: int, layer, args, kwargs, output) -> None:
-        """After decoder layer `index`: a deferred capture reads the keys the layer just cached."""
+        """After decoder layer `index`: the pending capture, with the rows' queries of its q projection (RoPE
+        applied here) and the keys it cached (recomputed without a cache)."""
         if self.pending is None:
             return
-        (q, hidden), self.pending = self.pending, None
-        k = _cached_keys(kwargs["cache"], index)
-        _record(self.state, layer, index, q, k if k is not None else _keys(layer, hidden, kwargs), hidden)
+        t0 = time.perf_counter()
+        (_, hidden, rows), q, self.pending, self.pending_q = self.pending, self.pending_q, None, None
+        attn = layer.self_attn
+        cos, sin = kwargs["position_embeddings"]
+        q = _heads(attn, q, "q_norm", self.row_rotary(cos, sin, rows))
+        k = _cached_keys(kwargs.get("cache"), index)
+        if k is None:
+            k = _heads(attn, attn.k_proj(layer.input_layernorm(hidden)), "k_norm", (cos, sin))
+        _record(self.state, layer, index, q, k, hidden, rows)
+        self.state.scoring_seconds += time.perf_counter() - t0
 
     def decoder_done(self, module, args, kwargs, output) -> None:
         """After the decoder: the prefill's wall time."""
@@ -166,12 +211,19 @@ class Patch:
             self.prefill_seconds = time.perf_counter() - self.prefill_started
 
 
-def apply_patch(model, config: HAPConfig, trace: bool = False) -> Patch:
-    """Patch `model` in place so that its forward and `generate` prune as `config` says."""
+def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
+                tail: int | None = None, decode_positions: Positions = None) -> Patch:
+    """Patch `model` in place so that its forward and `generate` prune as `config` says. `priority`
+    [batch, visual] and `tail` (needed by rows="question"): see `PruneState.start`. `decode_positions` (the
+    multimodal model, long [1, new] text positions) -> the `position_ids` its decoder takes, for decode steps
+    given none (default: as they are)."""
     check_decoder(model)
+    if tail is None and policy_for(config).rows == "question":
+        raise ValueError("rows='question' needs the chat template's tail after the question: "
+                         "hap.patched(model, config, tail=hap.run.template_tail(processor))")
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(model, config, trace)
+    patch = Patch(model, config, trace, decode_positions, priority, tail or 0)
     patch.attach(model)
     model._hap = patch
     return patch
@@ -192,29 +244,36 @@ def _rope(attn_module) -> callable:
     return sys.modules[type(attn_module).__module__].apply_rotary_pos_emb
 
 
-@torch.no_grad()
-def _queries(st: PruneState, layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """Post-RoPE queries of the prompt rows only: `[batch, heads, P, head_dim]`."""
-    attn = layer.self_attn
-    B, T, _ = hidden.shape
-    rows = st.row_positions(T).to(hidden.device)
-    q = attn.q_proj(layer.input_layernorm(hidden[:, rows])).view(B, len(rows), -1, attn.head_dim).transpose(1, 2)
-    if hasattr(attn, "q_norm"):
-        q = attn.q_norm(q)
-    cos, sin = kwargs["position_embeddings"]
-    return _rope(attn)(q, q, cos[:, rows], sin[:, rows])[0]
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-sample positions along dim 1: `x [batch|1, T, ...]`, `index` long [batch, n] -> `[batch, n, ...]`."""
+    B = index.shape[0]
+    x = x.expand(B, *x.shape[1:])
+    index = index.to(x.device).view(B, -1, *([1] * (x.dim() - 2)))
+    return x.gather(1, index.expand(-1, -1, *x.shape[2:]))
+
+
+def _heads(attn, projected: torch.Tensor, norm: str, rotary: tuple | None) -> torch.Tensor:
+    """A q or k projection `[batch, n, heads * head_dim]` -> `[batch, heads, n, head_dim]`, with the module's
+    per-head norm (`norm`: "q_norm" / "k_norm", where it has one) and the rotary embedding `rotary` = (cos, sin)
+    of the n positions (None: pre-RoPE)."""
+    B, n, _ = projected.shape
+    x = projected.view(B, n, -1, attn.head_dim).transpose(1, 2)
+    if hasattr(attn, norm):
+        x = getattr(attn, norm)(x)
+    return x if rotary is None else _rope(attn)(x, x, *rotary)[0]
 
 
 @torch.no_grad()
-def _keys(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """Post-RoPE keys of every token, recomputed: `[batch, kv_heads, T, head_dim]`."""
+def _lookahead(st: PruneState, layer, index: int, hidden: torch.Tensor, kwargs: dict, rope: bool) -> None:
+    """Capture layer `index` before it runs (to score the cut entering it): its norm once, the q projection of the
+    prompt rows, the k projection of every token, post-RoPE unless `rope` is False."""
     attn = layer.self_attn
-    B, T, _ = hidden.shape
-    k = attn.k_proj(layer.input_layernorm(hidden)).view(B, T, -1, attn.head_dim).transpose(1, 2)
-    if hasattr(attn, "k_norm"):
-        k = attn.k_norm(k)
+    rows = st.row_positions(hidden.shape[1]).to(hidden.device)
+    x = layer.input_layernorm(hidden)
     cos, sin = kwargs["position_embeddings"]
-    return _rope(attn)(k, k, cos, sin)[0]
+    q = _heads(attn, attn.q_proj(_take(x, rows)), "q_norm", (_take(cos, rows), _take(sin, rows)) if rope else None)
+    k = _heads(attn, attn.k_proj(x), "k_norm", (cos, sin) if rope else None)
+    _record(st, layer, index, q, k, hidden, rows, lookahead=True)
 
 
 def _cached_keys(cache, index: int) -> torch.Tensor | None:
@@ -225,29 +284,27 @@ def _cached_keys(cache, index: int) -> torch.Tensor | None:
 
 @torch.no_grad()
 def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor,
-            lookahead: bool = False) -> None:
-    rows = st.row_positions(hidden.shape[1]).to(q.device)
+            rows: torch.Tensor, lookahead: bool = False) -> None:
+    """The prompt rows' attention (queries `q` of the rows at positions `rows` [B, P], keys `k`) to the pruner."""
     key_valid = st.key_valid()
     key_valid = None if key_valid is None else key_valid.to(q.device)
-    st.record(index, prompt_attention(q, k, rows, key_valid, layer.self_attn.scaling), hidden, lookahead)
+    st.record(index, prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling), hidden, lookahead)
 
 
 @torch.no_grad()
 def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Apply the cut entering layer `index` to the hidden states and the layer kwargs (in place)."""
-    keep = st.cut(index)  # [B, T']
-    B = hidden.shape[0]
-
-    def take(x: torch.Tensor) -> torch.Tensor:  # [B|1, T, ...] -> [B, T', ...]
-        x = x.expand(B, *x.shape[1:])
-        index = keep.to(x.device).view(B, -1, *([1] * (x.dim() - 2)))
-        return x.gather(1, index.expand(-1, -1, *x.shape[2:]))
-
-    hidden = take(hidden)
+    keep = st.cut(index, _take(hidden, st.visual_pos) if st.policy.vision else None)  # [B, T']
+    hidden = _take(hidden, keep)
+    if st.merged is not None:  # VisionZip's contextual tokens take the merged embeddings
+        positions, merged = st.merged
+        where = positions.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
+        hidden = hidden.scatter(1, where, merged.to(hidden))
+        st.merged = None
     cos, sin = kwargs["position_embeddings"]
-    kwargs["position_embeddings"] = (take(cos), take(sin))
+    kwargs["position_embeddings"] = (_take(cos, keep), _take(sin, keep))
     if kwargs.get("position_ids") is not None:
-        kwargs["position_ids"] = take(kwargs["position_ids"])
+        kwargs["position_ids"] = _take(kwargs["position_ids"], keep)
     key_valid = st.key_valid()
     kwargs["attention_mask"] = create_causal_mask(
         config=text_config,

@@ -3,13 +3,21 @@ with a Qwen2 decoder and grouped-query attention).
 
 The visual tokens are the `image_token_id` placeholders the processor expands (576 for CLIP-L/336
 with CLS dropped, 729 for SigLIP-384 with strategy "full"), a square grid in row-major order.
+For `visionzip` (and HAP's first_cut="vision") the adapter also captures the [CLS] row of the vision tower's feature layer's
+attention and that layer's keys (a CLIP tower; SigLIP has no [CLS] token).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
-from .decoder import apply_patch, remove_patch
+import torch
+
+from ..config import HAPConfig
+from ..methods import policy_for
+from . import decoder
+from .decoder import remove_patch
 
 __all__ = ["apply_patch", "remove_patch", "visual_grid"]
 
@@ -18,3 +26,51 @@ def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
     """(rows, cols) of the visual tokens over the image: the square patch grid."""
     side = math.isqrt(num_visual)
     return (side, side) if side * side == num_visual else (1, num_visual)
+
+
+def cls_layer(model) -> torch.nn.Module:
+    """The vision-tower layer whose output is the feature layer LLaVA projects, for VisionZip; ValueError when the
+    tower has no [CLS] token (SigLIP), the features keep it ("full" strategy) or are not one layer's output."""
+    tower = model.model.vision_tower
+    if not hasattr(getattr(tower, "embeddings", None), "class_embedding"):
+        raise ValueError(f"visionzip and first_cut='vision' need a [CLS] token: the vision tower "
+                         f"{type(tower).__name__} has no [CLS] token")
+    config = model.config
+    feature = config.vision_feature_layer
+    if config.vision_feature_select_strategy != "default" or not isinstance(feature, int):
+        raise ValueError("the [CLS] cues need LLaVA's 'default' feature strategy ([CLS] dropped) and one feature layer")
+    layers = tower.encoder.layers
+    index = feature % (len(layers) + 1) - 1  # hidden_states[j] is the output of layer j - 1
+    if index < 0:
+        raise ValueError("the [CLS] cues need the features of a vision-tower layer, not its embeddings")
+    return layers[index]
+
+
+@torch.no_grad()
+def capture_cls(patch: decoder.Patch, layer, args, kwargs) -> None:
+    """Forward pre-hook on `cls_layer`: recompute the layer's [CLS] attention row from its input (layer_norm1,
+    q/k projections; the tower keeps SDPA) and hand the prefill (`[CLS] attention [B, N]` averaged over heads,
+    keys [B, N, head_dim] averaged over heads, patches only) to the pruning state: the running prefill's, or
+    the next one's (`generate` encodes the image before the first forward)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    attn = layer.self_attn
+    x = layer.layer_norm1(hidden)
+    B, T, _ = x.shape
+    q = attn.q_proj(x[:, :1]).view(B, 1, -1, attn.head_dim).transpose(1, 2)  # [B, H, 1, hd]
+    k = attn.k_proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)  # [B, H, T, hd]
+    row = (q.float() @ k.float().transpose(-1, -2) * attn.scale).softmax(-1)[:, :, 0]  # [B, H, T]
+    cues = (row[:, :, 1:].mean(1), k[:, :, 1:].float().mean(1))
+    if patch.mode == "prefill":
+        patch.state.vision = cues
+    else:
+        patch.vision_cues = cues
+
+
+def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
+                tail: int | None = None) -> decoder.Patch:
+    """`decoder.apply_patch`, plus the [CLS] capture for `visionzip`."""
+    layer = cls_layer(model) if policy_for(config).needs_cls else None
+    patch = decoder.apply_patch(model, config, trace, priority, tail)
+    if layer is not None:
+        patch.handles.append(layer.register_forward_pre_hook(partial(capture_cls, patch), with_kwargs=True))
+    return patch

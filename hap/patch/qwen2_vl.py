@@ -6,12 +6,17 @@ Positions are M-RoPE: 3-D (temporal, height, width) position ids, folded by the 
 embedding into one (cos, sin) per token before the layers run. The shared machinery gathers that
 (cos, sin) for the kept tokens, so every kept token keeps its original 3-D rotation; decoding
 takes its positions from `generate` (text positions + `rope_deltas`, computed once from the full
-prompt), which pruning does not change.
+prompt), which pruning does not change; a decode step given no positions gets the same.
 """
 
 from __future__ import annotations
 
-from .decoder import apply_patch, remove_patch
+import torch
+
+from ..config import HAPConfig
+from ..methods import policy_for
+from . import decoder
+from .decoder import remove_patch
 
 __all__ = ["apply_patch", "remove_patch", "visual_grid"]
 
@@ -22,3 +27,19 @@ def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
     t, h, w = (int(v) for v in inputs["image_grid_thw"][0])
     rows, cols = h // merge, w // merge
     return (rows, cols) if t * rows * cols == num_visual else (1, num_visual)
+
+
+def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:
+    """M-RoPE `position_ids` of decode-step text positions (long [1, new]) as `generate` builds them: the text
+    positions plus the prompt's `rope_deltas` [batch, 1] -> [1, batch, new]."""
+    return positions[None] + model.rope_deltas.to(positions.device)
+
+
+def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
+                tail: int | None = None) -> decoder.Patch:
+    """`decoder.apply_patch` with M-RoPE positions for decode steps given none; the [CLS] cues (visionzip,
+    first_cut="vision") are refused."""
+    if policy_for(config).needs_cls:
+        raise ValueError(f"visionzip and first_cut='vision' need a [CLS] token: the {type(model).__name__} vision "
+                         "tower has no [CLS] token")
+    return decoder.apply_patch(model, config, trace, priority, tail, decode_positions=mrope_positions)
