@@ -28,7 +28,7 @@ METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
 def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int) -> float:
     """The smallest retain every method of METHODS reaches on `shape`: each one planned at the floor of the
     first K full layers (K / L), where every group keeps its one token; the largest of their achieved retains."""
-    floor = max(config.resolved(shape.layers).first_layers / shape.layers, 1e-6)
+    floor = min(max(config.resolved(shape.layers).first_layers / shape.layers, 1e-6), 1.0)  # K >= L: plan says why
     plans = (hap.plan(replace(config, method=m, retain=floor, flops_ratio=None), shape, num_visual) for m in METHODS)
     return max(p.retain for p in plans if p is not None)
 

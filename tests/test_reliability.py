@@ -66,10 +66,19 @@ class Server:
         return self.client.predict(image=image, prompt=prompt, model_name=model or self.model, **settings,
                                    api_name="/analyze")
 
-    def refused(self, match: str, **request) -> str:
-        """The request fails with a message matching `match` (no traceback), and the server still answers."""
+    def sweep(self, image=SCENE, prompt=PROMPT, model=None, **changes):
+        """`/sweep` with the knobs of SETTINGS it takes (not the swept method, retain, flops_ratio)."""
+        settings = {k: v for k, v in {**SETTINGS, **changes}.items() if k not in ("method", "retain", "flops_ratio")}
+        if isinstance(image, (str, Path)):
+            image = handle_file(str(image))
+        return self.client.predict(image=image, prompt=prompt, model_name=model or self.model, **settings,
+                                   api_name="/sweep")
+
+    def refused(self, match: str, endpoint: str = "analyze", **request) -> str:
+        """The request to `endpoint` fails with a message matching `match` (no traceback), and the server still
+        answers."""
         with pytest.raises(Exception, match=match) as err:
-            self.analyze(**request)
+            getattr(self, endpoint)(**request)
         message = str(err.value)
         assert "Traceback" not in message and "File \"" not in message, message
         self.still_serving()
@@ -495,6 +504,35 @@ def test_an_unexpected_error_is_a_message_not_a_traceback(server, monkeypatch):
     assert "Traceback" not in str(err.value)
     monkeypatch.undo()
     server.still_serving()
+
+
+# --------------------------------------------------------------------------------------------- the sweep
+
+SWEEP_CASES = [  # (id, the request's changes): /sweep checks them as /analyze does, with the same message
+    ("no-image", lambda t: dict(image=None)),
+    ("text-as-png", lambda t: dict(image=_write(t, "notes.png", b"this is not an image\n" * 20))),
+    ("truncated-png", lambda t: dict(image=_write(t, "cut.png", SCENE.read_bytes()[: SCENE.stat().st_size // 2]))),
+    ("over-pixel-limit", lambda t: dict(image=_over_pixels(t))),
+    ("empty-prompt", lambda t: dict(prompt=" \n ")),
+    ("number-prompt", lambda t: dict(prompt=123)),
+    ("over-the-context", lambda t: dict(prompt="what " * 399)),
+    ("off-list", lambda t: dict(model=OFF_LIST)),
+    ("unreachable", lambda t: dict(model=UNREACHABLE)),
+    ("groups=2.5", lambda t: dict(groups=2.5)),
+    ("groups=9", lambda t: dict(groups=9)),
+    ("first_layers=9", lambda t: dict(first_layers=9)),
+    ("temperature=hot", lambda t: dict(temperature="hot")),
+    ("tau_disp=1.5", lambda t: dict(tau_disp=1.5)),
+    ("sink_rho={}", lambda t: dict(sink_rho={"x": 1})),
+    ("rows=middle", lambda t: dict(rows="middle")),
+]
+
+
+@pytest.mark.parametrize("make", [c[1] for c in SWEEP_CASES], ids=[c[0] for c in SWEEP_CASES])
+def test_bad_sweep_input_gets_the_same_message_as_analyze(server, tmp_path, make):
+    changes = make(tmp_path)
+    expected = server.refused(r".", **changes)
+    assert server.refused(r".", endpoint="sweep", **changes) == expected
 
 
 # --------------------------------------------------------------------------------------------- determinism
