@@ -249,6 +249,12 @@ def grounding_caption(truth: Truth | None) -> str:
     return f"Spearman with PAQ {rho}"
 
 
+def grounding_high(values: np.ndarray) -> float:
+    """Top of the grounding colour scale: the highest finite value, at least 2 (1 = no preference sits inside)."""
+    finite = values[np.isfinite(values)]
+    return max(2.0, float(finite.max()) if finite.size else 0.0)
+
+
 def outline_segments(mask: np.ndarray) -> tuple[list[float | None], list[float | None]]:
     """(x, y) polyline of the outer edges of the `True` cells of a bool [rows, cols] mask, cell centres on the
     integers, segments separated by None (plotly) / NaN once converted (matplotlib)."""
@@ -397,8 +403,10 @@ def grounding_plotly(grid: HeadGrid, title: str) -> go.Figure:
     """Grounding per layer and head: above 1 (red) the head looks at the answering patches more than their area."""
     import plotly.graph_objects as go
 
+    high = grounding_high(grid.values)
+    scale = [[0.0, "#2166ac"], [1.0 / high, "#f7f7f7"], [1.0, "#b2182b"]]  # white at 1: no preference
     fig = go.Figure(go.Heatmap(
-        z=grid.values, colorscale="RdBu_r", zmid=1.0, zmin=0, colorbar=dict(title="grounding"), hoverongaps=False,
+        z=grid.values, colorscale=scale, zmin=0.0, zmax=high, colorbar=dict(title="grounding"), hoverongaps=False,
         hovertemplate="layer %{y} head %{x}<br>grounding %{z:.2f}<extra></extra>",
     ))
     return _layer_head_layout(fig, grid, title)
@@ -547,9 +555,8 @@ def grounding_draw(grid: HeadGrid, title: str) -> Figure:
     """Grounding per layer and head, diverging around 1, with a colour bar."""
     from matplotlib.colors import TwoSlopeNorm
 
-    finite = grid.values[np.isfinite(grid.values)]
-    high = max(2.0, float(finite.max()) if finite.size else 0.0)
-    fig, ax, image = _layer_head_draw(grid, title, cmap="RdBu_r", norm=TwoSlopeNorm(1.0, 0.0, high))
+    fig, ax, image = _layer_head_draw(grid, title, cmap="RdBu_r",
+                                      norm=TwoSlopeNorm(1.0, 0.0, grounding_high(grid.values)))
     fig.colorbar(image, ax=ax, label="grounding")
     return fig
 
@@ -636,8 +643,7 @@ VIEWS: tuple[View, ...] = (
     View("paq", "PAQ", "PAQ = (1 - sink share) x (1 - dispersion); dashed: token cuts", paq_grid, paq_plotly,
          paq_draw),
     View("grounding", "Grounding on the answering patches",
-         "Grounding = attention share on the answering patches / their area share: {grounding}", grounding_grid,
-         grounding_plotly, grounding_draw),
+         "Grounding on the answering patches: {grounding}", grounding_grid, grounding_plotly, grounding_draw),
     View("head_maps", "Per head, before fusion", "Per-head maps of layer {layer}, before fusion",
          head_map_panels, panels_plotly, panels_draw),
     View("layer_maps", "Per layer, after head fusion",
