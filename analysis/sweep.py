@@ -1,5 +1,5 @@
 """A budget sweep on one input: every pruning method at budgets from 1.0 down to the smallest the model
-reaches, with its greedy answer and the probability it gives the unpruned answer (docs/method.md §4-§5).
+reaches, with its greedy answer and the probability it gives the unpruned answer (docs/method.md §4, §7).
 
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every

@@ -247,9 +247,9 @@ class Handler:
         are the knobs but the swept ones (SWEPT), checked as `/analyze` checks them. Outputs by name
         (`SWEEP_OUTPUTS`): the plot and the JSON. Cached per input (image bytes, prompt, model, knobs)."""
         source, name, model_name, config = self.check(image, prompt, model_name, {**settings, "method": "hap"})
+        img = self.load(source, name)
         key = (image_key(source), prompt, model_name, tuple(config.to_dict().items()))
         if key not in self.sweeps:
-            img = self.load(source, name)
             progress(0.02, desc=f"loading {model_name}")
             LOADED.get(model_name)
             self.sweeps[key] = _sweep(img, prompt, config, self.settings.limits, progress)

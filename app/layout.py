@@ -124,10 +124,10 @@ def analysis_sections() -> dict[str, gr.components.Component]:
     inspector) and the raw JSON, by output name."""
     gr.Markdown("## Head heterogeneity")
     with gr.Row():
-        out = {name: plot(name) for name in ("head_classes", "paq")}
-    with gr.Row():
-        out["grounding"] = plot("grounding")
-        out["ground_truth"] = gr.Markdown("**Ground truth.** (no run yet)", elem_id="ground-truth")
+        out = {"head_classes": plot("head_classes"),
+               "ground_truth": gr.Markdown("**Ground truth.** (no run yet)", elem_id="ground-truth")}
+    with gr.Row():  # PAQ beside the truth it is checked against
+        out.update({name: plot(name) for name in ("paq", "grounding")})
     gr.Markdown("## Attention maps over the image")
     out["layer"] = gr.Slider(0, 1, value=0, step=1, label="Layer (per-head maps and head inspector)",
                              interactive=False, elem_id="layer-slider")
