@@ -210,7 +210,8 @@ def test_no_ground_truth_without_metadata_or_for_another_question(client, model_
     Image.open(SCENE).convert("RGB").save(plain)  # the same pixels, no text chunk
     out = analyze(client, model_name, image=plain)
     assert "ground_truth" not in out["summary"]
-    assert out["ground_truth"].startswith("**Ground truth.** None for this run: this image carries no scene description")
+    assert out["ground_truth"].startswith("**Ground truth.** None for this run: this image carries no scene "
+                                          "description")
     assert json.loads(out["grounding"]["plot"])["layout"]["title"]["text"].endswith(views.NO_TRUTH)
     assert not [t for t in json.loads(out["head_maps"]["plot"])["data"] if t["type"] == "scatter"]  # no outline
     other = analyze(client, model_name, prompt="what shape is the purple object ?")

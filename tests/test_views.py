@@ -32,8 +32,8 @@ def data(**changes) -> V.ViewData:
     uniform = np.array([[0.9, 0.1, 0.2, 0.8, 0.3, 1.0], [NAN, NAN, 0.1, NAN, NAN, 0.4]])
     attention = head_maps / np.nansum(head_maps, -1, keepdims=True)
     fields = dict(image=np.full((60, 90, 3), 200, np.uint8), grid=GRID, head_class=HEAD_CLASS, stats=stats,
-                  head_maps=head_maps, head_attention=attention, layer_maps=layer_maps, group_maps=group_maps, group_uniform=uniform,
-                  groups=GROUPS, method="hap", temperature=0.1, layer=2)
+                  head_maps=head_maps, head_attention=attention, layer_maps=layer_maps, group_maps=group_maps,
+                  group_uniform=uniform, groups=GROUPS, method="hap", temperature=0.1, layer=2)
     return V.ViewData(**{**fields, **changes})
 
 
