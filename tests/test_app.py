@@ -265,7 +265,14 @@ def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, mode
 
 
 def test_an_offline_hub_id_fails_within_5_seconds(client, model_name, monkeypatch):
+    import inspect
+
     import huggingface_hub
+
+    from app.handler import Handler
+
+    for endpoint in (Handler.analyze, Handler.sweep):  # online, a hub download's tqdm bars show on the page
+        assert inspect.signature(endpoint).parameters["progress"].default.track_tqdm
 
     for offline in (True, False):  # HF_HUB_OFFLINE=1, then "online" with no network: the hub does not answer
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
