@@ -368,7 +368,7 @@ def head_panel(data: ViewData, head: int) -> Panels:
     layer = data.layer
     title = f"layer {layer} head {head}: {data.head_class[layer][head] or 'not scored'}"
     return Panels([Panel.map(title, data.image, data.on_grid(data.head_maps[layer, head]), data.outline())],
-                  data.grid, cols=1, width=420)
+                  data.grid, cols=1, width=1000)  # as tall as a map of a three-column row
 
 
 # --- plotly ----------------------------------------------------------------------------------------
