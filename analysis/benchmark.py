@@ -29,12 +29,27 @@ import torch
 import hap
 from hap.knobs import knob
 from hap.run import chat_prompt
-from analysis.ground_truth import spearman
 from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random")
 KNOB_FLAGS = ("first_layers", "groups", "decay", "temperature", "rows")  # shared by every method of the run
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):
+            tie = v == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
+    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def run_batch(model, processor, batch, config: hap.HAPConfig, trace: bool, max_new_tokens: int = 3):

@@ -20,7 +20,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from analysis.ground_truth import head_grounding, spearman
+from analysis.ground_truth import head_grounding
 from analysis.scenes import Question, Scene
 from hap.heads import classify, head_stats, sink_tokens, visual_distribution
 from hap.run import chat_prompt
@@ -28,6 +28,22 @@ from hap.run import chat_prompt
 PROBE_TOKENS = 8
 PROBE_TEMPERATURE = 0.1
 FOCUS = 0.3  # a head "focuses" on a token holding more than this share of its visual attention
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):
+            tie = v == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
+    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def consensus_sinks(dist: torch.Tensor, share: float = 0.5, quorum: float = 0.25) -> torch.Tensor:
