@@ -7,15 +7,22 @@ with, the answering patches. These functions work on plain arrays:
   * head grounding = a head's share of visual attention on the answering patches divided by their
     share of the area (1 = no preference, > 1 = the head looks where the answer is);
   * kept recall = the share of the answering patches a cut keeps.
+
+`scene_truth` applies them to one run as the views hold it (`hap.views.ViewData`), for the page and
+the `/analyze` JSON (`truth_json`). The truth is about the question the scene was saved with: a
+prompt that asks something else gets none (the page names the saved question instead).
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from analysis.benchmark import spearman  # the benchmark's grounding Spearman, the same statistic here
 from analysis.scenes import METADATA_KEY, N_PATCHES
+from hap.views import Truth, ViewData
 
 
 def read_metadata(image: Image.Image) -> dict | None:
@@ -58,3 +65,56 @@ def kept_recall(kept: np.ndarray, target: np.ndarray) -> float | None:
     if not target.any():
         return None
     return float(target[np.asarray(kept, dtype=int)].sum() / target.sum())
+
+
+def file_metadata(source: str | Path | Image.Image) -> dict | None:
+    """`read_metadata` of the file as uploaded (its PNG text chunks, before any conversion) or of a PIL image."""
+    if isinstance(source, Image.Image):
+        return read_metadata(source)
+    with Image.open(source) as image:  # the header and text chunks only
+        return read_metadata(image)
+
+
+def _words(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def question_for(meta: dict | None, prompt: str, visual: int) -> tuple[dict | None, str]:
+    """(the saved question when `prompt` asks it and the model's grid is the scene's, else None; why not, for the
+    page). Prompts are compared by their words, case aside."""
+    if meta is None:
+        return None, ("this image carries no scene description (only the synthetic scenes of assets/examples, "
+                      "written by analysis.scenes.save_scene, have one), so there is no ground truth to compare with")
+    question = meta.get("question")
+    if question is None:
+        return None, "the scene description holds objects but no question, so no patch is known to answer this prompt"
+    if _words(question["text"]) != _words(prompt):
+        return None, (f"the ground truth of this scene is for \"{question['text']}\"; ask exactly that to see which "
+                      "patches answer it")
+    if visual != N_PATCHES:
+        return None, f"the scene's truth is on its {N_PATCHES}-patch grid; this model sees {visual} visual tokens"
+    return question, ""
+
+
+def scene_truth(question: dict, data: ViewData) -> Truth:
+    """The truth of `question` about one run: its answering patches, every scored head's grounding on them
+    (NaN for heads not scored), the Spearman of grounding and PAQ over the scored heads, each group's recall."""
+    target = patch_mask(question["answering_patches"], data.shape[2])
+    grounding = head_grounding(data.head_attention, target)
+    rho = None
+    if grounding is not None:
+        paq = data.stats[..., 0]
+        grounding = np.where(np.isnan(paq), np.nan, grounding)
+        scored = np.isfinite(paq) & np.isfinite(grounding)
+        if scored.sum() > 1 and np.ptp(paq[scored]) > 0 and np.ptp(grounding[scored]) > 0:
+            rho = spearman(paq[scored], grounding[scored])
+    return Truth(question["text"], target, grounding, rho, [kept_recall(g.kept, target) for g in data.groups])
+
+
+def truth_json(truth: Truth) -> dict:
+    """The `ground_truth` entry of the `/analyze` JSON: queried patch indices, head grounding [layers][heads]
+    (null where not scored, or with no answering patch), the Spearman with PAQ, each group's kept recall."""
+    grounding = None if truth.grounding is None else [
+        [None if np.isnan(v) else float(v) for v in row] for row in truth.grounding]
+    return {"queried": np.flatnonzero(truth.patches).tolist(), "head_grounding": grounding,
+            "spearman": truth.spearman, "kept_recall": truth.kept_recall}

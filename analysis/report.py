@@ -1,18 +1,20 @@
 """The text that explains one comparison (`hap.compare`: the stock model, the chosen method and uniform
 head averaging at the same budget): `answer_card`, `explanation` and `summary` turn the results into
-the app's answer cards, teaching panel and JSON. Nothing here touches a model.
+the app's answer cards, teaching panel and JSON, and say what the ground truth, one inspected head and a
+budget sweep show. Nothing here touches a model.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 import hap
 from hap.compare import Comparison
 from hap.fusion import fusion_weights
-from hap.views import class_counts, default_layer
+from hap.views import STATS, Truth, ViewData, class_counts, default_layer
 
 LABELS = {"unpruned": "Unpruned", "pruned": "Pruned", "uniform": "Uniform averaging"}
 
@@ -35,17 +37,22 @@ each group over the image and the three answers.
 """
 
 
+def latency(result: hap.Result) -> float:
+    """Seconds from the image and prompt to the last generated token."""
+    return result.timings["prepare_s"] + result.timings["generate_s"]
+
+
 def answer_card(label: str, result: hap.Result) -> str:
-    """Markdown: the answer with its retained tokens, FLOPs ratio and latency."""
+    """Markdown: the answer with its retained tokens, FLOPs ratio and the latency of its untraced run."""
     t = result.timings
     title = f"{LABELS.get(label, label)}" + (f" ({result.method})" if label == "pruned" else "")
     return (
         f"#### {title}\n"
         f"**{result.answer or '(empty answer)'}**\n\n"
         f"{result.retained_tokens:.1f} of {result.num_visual} visual tokens ({result.retain:.1%}, layer average) · "
-        f"prefill FLOPs {result.flops_ratio:.1%} · latency {t['prepare_s'] + t['generate_s']:.2f} s "
+        f"prefill FLOPs {result.flops_ratio:.1%} · latency {latency(result):.2f} s, untraced run "
         f"(prefill {t['prefill_s']:.2f} s, scoring {t['scoring_s']:.3f} s, decode {t['decode_s']:.2f} s)"
-        + ("; traced: capturing every layer's attention for the figures adds time" if label == "pruned" else "")
+        + ("; the figures come from a separate traced run" if label == "pruned" else "")
     )
 
 
@@ -92,19 +99,52 @@ def explanation(comparison: Comparison) -> str:
     return "\n".join(lines)
 
 
-def summary(comparison: Comparison, model: str) -> dict:
-    """JSON for API callers: the chosen method's result without its token maps, plus the three answers."""
+def summary(comparison: Comparison, timed: dict[str, hap.Result], model: str) -> dict:
+    """JSON for API callers: the chosen method's traced result without its token maps, plus the three answers
+    with the latencies of their untraced runs (`timed`, by label)."""
     data = replace(comparison.pruned, maps=None).to_json()
     del data["maps"]
     data["model"] = model
     data["runs"] = {
-        label: {
-            "method": r.method,
-            "answer": r.answer,
-            "retained_tokens": r.retained_tokens,
-            "flops_ratio": r.flops_ratio,
-            "latency_s": r.timings["prepare_s"] + r.timings["generate_s"],
-        }
-        for label, r in comparison.items()
+        label: {"method": r.method, "answer": r.answer, "retained_tokens": r.retained_tokens,
+                "flops_ratio": r.flops_ratio, "latency_s": latency(r), "traced": False}
+        for label, r in timed.items()
     }
     return data
+
+
+def truth_text(truth: Truth | None, why_not: str) -> str:
+    """Markdown: what the scene's ground truth says about the run, or why there is none."""
+    if truth is None:
+        return f"**Ground truth.** None for this run: {why_not}."
+    lines = [f"**Ground truth** for \"{truth.question}\": {int(truth.patches.sum())} answering patches, outlined "
+             "on every map."]
+    if truth.grounding is None:
+        lines.append("- No patch answers it (the prompt alone does): no grounding to compare with PAQ.")
+    else:
+        rho = "undefined (too few scored heads, or no spread)" if truth.spearman is None else f"{truth.spearman:.2f}"
+        lines.append(f"- Spearman rank correlation of PAQ and grounding over the scored heads: {rho}. Grounding is a "
+                     "head's share of visual attention on the answering patches divided by their share of the area "
+                     "(1: no preference).")
+    lines += [f"- Group {g}: keeps {'-' if r is None else f'{r:.0%}'} of the answering patches."
+              for g, r in enumerate(truth.kept_recall)]
+    return "\n".join(lines)
+
+
+def head_text(data: ViewData, head: int) -> str:
+    """Markdown: one head of `data.layer`, its class and statistics (and grounding on a scene)."""
+    layer = data.layer
+    stats = data.stats[layer, head]
+    rows = [f"**Layer {layer}, head {head}: {data.head_class[layer][head] or 'not scored'}**", "",
+            "| statistic | value |", "|---|---|"]
+    rows += [f"| {name} | {value:.3f} |" for name, value in zip(STATS, stats)]
+    if data.truth is not None and data.truth.grounding is not None:
+        rows.append(f"| grounding | {data.truth.grounding[layer, head]:.3f} |")
+    if np.isnan(stats).all():
+        rows.append("\nThis layer's attention was not captured (no cut was scored with it): no statistics.")
+    return "\n".join(rows)
+
+
+def sweep_title(sweep: dict, model: str) -> str:
+    """The sweep plot's title: the model and the unpruned answer every point is compared with."""
+    return f"Budget sweep on {model}: unpruned answer \"{sweep['unpruned']['answer'] or '(empty)'}\""

@@ -1,4 +1,5 @@
-"""The request handler behind `/analyze`: every input checked, the one loaded model, named outputs.
+"""The request handlers behind `/analyze`, `/sweep` and `/inspect`: every input checked, the one loaded model,
+named outputs.
 
 Every request is checked in full here (gradio's own preprocessing is off, so an API call gets the
 same messages as the page): the image goes through `hap.inputs.load_image` (any PIL mode, first
@@ -7,30 +8,48 @@ its registry entry (`hap.knobs.Knob.check`, then `HAPConfig` for the combination
 against the allow-list (`app.settings.check_model`). Bad input, a model that fails to load (the
 previous one stays loaded) and running out of memory (memory is freed) come back to that user as a
 `gr.Error` with the message, never a traceback; the server keeps serving. Models load with
-safetensors weights only and never run remote code (`hap.load_model`).
+safetensors weights only and never run remote code (`hap.load_model`). A hub id is loaded offline
+(from the local cache, or a clear error within seconds) when the hub does not answer a 2-second
+connection; online, its download shows on the page's progress bar (tqdm tracked).
+
+`/analyze` times the three answers on untraced runs and draws the figures from a separate traced run
+of the chosen method. On a scene that carries its ground truth (`analysis.ground_truth`) for the
+prompt asked, the maps outline the answering patches and the JSON gains `ground_truth`. `/sweep`
+runs every pruning method over a range of budgets (`analysis.sweep`), cached per input; `/inspect`
+shows one head of the last `/analyze` run of the session, without running the model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
+import socket
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
+from functools import wraps
 from pathlib import Path
+from unittest import mock
+from urllib.parse import urlparse
 
 import gradio as gr
+import huggingface_hub
 import torch
 from PIL import Image
 
 import hap
-from analysis.report import answer_card, explanation, summary
+from analysis.ground_truth import file_metadata, question_for, scene_truth, truth_json
+from analysis.report import answer_card, explanation, head_text, summary, sweep_title, truth_text
+from analysis.sweep import sweep
 from hap import views
 from hap.compare import compare
 from hap.inputs import FORMATS, InputLimits, clean_prompt, load_image
 from hap.knobs import KNOBS
-from hap.run import free_memory
+from hap.run import free_memory, run
 
-from .settings import Settings, check_model, resolve
+from .settings import Settings, check_model, is_local, resolve
 
 try:
     import spaces
@@ -46,7 +65,13 @@ LOG = logging.getLogger("hap.app")
 MAX_NEW_TOKENS = 32
 SEED = 0
 CARDS = ("unpruned", "pruned", "uniform")  # the answer cards, in `Comparison.items()` order
-OUTPUTS = (*CARDS, "layer", *(v.name for v in views.VIEWS), "explanation", "summary", "state")
+INSPECTOR = ("inspector", "inspector_stats")  # the head inspector: one head's map and its numbers
+OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "summary", "ground_truth",
+           *INSPECTOR, "state")
+SWEPT = ("method", "retain", "flops_ratio")  # knobs /sweep varies itself: not among its parameters
+SWEEP_OUTPUTS = ("sweep_plot", "sweep")
+SWEEP_CACHE = 16  # sweeps kept (least recently used dropped)
+HUB_TIMEOUT_S = 2.0  # a hub that does not accept a connection within this is treated as offline
 
 
 class LoadedModel:
@@ -58,9 +83,14 @@ class LoadedModel:
         self.processor = None
 
     def get(self, name: str):
-        """(model, processor) of `name`, loading it on first use; raises hap.ModelLoadError (the old one stays)."""
+        """(model, processor) of `name`, loading it on first use; raises hap.ModelLoadError (the old one stays).
+
+        A hub id loads in offline mode (the cache, else a clear error at once) when the hub is unreachable,
+        instead of transformers' retries (about 25 s) before the same error."""
         if name != self.name:
-            model, processor = hap.load_model(resolve(name))
+            offline = not is_local(name) and not hub_reachable()
+            with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True) if offline else nullcontext():
+                model, processor = hap.load_model(resolve(name))
             self.model, self.processor, self.name = model, processor, name
             free_memory()  # the replaced model's weights
         return self.model, self.processor
@@ -76,6 +106,18 @@ class LoadedModel:
 
 
 LOADED = LoadedModel()
+
+
+def hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
+    """Whether the hub (HF_ENDPOINT) accepts a TCP connection within `timeout` seconds; False in offline mode."""
+    if huggingface_hub.constants.is_offline_mode():
+        return False
+    url = urlparse(huggingface_hub.constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout):
+            return True
+    except OSError:
+        return False
 
 
 def upload_path(image) -> tuple[str | Image.Image, str]:
@@ -124,31 +166,34 @@ def check_settings(settings: dict) -> hap.HAPConfig:
 
 @gpu
 def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress):
-    """The GPU part: the three runs on the loaded model.
+    """The GPU part: the three runs on the loaded model, then the chosen method untraced. Returns (comparison
+    with the traced run, for the figures; the three results to report, untraced, for fair latencies).
 
     On ZeroGPU this runs in a forked worker, so the model is loaded before (in the main process,
     where it persists between calls) and read from LOADED here, not loaded inside.
     """
-    return compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
-                   lambda fraction, description: progress(fraction, desc=description), limits)
+    comparison = compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
+                         lambda fraction, description: progress(fraction, desc=description), limits)
+    progress(0.8, desc=f"{config.method} again, untraced, for its latency")
+    untraced = run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=False, limits=limits)
+    return comparison, {label: untraced if r is comparison.pruned else r for label, r in comparison.items()}
 
 
-class Handler:
-    """`/analyze` of one demo: checks every input against the demo's `Settings`, then runs the pipeline."""
+@gpu
+def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress):
+    """The GPU part of `/sweep` (see `_compare` for ZeroGPU)."""
+    return sweep(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
+                 lambda fraction, description: progress(0.05 + 0.9 * fraction, desc=description))
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
 
-    def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(),
-                **settings) -> dict[str, object]:
-        """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`).
+def user_errors(fn: Callable) -> Callable:
+    """`fn` with every failure turned into a gr.Error with the message (no traceback) and the model left stock:
+    bad input and unloadable models say what is wrong, running out of memory frees it, a bug is logged."""
 
-        Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer slider, every view of
-        `hap.views.VIEWS`, the explanation, the JSON summary (with "input": the upload and its conversion)
-        and the state for re-drawing. Any failure is a gr.Error with the message.
-        """
+    @wraps(fn)
+    def guarded(*args, **kwargs):
         try:
-            return self._analyze(image, prompt, model_name, settings, progress)
+            return fn(*args, **kwargs)
         except gr.Error:
             raise
         except (ValueError, OSError) as err:  # invalid input or setting; unknown, refused or unloadable model
@@ -160,12 +205,66 @@ class Handler:
                 "Try a smaller image, a smaller model or again later")
             raise gr.Error(message, print_exception=False) from err
         except Exception as err:  # a bug: log it here, tell the user without the traceback, keep serving
-            LOG.exception("analyze failed")
+            LOG.exception("%s failed", fn.__name__)
             free_memory()
             raise gr.Error(f"internal error ({err.__class__.__name__}: {err}); the server is still running",
                            print_exception=False) from err
         finally:
             LOADED.reset()
+
+    return guarded
+
+
+def image_key(source: str | Image.Image) -> str:
+    """SHA-256 of the uploaded file's bytes (of the pixels, for an in-process PIL image)."""
+    data = source.tobytes() if isinstance(source, Image.Image) else Path(source).read_bytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+class Handler:
+    """`/analyze` and `/sweep` of one demo: check every input against the demo's `Settings`, then run."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.sweeps: OrderedDict[tuple, dict] = OrderedDict()  # LRU: (image hash, prompt, model, config) -> sweep
+
+    @user_errors
+    def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
+                **settings) -> dict[str, object]:
+        """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`).
+
+        Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer and head sliders, every view
+        of `hap.views.VIEWS`, the explanation, the JSON summary (with "input": the upload and its conversion, and
+        "ground_truth" on a scene asked its own question), the ground-truth note, the head inspector and the state
+        for re-drawing. Any failure is a gr.Error with the message.
+        """
+        return self._analyze(image, prompt, model_name, settings, progress)
+
+    @user_errors
+    def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
+              **settings) -> dict[str, object]:
+        """Every pruning method at budgets from 1.0 down to the model's smallest (`analysis.sweep`); `settings`
+        are the knobs but the swept ones (SWEPT), checked as `/analyze` checks them. Outputs by name
+        (`SWEEP_OUTPUTS`): the plot and the JSON. Cached per input (image bytes, prompt, model, knobs)."""
+        source, name, model_name, config = self.check(image, prompt, model_name, {**settings, "method": "hap"})
+        img = self.load(source, name)
+        key = (image_key(source), prompt, model_name, tuple(config.to_dict().items()))
+        if key not in self.sweeps:
+            progress(0.02, desc=f"loading {model_name}")
+            LOADED.get(model_name)
+            self.sweeps[key] = _sweep(img, prompt, config, self.settings.limits, progress)
+            while len(self.sweeps) > SWEEP_CACHE:
+                self.sweeps.popitem(last=False)
+        self.sweeps.move_to_end(key)
+        result = self.sweeps[key]
+        return {"sweep_plot": views.sweep_plotly(result, sweep_title(result, model_name)), "sweep": result}
+
+    def load(self, source, name: str) -> Image.Image:
+        """The checked image as RGB; ValueError naming the file."""
+        try:
+            return load_image(source, self.settings.limits)
+        except ValueError as err:
+            raise ValueError(f"image {name!r}: {err}") from err
 
     def check(self, image, prompt, model_name, settings: dict) -> tuple[str | Image.Image, str, str, hap.HAPConfig]:
         """Every input checked, cheapest first: (image source, its name, model, config)."""
@@ -175,48 +274,74 @@ class Handler:
 
     def _analyze(self, image, prompt, model_name, settings: dict, progress) -> dict[str, object]:
         source, name, model_name, config = self.check(image, prompt, model_name, settings)
-        try:
-            img = load_image(source, self.settings.limits)
-        except ValueError as err:
-            raise ValueError(f"image {name!r}: {err}") from err
+        img = self.load(source, name)
         info, conversion = describe_input(source, name, img)
+        meta = file_metadata(source)  # the upload's own text chunks, before any conversion
         progress(0.02, desc=f"loading {model_name}")
         LOADED.get(model_name)
         torch.manual_seed(SEED)
-        comparison = _compare(img, prompt, config, self.settings.limits, progress)
-        progress(0.85, desc="figures")
+        comparison, timed = _compare(img, prompt, config, self.settings.limits, progress)
+        progress(0.9, desc="figures")
         data = views.ViewData.from_result(comparison.pruned, img, LOADED.center_crop())
-        report = summary(comparison, model_name)
+        question, why_not = question_for(meta, prompt, data.shape[2])
+        report = summary(comparison, timed, model_name)
         report["input"] = info
+        if question is not None:
+            data = replace(data, truth=scene_truth(question, data))
+            report["ground_truth"] = truth_json(data.truth)
         return {
-            **{label: answer_card(label, r) for label, r in comparison.items()},
+            **{label: answer_card(label, r) for label, r in timed.items()},
             "layer": gr.Slider(value=data.layer, maximum=data.shape[0] - 1, interactive=True),
+            "head": gr.Slider(value=0, maximum=data.shape[1] - 1, interactive=True),
             **views.figures(data),
             "explanation": explanation(comparison) + f"\n- Input: {conversion}.",
             "summary": report,
+            "ground_truth": truth_text(data.truth, why_not),
+            **dict(zip(INSPECTOR, inspect_head(data, data.layer, 0))),
             "state": data,
         }
 
-    def endpoint(self, components: dict[str, gr.components.Component]) -> Callable:
-        """`analyze` as gradio calls it: outputs given to `components` by name, and a signature naming every
-        knob (keyword-only, default None), which gradio reads for the `/analyze` parameter names and defaults."""
+    def endpoint(self, method: Callable, components: dict[str, gr.components.Component],
+                 knobs: tuple[str, ...]) -> Callable:
+        """`method` (`analyze` or `sweep`) as gradio calls it: outputs given to `components` by name, and a
+        signature naming the `knobs` (keyword-only, default None), which gradio reads for the API parameter
+        names and defaults."""
 
         def call(*args, **kwargs):
-            return {components[name]: value for name, value in self.analyze(*args, **kwargs).items()}
+            return {components[name]: value for name, value in method(*args, **kwargs).items()}
 
-        signature = inspect.signature(self.analyze)
+        signature = inspect.signature(method)
         fixed = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        knobs = [inspect.Parameter(k.name, inspect.Parameter.KEYWORD_ONLY, default=None) for k in KNOBS]
-        call.__signature__ = signature.replace(parameters=fixed + knobs)
-        call.__name__ = "analyze"
+        named = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in knobs]
+        call.__signature__ = signature.replace(parameters=fixed + named)
+        call.__name__ = method.__name__
         return call
 
 
-def show_layer(state: views.ViewData | None, layer: float):
-    """Re-draw the per-head maps for another layer from the stored run (no model call)."""
+def inspect_head(data: views.ViewData, layer: int, head: int) -> tuple:
+    """(the map of head `head` of layer `layer` over the image, its numbers as Markdown); ValueError outside."""
+    data = data.at_layer(layer)
+    panels = views.head_panel(data, head)
+    return views.panels_plotly(panels, f"Head inspector: layer {layer}, head {head}"), head_text(data, head)
+
+
+def _stored(state: views.ViewData | None) -> views.ViewData:
     if state is None:
-        raise gr.Error("press Run first")
+        raise gr.Error("press Run first: the head inspector and the layer slider show the last run")
+    return state
+
+
+def show_head(state: views.ViewData | None, layer: float, head: float) -> tuple:
+    """The head inspector for (layer, head) from the stored run (no model call)."""
     try:
-        return views.VIEW["head_maps"].figure(state.at_layer(int(layer)))
+        return inspect_head(_stored(state), int(layer), int(head))
+    except (ValueError, TypeError) as err:
+        raise gr.Error(str(err), print_exception=False) from err
+
+
+def show_layer(state: views.ViewData | None, layer: float, head: float) -> tuple:
+    """Re-draw the per-head maps for another layer, and the head inspector, from the stored run (no model call)."""
+    try:
+        return views.VIEW["head_maps"].figure(_stored(state).at_layer(int(layer))), *show_head(state, layer, head)
     except ValueError as err:
         raise gr.Error(str(err), print_exception=False) from err

@@ -3,7 +3,9 @@
 Each knob of hap/knobs.py is a control named after it (label = the knob's name, info = its meaning):
 a slider where the knob has both bounds, a number box otherwise, a radio for choices; the values are
 the registry's defaults, per-model ones resolved for the chosen model (`app.settings.knob_defaults`).
-Each is an `/analyze` parameter of the same name (`Handler.endpoint`).
+Each is an `/analyze` parameter of the same name (`Handler.endpoint`), and a `/sweep` one unless the sweep
+varies it (`SWEPT`). The page's sections: the request and answers, head heterogeneity (with the ground
+truth on scenes), the maps with the head inspector, and the budget sweep.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hap.inputs import FORMATS, InputLimits
 from hap.knobs import KNOBS, Knob
 from hap.views import VIEW
 
-from .handler import CARDS, OUTPUTS, Handler, show_layer
+from .handler import CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, Handler, show_head, show_layer
 from .settings import Settings, examples, knob_defaults
 
 MAIN_KNOBS = ("method", "retain", "flops_ratio")  # shown above the fold; the rest under "Advanced settings"
@@ -26,6 +28,12 @@ RULED = [k.name for k in KNOBS if k.rule is not None]  # knobs whose default dep
 # Knobs without a default (not given = None). gradio's number box shows None as 0 and sends 0, which such a
 # knob never takes (its range starts above 0): the page sends None for it instead (`unset_zeros`).
 UNSET = [k.name for k in KNOBS if k.optional and k.rule is None]
+SWEEP_KNOBS = tuple(k.name for k in KNOBS if k.name not in SWEPT)
+SWEEP_INTRO = (
+    "Every pruning method at budgets from keeping everything down to the least this model allows (its first "
+    "layers keep every token, each group at least one), with the other settings above. Top: the probability each "
+    "pruned model gives the unpruned answer; bottom: its own answer. Results are cached per input."
+)
 
 INTRO = (
     "# HAP: head-adaptive visual token pruning\n"
@@ -49,9 +57,10 @@ def control(knob: Knob, value: object) -> gr.components.Component:
     return gr.Number(minimum=knob.low, maximum=knob.high, precision=0 if knob.kind is int else None, **common)
 
 
-def unset_zeros(offset: int) -> str:
-    """Page-side JavaScript run on the event's inputs (`offset` of them before the knobs): 0 -> null for UNSET."""
-    positions = [offset + i for i, k in enumerate(KNOBS) if k.name in UNSET]
+def unset_zeros(offset: int, names: tuple[str, ...]) -> str:
+    """Page-side JavaScript run on the event's inputs (`offset` of them before the knobs `names`): 0 -> null for
+    UNSET."""
+    positions = [offset + i for i, name in enumerate(names) if name in UNSET]
     return f"(...v) => {{ for (const i of {positions}) {{ if (v[i] === 0) v[i] = null; }} return v; }}"
 
 
@@ -111,17 +120,43 @@ def example_rows(names: list[str], request: list[gr.components.Component]) -> No
 
 
 def analysis_sections() -> dict[str, gr.components.Component]:
-    """Head heterogeneity, the maps over the image (with the layer slider) and the raw JSON, by output name."""
+    """Head heterogeneity beside the ground truth, the maps over the image (with the layer slider and the head
+    inspector) and the raw JSON, by output name."""
     gr.Markdown("## Head heterogeneity")
     with gr.Row():
-        out = {name: plot(name) for name in ("head_classes", "paq")}
+        out = {"head_classes": plot("head_classes"),
+               "ground_truth": gr.Markdown("**Ground truth.** (no run yet)", elem_id="ground-truth")}
+    with gr.Row():  # PAQ beside the truth it is checked against
+        out.update({name: plot(name) for name in ("paq", "grounding")})
     gr.Markdown("## Attention maps over the image")
-    out["layer"] = gr.Slider(0, 1, value=0, step=1, label="Layer for the per-head maps", interactive=False,
-                             elem_id="layer-slider")
-    out.update({name: plot(name) for name in ("head_maps", "layer_maps", "group_maps", "uniform_vs_paq")})
+    out["layer"] = gr.Slider(0, 1, value=0, step=1, label="Layer (per-head maps and head inspector)",
+                             interactive=False, elem_id="layer-slider")
+    out["head_maps"] = plot("head_maps")
+    out.update(inspector_section())
+    out.update({name: plot(name) for name in ("layer_maps", "group_maps", "uniform_vs_paq")})
     with gr.Accordion("Raw result (JSON)", open=False):
         out["summary"] = gr.JSON(label="Result")
     return out
+
+
+def inspector_section() -> dict[str, gr.components.Component]:
+    """The head inspector: a head slider (the layer is the layer slider's), the head's map and its numbers."""
+    gr.Markdown("### Head inspector")
+    head = gr.Slider(0, 1, value=0, step=1, label="Head", interactive=False, elem_id="head-slider")
+    with gr.Row():
+        figure = gr.Plot(label="One head over the image", elem_id="plot-inspector")
+        stats = gr.Markdown("(no run yet)", elem_id="inspector-stats")
+    return {"head": head, **dict(zip(INSPECTOR, (figure, stats)))}
+
+
+def sweep_section() -> tuple[gr.Button, dict[str, gr.components.Component]]:
+    """The budget sweep: its button and outputs by name (SWEEP_OUTPUTS)."""
+    gr.Markdown(f"## Budget sweep\n{SWEEP_INTRO}")
+    button = gr.Button("Sweep the budget", elem_id="sweep")
+    figure = gr.Plot(label="Budget sweep", elem_id="plot-sweep")
+    with gr.Accordion("Sweep (JSON)", open=False):
+        data = gr.JSON(label="Sweep", elem_id="sweep-json")
+    return button, dict(zip(SWEEP_OUTPUTS, (figure, data)))
 
 
 def build_demo(
@@ -148,17 +183,26 @@ def build_demo(
                 out = answer_column()
         example_rows(settings.models, request)
         out.update(analysis_sections(), state=gr.State())
+        sweep, sweep_out = sweep_section()
         outputs = [out[name] for name in OUTPUTS]
         _, prompt, model = request
         # preprocess=False: the handler checks every raw value itself (gradio would decode the upload and
         # range-check controls with messages that do not name the field); files still arrive through
         # gradio's upload cache, which refuses paths outside it
         lane = dict(inputs_kwargs=knobs, concurrency_limit=1, concurrency_id="model", preprocess=False,
-                    js=unset_zeros(len(request)))
-        run.click(handler.endpoint(out), request, outputs, api_name="analyze", **lane)
-        prompt.submit(handler.endpoint(out), request, outputs, api_visibility="private", **lane)
-        out["layer"].input(show_layer, [out["state"], out["layer"]], out["head_maps"], api_visibility="private",
+                    js=unset_zeros(len(request), tuple(knobs)))
+        analyze = handler.endpoint(handler.analyze, out, tuple(knobs))
+        run.click(analyze, request, outputs, api_name="analyze", **lane)
+        prompt.submit(analyze, request, outputs, api_visibility="private", **lane)
+        sweep.click(handler.endpoint(handler.sweep, sweep_out, SWEEP_KNOBS), request,
+                    [sweep_out[name] for name in SWEEP_OUTPUTS], api_name="sweep",
+                    **{**lane, "inputs_kwargs": {k: knobs[k] for k in SWEEP_KNOBS},
+                       "js": unset_zeros(len(request), SWEEP_KNOBS)})
+        stored = [out["state"], out["layer"], out["head"]]
+        inspector = [out[name] for name in INSPECTOR]
+        out["layer"].input(show_layer, stored, [out["head_maps"], *inspector], api_visibility="private",
                            trigger_mode="always_last")
+        out["head"].input(show_head, stored, inspector, api_name="inspect", trigger_mode="always_last")
         model.change(model_defaults, model, [knobs[name] for name in RULED], api_visibility="private")
     demo.queue(max_size=settings.queue_size)
     demo.hap_handler = handler  # its `settings` are what this demo enforces

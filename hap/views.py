@@ -13,6 +13,10 @@ Three steps, each its own function, and only the first reads a `hap.Result`:
 drawing); the app's outputs, the CLI's `--figures` and `export_png` all walk it. Titles are
 templates over `ViewData.title_fields`, written once.
 
+On a scene with known ground truth (`Truth`: the patches answering the question and each head's
+grounding on them, computed outside this module), every map outlines the answering patches and the
+grounding grid sits beside PAQ; without it the outline is absent and the grid says why.
+
 Token maps are selection scores s_v = ||M[:, v]||_2 (docs/method.md §6), drawn over the image,
 transparent where low and red where high. Each small multiple is divided by its own highest score
 (heads differ in scale by orders of magnitude), so a dispersed head looks flat and a focused one
@@ -50,6 +54,8 @@ MAP_STOPS = ((0.0, (255, 255, 255, 0.0)), (0.4, (255, 200, 0, 0.35)), (1.0, (215
 PRUNED_BRIGHTNESS = 0.2  # pruned patches keep this fraction of their brightness
 VIEW_PIXELS = 336  # side of the image under the maps (LLaVA-1.5's input size)
 NO_CUTS = "nothing to show: this method made no cuts"
+NO_TRUTH = "no ground truth for this image"
+OUTLINE_COLOR = "#00e5ff"  # the answering patches' outline on every map
 PNG_DPI = 120
 
 
@@ -62,12 +68,13 @@ class Panel:
     view: np.ndarray  # [height, width, 3] uint8 image spanning the whole visual grid
     scores: np.ndarray | None = None  # [rows, cols] raw token scores, NaN where the token is absent
     present: np.ndarray | None = None  # bool [rows, cols] tokens in the sequence (None: all of them)
+    outline: np.ndarray | None = None  # bool [rows, cols] patches outlined (the answering patches), or none
 
     @classmethod
-    def map(cls, title: str, view: np.ndarray, scores: np.ndarray) -> Panel:
+    def map(cls, title: str, view: np.ndarray, scores: np.ndarray, outline: np.ndarray | None = None) -> Panel:
         """A token map; the tokens it has no score for (already pruned) are dimmed."""
         absent = np.isnan(scores)
-        return cls(title, view, scores, ~absent if absent.any() else None)
+        return cls(title, view, scores, ~absent if absent.any() else None, outline)
 
     def background(self) -> np.ndarray:
         """The image with the absent tokens' patches dimmed, `[height, width, 3]` uint8."""
@@ -94,6 +101,17 @@ class HeadGrid:
 
 
 @dataclass
+class Truth:
+    """What a scene's ground truth says about one run, as plain arrays (computed by analysis.ground_truth)."""
+
+    question: str  # the question the truth is for
+    patches: np.ndarray  # bool [V] the patches that answer it (outlined on every map; none for a text question)
+    grounding: np.ndarray | None  # [layers, heads] attention share on them / their area share (NaN: not scored)
+    spearman: float | None  # rank correlation of PAQ and grounding over the scored heads
+    kept_recall: list[float | None]  # [G] share of the answering patches each group runs on
+
+
+@dataclass
 class ViewData:
     """One run as the views need it: plain arrays, no model, no `Result`."""
 
@@ -102,6 +120,7 @@ class ViewData:
     head_class: list[list[str]]  # [layers][heads] a CLASSES entry ("" where not scored)
     stats: np.ndarray  # [layers, heads, len(STATS)], NaN where not scored
     head_maps: np.ndarray  # [layers, heads, V] per-head scores before fusion (NaN: absent token, uncaptured layer)
+    head_attention: np.ndarray  # [layers, heads, V] each head's prompt-row attention over the image, sums to 1
     layer_maps: np.ndarray  # [layers, V] after head fusion
     group_maps: np.ndarray  # [G, V] after layer fusion: the scores each cut ranked
     group_uniform: np.ndarray  # [G, V] plain head average counterpart
@@ -109,6 +128,7 @@ class ViewData:
     method: str = "hap"
     temperature: float = 0.1
     layer: int = 0  # the layer whose per-head maps are drawn
+    truth: Truth | None = None  # the scene's ground truth, when the image carries it for this prompt
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -126,7 +146,8 @@ class ViewData:
                                                result.visual_share)], -1)
         data = cls(
             image=model_view(image, center_crop), grid=tuple(result.visual_grid), head_class=result.head_class,
-            stats=stats, head_maps=_array(result.maps.head), layer_maps=_array(result.maps.layer),
+            stats=stats, head_maps=_array(result.maps.head), head_attention=_array(result.maps.head_attention),
+            layer_maps=_array(result.maps.layer),
             group_maps=_array(result.maps.group), group_uniform=_array(result.maps.group_uniform),
             groups=result.groups, method=result.method, temperature=result.config["temperature"],
         )
@@ -143,15 +164,19 @@ class ViewData:
         """`[V]` values -> `[rows, cols]` float array."""
         return np.asarray(values, dtype=float).reshape(self.grid)
 
+    def outline(self) -> np.ndarray | None:
+        """bool [rows, cols] answering patches to outline on every map, None without ground truth."""
+        return None if self.truth is None else np.asarray(self.truth.patches, dtype=bool).reshape(self.grid)
+
     def cuts(self) -> list[tuple[int, str]]:
         """(first layer, label) of every group, for the boundaries drawn on layer x head views."""
         return [(g.layers[0], f"group {g.index}: {len(g.kept)} of {self.shape[2]} tokens") for g in self.groups]
 
     def title_fields(self) -> dict[str, str]:
-        """What view titles may name: {method}, {temperature}, {layer}, {classes}."""
+        """What view titles may name: {method}, {temperature}, {layer}, {classes}, {grounding}."""
         counts = class_counts(self.head_class)
         return dict(method=self.method, temperature=f"{self.temperature:g}", layer=str(self.layer),
-                    classes=", ".join(f"{n} {c}" for c, n in counts.items()))
+                    classes=", ".join(f"{n} {c}" for c, n in counts.items()), grounding=grounding_caption(self.truth))
 
 
 def _array(values) -> np.ndarray:
@@ -214,6 +239,37 @@ def default_layer(groups: Sequence[Group], paq: np.ndarray) -> int:
     return layers[0] if layers else 0
 
 
+def grounding_caption(truth: Truth | None) -> str:
+    """What the grounding grid's title says: the Spearman with PAQ, or why there is no grid."""
+    if truth is None:
+        return NO_TRUTH
+    if truth.grounding is None:
+        return f"no patch answers {truth.question!r} (answered from the prompt alone)"
+    rho = "undefined" if truth.spearman is None else f"{truth.spearman:.2f}"
+    return f"Spearman with PAQ {rho}"
+
+
+def grounding_high(values: np.ndarray) -> float:
+    """Top of the grounding colour scale: the highest finite value, at least 2 (1 = no preference sits inside)."""
+    finite = values[np.isfinite(values)]
+    return max(2.0, float(finite.max()) if finite.size else 0.0)
+
+
+def outline_segments(mask: np.ndarray) -> tuple[list[float | None], list[float | None]]:
+    """(x, y) polyline of the outer edges of the `True` cells of a bool [rows, cols] mask, cell centres on the
+    integers, segments separated by None (plotly) / NaN once converted (matplotlib)."""
+    padded = np.pad(np.asarray(mask, dtype=bool), 1)
+    xs: list[float | None] = []
+    ys: list[float | None] = []
+    for r, c in zip(*np.nonzero(padded[1:-1, 1:-1])):
+        for dr, dc, (x0, y0, x1, y1) in ((-1, 0, (-0.5, -0.5, 0.5, -0.5)), (1, 0, (-0.5, 0.5, 0.5, 0.5)),
+                                         (0, -1, (-0.5, -0.5, -0.5, 0.5)), (0, 1, (0.5, -0.5, 0.5, 0.5))):
+            if not padded[r + 1 + dr, c + 1 + dc]:
+                xs += [c + x0, c + x1, None]
+                ys += [r + y0, r + y1, None]
+    return xs, ys
+
+
 def class_counts(head_class: list[list[str]]) -> dict[str, int]:
     """How many scored heads of `head_class` [layers][heads] fall in each class."""
     flat = [c for row in head_class for c in row if c]
@@ -252,7 +308,7 @@ def head_map_panels(data: ViewData) -> Panels:
     layer, heads = data.layer, data.shape[1]
     panels = [
         Panel.map(f"L{layer} H{h}: {data.head_class[layer][h] or 'not scored'}\nPAQ {data.stats[layer, h, 0]:.3g}",
-                  data.image, data.on_grid(data.head_maps[layer, h]))
+                  data.image, data.on_grid(data.head_maps[layer, h]), data.outline())
         for h in range(heads)
     ]
     return Panels(panels, data.grid, multiples_columns(heads))
@@ -261,14 +317,15 @@ def head_map_panels(data: ViewData) -> Panels:
 def layer_map_panels(data: ViewData) -> Panels:
     """Head-fused (softmax(PAQ / T) over heads) maps, one per captured layer."""
     layers = scored_layers(data.stats[..., 0])
-    panels = [Panel.map(f"layer {l} (head fusion)", data.image, data.on_grid(data.layer_maps[l])) for l in layers]
+    panels = [Panel.map(f"layer {l} (head fusion)", data.image, data.on_grid(data.layer_maps[l]), data.outline())
+              for l in layers]
     return Panels(panels, data.grid, multiples_columns(len(layers)))
 
 
 def group_map_panels(data: ViewData) -> Panels:
     """Layer-fused maps, one per group: the scores that chose the group's tokens."""
     panels = [Panel.map(f"{_span(g)}\nscored by {_layers(g.scored_by)}", data.image,
-                        data.on_grid(data.group_maps[g.index])) for g in data.groups]
+                        data.on_grid(data.group_maps[g.index]), data.outline()) for g in data.groups]
     return Panels(panels, data.grid, cols=3)
 
 
@@ -278,9 +335,9 @@ def comparison_panels(data: ViewData) -> Panels:
     for g in data.groups:
         k, plain, paq = len(g.kept), data.group_uniform[g.index], data.group_maps[g.index]
         shared = len(top_k(plain, k) & top_k(paq, k))
-        uniform.append(Panel.map(f"group {g.index}: uniform average", data.image, data.on_grid(plain)))
+        uniform.append(Panel.map(f"group {g.index}: uniform average", data.image, data.on_grid(plain), data.outline()))
         weighted.append(Panel.map(f"group {g.index}: PAQ-weighted\n{shared} of the top {k} shared", data.image,
-                                  data.on_grid(paq)))
+                                  data.on_grid(paq), data.outline()))
     return Panels(uniform + weighted, data.grid, cols=max(1, len(data.groups)))
 
 
@@ -291,8 +348,27 @@ def mask_panels(data: ViewData) -> Panels:
     for g in data.groups:
         present = np.zeros(visual, dtype=bool)
         present[list(g.kept)] = True
-        panels.append(Panel(f"{_span(g)}: {len(g.kept)}/{visual} kept", data.image, present=present.reshape(data.grid)))
+        panels.append(Panel(f"{_span(g)}: {len(g.kept)}/{visual} kept", data.image, present=present.reshape(data.grid),
+                            outline=data.outline()))
     return Panels(panels, data.grid, cols=3, width=650)
+
+
+def grounding_grid(data: ViewData) -> HeadGrid:
+    """Grounding [layers, heads] on the answering patches (NaN everywhere without them)."""
+    truth = data.truth
+    values = np.full(data.shape[:2], np.nan) if truth is None or truth.grounding is None else truth.grounding
+    return HeadGrid(np.asarray(values, dtype=float), data.cuts())
+
+
+def head_panel(data: ViewData, head: int) -> Panels:
+    """One head of `data.layer`, its map over the image (the head inspector); ValueError outside the heads."""
+    heads = data.shape[1]
+    if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < heads:
+        raise ValueError(f"head={head!r} is outside the layer's heads 0..{heads - 1}")
+    layer = data.layer
+    title = f"layer {layer} head {head}: {data.head_class[layer][head] or 'not scored'}"
+    return Panels([Panel.map(title, data.image, data.on_grid(data.head_maps[layer, head]), data.outline())],
+                  data.grid, cols=1, width=1000)  # as tall as a map of a three-column row
 
 
 # --- plotly ----------------------------------------------------------------------------------------
@@ -319,6 +395,19 @@ def paq_plotly(grid: HeadGrid, title: str) -> go.Figure:
     fig = go.Figure(go.Heatmap(
         z=grid.values, colorscale="Viridis", zmin=0, colorbar=dict(title="PAQ"),
         hovertemplate="layer %{y} head %{x}<br>PAQ %{z:.3f}<extra></extra>",
+    ))
+    return _layer_head_layout(fig, grid, title)
+
+
+def grounding_plotly(grid: HeadGrid, title: str) -> go.Figure:
+    """Grounding per layer and head: above 1 (red) the head looks at the answering patches more than their area."""
+    import plotly.graph_objects as go
+
+    high = grounding_high(grid.values)
+    scale = [[0.0, "#2166ac"], [1.0 / high, "#f7f7f7"], [1.0, "#b2182b"]]  # white at 1: no preference
+    fig = go.Figure(go.Heatmap(
+        z=grid.values, colorscale=scale, zmin=0.0, zmax=high, colorbar=dict(title="grounding"), hoverongaps=False,
+        hovertemplate="layer %{y} head %{x}<br>grounding %{z:.2f}<extra></extra>",
     ))
     return _layer_head_layout(fig, grid, title)
 
@@ -364,6 +453,10 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
         uris.setdefault(key, _data_uri(panel.background()))
         for trace in _panel_traces(panel, uris[key], multiples.grid):
             fig.add_trace(trace, i // cols + 1, i % cols + 1)
+        if panel.outline is not None and panel.outline.any():
+            xs, ys = outline_segments(panel.outline)
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color=OUTLINE_COLOR, width=2),
+                                     hoverinfo="skip", showlegend=False), i // cols + 1, i % cols + 1)
         suffix = "" if i == 0 else str(i + 1)
         fig.layout[f"yaxis{suffix}"].update(scaleanchor=f"x{suffix}", autorange="reversed")
     grid_rows, grid_cols = multiples.grid
@@ -377,12 +470,12 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
     return fig
 
 
-def _no_cuts_plotly(title: str) -> go.Figure:
+def _no_cuts_plotly(title: str, text: str = NO_CUTS) -> go.Figure:
     """An empty figure that says there is nothing to show."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    fig.add_annotation(text=NO_CUTS, showarrow=False)
+    fig.add_annotation(text=text, showarrow=False)
     fig.update_layout(title=title, height=200, xaxis_visible=False, yaxis_visible=False)
     return fig
 
@@ -412,6 +505,32 @@ def _panel_traces(panel: Panel, uri: str, grid: tuple[int, int]) -> list:
     return traces
 
 
+def sweep_plotly(sweep: dict, title: str) -> go.Figure:
+    """A budget sweep, `{"retain": [R], "methods": {name: {"answers": [R], "answer_prob": [R]}}}`, against the
+    retained fraction (log axis, 1.0 on the left): the probability of the unpruned answer (top) and each method's
+    answer (bottom), one colour per method in both."""
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(2, 1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.55, 0.45],
+                        subplot_titles=["probability of the unpruned answer", "answer"])
+    retain = sweep["retain"]
+    for i, (name, runs) in enumerate(sweep["methods"].items()):
+        style = dict(legendgroup=name, line=dict(color=qualitative.Plotly[i % len(qualitative.Plotly)]))
+        fig.add_trace(go.Scatter(x=retain, y=runs["answer_prob"], name=name, mode="lines+markers", **style,
+                                 hovertemplate=f"{name}: retain %{{x:.3g}}<br>p = %{{y:.3f}}<extra></extra>"), 1, 1)
+        fig.add_trace(go.Scatter(x=retain, y=[a or "(empty)" for a in runs["answers"]], name=name, mode="lines+markers",
+                                 showlegend=False, **style,
+                                 hovertemplate=f"{name}: retain %{{x:.3g}}<br>%{{y}}<extra></extra>"), 2, 1)
+    fig.update_xaxes(type="log", autorange="reversed", title="visual tokens retained (layer average)", row=2, col=1)
+    fig.update_xaxes(type="log", autorange="reversed", row=1, col=1)
+    fig.update_yaxes(range=[-0.02, 1.02], row=1, col=1)
+    fig.update_yaxes(type="category", row=2, col=1)
+    fig.update_layout(title=title, height=560, margin=dict(l=60, r=20, t=90, b=50))
+    return fig
+
+
 # --- matplotlib ------------------------------------------------------------------------------------
 def class_grid_draw(grid: HeadGrid, title: str) -> Figure:
     """Layer x head grid coloured by class, with a legend."""
@@ -429,6 +548,16 @@ def paq_draw(grid: HeadGrid, title: str) -> Figure:
     """PAQ per layer and head, with a colour bar."""
     fig, ax, image = _layer_head_draw(grid, title, cmap="viridis", vmin=0)
     fig.colorbar(image, ax=ax, label="PAQ")
+    return fig
+
+
+def grounding_draw(grid: HeadGrid, title: str) -> Figure:
+    """Grounding per layer and head, diverging around 1, with a colour bar."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    fig, ax, image = _layer_head_draw(grid, title, cmap="RdBu_r",
+                                      norm=TwoSlopeNorm(1.0, 0.0, grounding_high(grid.values)))
+    fig.colorbar(image, ax=ax, label="grounding")
     return fig
 
 
@@ -469,6 +598,9 @@ def panels_draw(multiples: Panels, title: str) -> Figure:
         ax.imshow(panel.background(), extent=extent)
         if panel.scores is not None:
             ax.imshow(relative(panel.scores), extent=extent, cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
+        if panel.outline is not None and panel.outline.any():
+            xs, ys = (np.array(v, dtype=float) for v in outline_segments(panel.outline))  # None -> NaN: breaks
+            ax.plot(xs, ys, color=OUTLINE_COLOR, linewidth=1.5)
         ax.set_title(panel.title, fontsize=7)
     for ax in axes:
         ax.axis("off")
@@ -510,6 +642,8 @@ VIEWS: tuple[View, ...] = (
     View("head_classes", "Head classes", "Head classes: {classes}", class_grid, class_grid_plotly, class_grid_draw),
     View("paq", "PAQ", "PAQ = (1 - sink share) x (1 - dispersion); dashed: token cuts", paq_grid, paq_plotly,
          paq_draw),
+    View("grounding", "Grounding on the answering patches",
+         "Grounding on the answering patches: {grounding}", grounding_grid, grounding_plotly, grounding_draw),
     View("head_maps", "Per head, before fusion", "Per-head maps of layer {layer}, before fusion",
          head_map_panels, panels_plotly, panels_draw),
     View("layer_maps", "Per layer, after head fusion",

@@ -6,13 +6,18 @@ import json
 import re
 import subprocess
 import sys
+import time
+from dataclasses import replace
 
+import numpy as np
 import pytest
 from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 from PIL import Image
 
 import hap
+from analysis.benchmark import spearman
+from analysis.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
 from hap import views
 from hap.knobs import KNOBS
 
@@ -85,13 +90,14 @@ def test_analyze_matches_direct_runs(client, model_name, loaded):
     pruned = runs["pruned"]
     for label, title in zip(runs, ["Unpruned", "Pruned (hap)", "Uniform averaging"]):
         r = runs[label]
-        assert out[label].startswith(f"#### {title}")
+        assert out[label].startswith(f"#### {title}") and "untraced run" in out[label]
         assert card_facts(out[label]) == (r.answer, f"{r.retained_tokens:.1f} of {r.num_visual} visual tokens "
                                           f"({r.retain:.1%}", f"{r.flops_ratio:.1%}"), label
     data = out["summary"]
     assert [g["kept"] for g in data["groups"]] == [g.kept for g in pruned.groups]
     assert data["head_class"] == pruned.head_class and data["config"]["temperature"] == config.temperature
     assert {k: v["answer"] for k, v in data["runs"].items()} == {k: r.answer for k, r in runs.items()}
+    assert not any(v["traced"] for v in data["runs"].values())  # every latency is an untraced run's
     counts = views.class_counts(pruned.head_class)
     captured = sum(1 for row in pruned.head_class if any(row))
     text = out["explanation"]
@@ -102,6 +108,7 @@ def test_analyze_matches_direct_runs(client, model_name, loaded):
         assert (f"- Group {g.index} (layers {g.layers[0]}-{g.layers[1] - 1}) keeps {len(g.kept)} tokens; "
                 f"{shared} of them are also kept by the uniform-averaging run") in text
     expected = views.ViewData.from_result(pruned, Image.open(SCENE))
+    expected = replace(expected, truth=scene_truth(read_metadata(Image.open(SCENE))["question"], expected))
     assert out["layer"]["value"] == expected.layer and out["layer"]["maximum"] == pruned.num_layers - 1
     for view in views.VIEWS:
         figure = json.loads(out[view.name]["plot"])
@@ -156,12 +163,122 @@ def test_defaults_follow_the_model_depth(model_name):
     assert [u["value"] for u in model_defaults("llava-hf/llava-1.5-7b-hf")] == [0.111, 2]
 
 
-def test_show_layer_redraws_the_per_head_maps(model_name, loaded):
-    from app.handler import show_layer
+def test_show_layer_redraws_the_per_head_maps_and_the_inspector(model_name, loaded):
+    from app.handler import show_head, show_layer
 
     result = hap.run(*loaded, Image.open(SCENE), PROMPT, hap.HAPConfig(**SETTINGS), max_new_tokens=1)
     data = views.ViewData.from_result(result, Image.open(SCENE))
-    fig = show_layer(data, 3)
+    fig, inspector, text = show_layer(data, 3, 1)
     assert fig.layout.title.text == "Per-head maps of layer 3, before fusion"
+    assert inspector.layout.title.text == "Head inspector: layer 3, head 1"
+    assert text.startswith(f"**Layer 3, head 1: {result.head_class[3][1]}**")
     with pytest.raises(Exception, match=r"layer=6 is outside the decoder's layers 0..5"):
-        show_layer(data, 6)
+        show_layer(data, 6, 0)
+    with pytest.raises(Exception, match=rf"head={result.num_heads} is outside the layer's heads"):
+        show_head(data, 3, result.num_heads)
+    with pytest.raises(Exception, match=r"press Run first"):
+        show_head(None, 0, 0)
+
+
+def test_a_scene_returns_its_ground_truth_as_analysis_computes_it(client, model_name, loaded):
+    out = analyze(client, model_name)
+    truth = out["summary"]["ground_truth"]
+    assert set(truth) == {"queried", "head_grounding", "spearman", "kept_recall"}
+    question = read_metadata(Image.open(SCENE))["question"]
+    assert question["text"] == PROMPT and truth["queried"] == question["answering_patches"]
+    result = hap.run(*loaded, Image.open(SCENE), PROMPT, hap.HAPConfig(**SETTINGS))  # the traced run, directly
+    target = patch_mask(question["answering_patches"])
+    expected = head_grounding(result.maps.head_attention.numpy(), target)
+    paq = result.paq.numpy()
+    scored = ~np.isnan(paq)
+    got = np.array([[np.nan if v is None else v for v in row] for row in truth["head_grounding"]])
+    np.testing.assert_allclose(got[scored], expected[scored], rtol=1e-5)
+    assert np.isnan(got[~scored]).all()  # heads not scored have no grounding
+    assert truth["spearman"] == pytest.approx(spearman(paq[scored], expected[scored]), abs=1e-6)
+    assert truth["kept_recall"] == [kept_recall(g.kept, target) for g in result.groups]
+    assert f'**Ground truth** for "{PROMPT}": {len(truth["queried"])} answering patches' in out["ground_truth"]
+    assert f"Spearman rank correlation of PAQ and grounding over the scored heads: {truth['spearman']:.2f}" in \
+        out["ground_truth"]
+    figure = json.loads(out["grounding"]["plot"])
+    assert figure["layout"]["title"]["text"].endswith(f"Spearman with PAQ {truth['spearman']:.2f}")
+    for name in ("kept_masks", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq", "inspector"):
+        traces = json.loads(out[name]["plot"])["data"]
+        assert sum(t["type"] == "scatter" for t in traces) == sum(t["type"] == "image" for t in traces), name
+
+
+def test_no_ground_truth_without_metadata_or_for_another_question(client, model_name, tmp_path):
+    plain = tmp_path / "plain.png"
+    Image.open(SCENE).convert("RGB").save(plain)  # the same pixels, no text chunk
+    out = analyze(client, model_name, image=plain)
+    assert "ground_truth" not in out["summary"]
+    assert out["ground_truth"].startswith("**Ground truth.** None for this run: this image carries no scene "
+                                          "description")
+    assert json.loads(out["grounding"]["plot"])["layout"]["title"]["text"].endswith(views.NO_TRUTH)
+    assert not [t for t in json.loads(out["head_maps"]["plot"])["data"] if t["type"] == "scatter"]  # no outline
+    other = analyze(client, model_name, prompt="what shape is the purple object ?")
+    assert "ground_truth" not in other["summary"]
+    assert f'the ground truth of this scene is for "{PROMPT}"' in other["ground_truth"]
+
+
+def test_inspect_shows_one_head_of_the_last_run_without_running_the_model(client, model_name):
+    data = analyze(client, model_name)["summary"]
+    figure, text = client.predict(layer=2, head=1, api_name="/inspect")
+    assert text.startswith(f"**Layer 2, head 1: {data['head_class'][2][1]}**")
+    assert f"| PAQ | {data['paq'][2][1]:.3f} |" in text
+    assert f"| grounding | {data['ground_truth']['head_grounding'][2][1]:.3f} |" in text
+    assert json.loads(figure["plot"])["layout"]["title"]["text"] == "Head inspector: layer 2, head 1"
+
+
+def sweep(client: Client, model: str, image=SCENE, prompt: str = PROMPT, **changes):
+    knobs = {k: v for k, v in {**SETTINGS, **changes}.items() if k not in ("method", "retain", "flops_ratio")}
+    return client.predict(image=handle_file(str(image)), prompt=prompt, model_name=model, **knobs, api_name="/sweep")
+
+
+def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, model_name, loaded):
+    from app.handler import SWEPT
+
+    info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/sweep"]
+    assert [p["parameter_name"] for p in info["parameters"]] == [
+        "image", "prompt", "model_name", *(k.name for k in KNOBS if k.name not in SWEPT)]
+    start = time.perf_counter()
+    figure, data = sweep(client, model_name)
+    first = time.perf_counter() - start
+    retain = data["retain"]
+    assert len(retain) >= 6 and retain[0] == 1.0 and retain == sorted(retain, reverse=True)
+    assert retain[-1] * 144 <= 2  # first_layers=0: down to a token or so per group
+    assert list(data["methods"]) == [m for m in hap.METHODS if m != "none"]
+    for method, runs in data["methods"].items():
+        assert len(runs["answers"]) == len(runs["answer_prob"]) == len(retain), method
+        assert all(0.0 <= p <= 1.0 for p in runs["answer_prob"]), method
+    unpruned = hap.run(*loaded, Image.open(SCENE), PROMPT, hap.HAPConfig(**{**SETTINGS, "method": "none"}),
+                       trace=False)
+    assert data["unpruned"]["answer"] == unpruned.answer
+    for method, i in (("hap", len(retain) - 1), ("fastv", 2), ("random", 3)):
+        config = hap.HAPConfig(**{**SETTINGS, "method": method, "retain": retain[i]})
+        assert data["methods"][method]["answers"][i] == hap.run(*loaded, Image.open(SCENE), PROMPT, config,
+                                                               trace=False).answer, method
+    assert data["methods"]["hap"]["answer_prob"][0] == pytest.approx(data["unpruned"]["answer_prob"], abs=1e-4)
+    traces = json.loads(figure["plot"])["data"]
+    assert [t["name"] for t in traces] == [m for m in data["methods"] for _ in range(2)]
+    start = time.perf_counter()
+    assert sweep(client, model_name)[1] == data  # cached: the same input is not run again
+    assert time.perf_counter() - start < min(2.0, first / 3)
+
+
+def test_an_offline_hub_id_fails_within_5_seconds(client, model_name, monkeypatch):
+    import inspect
+
+    import huggingface_hub
+
+    from app.handler import Handler
+
+    for endpoint in (Handler.analyze, Handler.sweep):  # online, a hub download's tqdm bars show on the page
+        assert inspect.signature(endpoint).parameters["progress"].default.track_tqdm
+
+    for offline in (True, False):  # HF_HUB_OFFLINE=1, then "online" with no network: the hub does not answer
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+        start = time.perf_counter()
+        with pytest.raises(Exception, match=r"cannot load hub id 'hap-test/no-such-model': it is not a local model "
+                                            r"folder and the hub copy is unknown or unreachable \(offline\?\)"):
+            analyze(client, UNREACHABLE)
+        assert time.perf_counter() - start < 5, offline

@@ -1,4 +1,6 @@
-"""The page in headless Debian Chromium (Selenium, system browser and driver): run an example, see the results."""
+"""The page in headless Debian Chromium (Selenium, system browser and driver): run an example, see every panel
+(ground truth, head inspector, budget sweep included), and save screenshots: the top of the page
+(test-artifacts/app.png, committed as the README's docs/app.png) and the whole page (app-full.png)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ pytestmark = pytest.mark.browser
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1000"]
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1150"]
 ARTIFACTS = ROOT / "test-artifacts"
-# elem_id plot-<name> of the gr.Plot outputs, one per view of hap.views.VIEWS
-PLOTS = ["kept_masks", "head_classes", "paq", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq"]
+# elem_id plot-<name> of the gr.Plot outputs: one per view of hap.views.VIEWS, then the head inspector
+PLOTS = ["kept_masks", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq",
+         "inspector"]
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +50,22 @@ def driver():
     browser.quit()
 
 
-def test_example_run_shows_answers_and_plots(page_url, driver):
+def set_slider(driver, elem_id: str, value: int) -> None:
+    """Type `value` into the number box of the slider `elem_id` (an input event, as a user's)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element(By.CSS_SELECTOR, f"#{elem_id} input[type=number]")
+    box.clear()
+    box.send_keys(str(value), Keys.TAB)
+
+
+def test_example_run_shows_every_panel(page_url, driver):
+    from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    wait = WebDriverWait(driver, 120)
+    wait = WebDriverWait(driver, 240)
     driver.get(page_url)
     wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()  # the first scene example
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value"))
@@ -66,13 +78,26 @@ def test_example_run_shows_answers_and_plots(page_url, driver):
     layers = driver.find_elements(By.CSS_SELECTOR, f"{heads} image, {heads} .hm")
     assert layers, "the per-head maps drew no image or heatmap layer"
     assert "Group 0" in driver.find_element(By.ID, "explanation").text
-    box = driver.find_element(By.CSS_SELECTOR, "#layer-slider input[type=number]")  # re-draw another layer's heads
-    box.clear()
-    box.send_keys("3", Keys.TAB)
+    truth = driver.find_element(By.ID, "ground-truth").text  # the first example is a scene asked its own question
+    assert "Ground truth for" in truth and "Spearman rank correlation of PAQ and grounding" in truth, truth
+    outlines = driver.find_elements(By.CSS_SELECTOR, "#plot-head_maps .scatterlayer .trace")
+    assert outlines, "the answering patches are not outlined on the per-head maps"
+    set_slider(driver, "layer-slider", 3)  # re-draw another layer's heads, and the inspector
     wait.until(EC.text_to_be_present_in_element((By.ID, "plot-head_maps"), "Per-head maps of layer 3"))
+    wait.until(EC.text_to_be_present_in_element((By.ID, "inspector-stats"), "Layer 3, head 0"))
+    set_slider(driver, "head-slider", 2)  # the head inspector: one head of the stored run
+    wait.until(EC.text_to_be_present_in_element((By.ID, "inspector-stats"), "Layer 3, head 2"))
+    wait.until(EC.text_to_be_present_in_element((By.ID, "plot-inspector"), "Head inspector: layer 3, head 2"))
+    assert "grounding" in driver.find_element(By.ID, "inspector-stats").text
+    driver.find_element(By.ID, "sweep").click()
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#plot-sweep .js-plotly-plot .main-svg")))
+    legend = driver.find_element(By.CSS_SELECTOR, "#plot-sweep .legend").text
+    assert all(method in legend for method in ("hap", "uniform", "fastv", "pdrop", "random")), legend
     ARTIFACTS.mkdir(exist_ok=True)
+    driver.execute_script("window.scrollTo(0, 0)")
+    driver.save_screenshot(str(ARTIFACTS / "app.png"))  # what a visitor sees first (the README's docs/app.png)
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1400, height)
-    driver.save_screenshot(str(ARTIFACTS / "app.png"))
+    driver.save_screenshot(str(ARTIFACTS / "app-full.png"))  # every panel
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors

@@ -16,6 +16,8 @@ from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 from gradio_client.utils import QueueError
 
+from app.handler import OUTPUTS
+
 pytestmark = pytest.mark.slow
 
 CLIENTS = 20
@@ -31,6 +33,7 @@ VARIANTS = [  # different images, prompts and settings, so a leak from one reque
     dict(image="scene_600004.png", prompt="how many shapes are there ?", method="pdrop", retain=0.15),
 ]
 COUNTS = {"served": 0, "busy": 0, "failed": 0}  # over both queue sizes, for the report
+SUMMARY, EXPLANATION = (OUTPUTS.index(name) for name in ("summary", "explanation"))  # positions in a reply
 
 
 def request(client: Client, model: str, variant: dict, timeout: float):
@@ -42,7 +45,7 @@ def request(client: Client, model: str, variant: dict, timeout: float):
 
 
 def fingerprint(out) -> tuple:
-    data = out[12]
+    data = out[SUMMARY]
     return ([g["kept"] for g in data["groups"]], data["head_class"],
             *(data["runs"][k]["answer"] for k in ("unpruned", "pruned", "uniform")))
 

@@ -26,6 +26,7 @@ from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 from PIL import Image
 
+from app.handler import OUTPUTS
 from hap.inputs import InputLimits
 from hap.knobs import KNOBS
 
@@ -37,11 +38,12 @@ SETTINGS = dict(method="hap", retain=0.2, groups=3, first_layers=0, decay=0.5, t
 LIMITS = InputLimits(max_bytes=256 * 2**10, max_pixels=4_000_000, max_prompt_chars=2000)  # small, to reach them
 UNREACHABLE = "hap-test/no-such-model"  # allow-listed hub id that cannot be loaded offline
 OFF_LIST = "llava-hf/bakLlava-v1-hf"
+SUMMARY, EXPLANATION = (OUTPUTS.index(name) for name in ("summary", "explanation"))  # positions in a reply
 
 
 def fingerprint(out) -> tuple:
     """What must not change between identical requests: kept indices, head classes, the three answers."""
-    data = out[12]
+    data = out[SUMMARY]
     return ([g["kept"] for g in data["groups"]], data["head_class"],
             *(data["runs"][k]["answer"] for k in ("unpruned", "pruned", "uniform")))
 
@@ -64,10 +66,19 @@ class Server:
         return self.client.predict(image=image, prompt=prompt, model_name=model or self.model, **settings,
                                    api_name="/analyze")
 
-    def refused(self, match: str, **request) -> str:
-        """The request fails with a message matching `match` (no traceback), and the server still answers."""
+    def sweep(self, image=SCENE, prompt=PROMPT, model=None, **changes):
+        """`/sweep` with the knobs of SETTINGS it takes (not the swept method, retain, flops_ratio)."""
+        settings = {k: v for k, v in {**SETTINGS, **changes}.items() if k not in ("method", "retain", "flops_ratio")}
+        if isinstance(image, (str, Path)):
+            image = handle_file(str(image))
+        return self.client.predict(image=image, prompt=prompt, model_name=model or self.model, **settings,
+                                   api_name="/sweep")
+
+    def refused(self, match: str, endpoint: str = "analyze", **request) -> str:
+        """The request to `endpoint` fails with a message matching `match` (no traceback), and the server still
+        answers."""
         with pytest.raises(Exception, match=match) as err:
-            self.analyze(**request)
+            getattr(self, endpoint)(**request)
         message = str(err.value)
         assert "Traceback" not in message and "File \"" not in message, message
         self.still_serving()
@@ -260,10 +271,10 @@ def _save(img: Image.Image, path: Path, **kw) -> Path:
 @pytest.mark.parametrize(("make", "expected"), [c[1:] for c in CONVERTED], ids=[c[0] for c in CONVERTED])
 def test_every_image_mode_is_converted_and_answered(server, tmp_path, make, expected):
     out = server.analyze(image=make(tmp_path))
-    info = out[12]["input"]
+    info = out[SUMMARY]["input"]
     assert (info["format"], info["mode"]) == expected
-    assert out[12]["num_visual"] == 144 and out[1].startswith("#### Pruned (hap)")
-    line = out[11].splitlines()[-1]
+    assert out[SUMMARY]["num_visual"] == 144 and out[1].startswith("#### Pruned (hap)")
+    line = out[EXPLANATION].splitlines()[-1]
     assert line.startswith(f"- Input: {expected[0]} {expected[1]}")
     assert ("converted to RGB" in line) == (expected[1] != "RGB")
     if expected[1] == "RGBA":
@@ -278,7 +289,7 @@ def test_an_animated_gif_gives_its_first_frame(server, tmp_path):
     with Image.open(gif) as img:
         img.convert("RGB").save(first)  # frame 0 exactly as GIF stores it (quantised)
     out = server.analyze(image=gif)
-    assert out[12]["input"]["animated"] and "first frame of the animation" in out[11]
+    assert out[SUMMARY]["input"]["animated"] and "first frame of the animation" in out[EXPLANATION]
     assert fingerprint(out) == fingerprint(server.analyze(image=first))
     server.still_serving()
 
@@ -292,10 +303,10 @@ def test_exif_rotation_is_applied(server, tmp_path):
     stored.save(jpeg, exif=exif, quality=95)
     stored.save(png, exif=exif)
     upright.save(plain)
-    info = server.analyze(image=jpeg)[12]["input"]
+    info = server.analyze(image=jpeg)[SUMMARY]["input"]
     assert (info["width"], info["height"], info["exif_orientation"]) == (168, 84, 6)
     out = server.analyze(image=png)  # lossless: exactly the upright image once rotated
-    assert "EXIF orientation 6 applied" in out[11]
+    assert "EXIF orientation 6 applied" in out[EXPLANATION]
     assert fingerprint(out) == fingerprint(server.analyze(image=plain))
     server.still_serving()
 
@@ -322,25 +333,25 @@ def test_bad_prompt_is_refused(server, prompt, match):
 
 def test_control_characters_are_removed_and_said(server):
     out = server.analyze(prompt="what\x00 color is\u200f the triangle ?\x07")
-    assert "removed control or invisible formatting characters" in out[11]
+    assert "removed control or invisible formatting characters" in out[EXPLANATION]
     assert fingerprint(out) == server.baseline  # the same question once cleaned
     server.still_serving()
 
 
 def test_typed_image_tokens_add_no_image_slot(server):
-    plain = server.analyze()[12]
+    plain = server.analyze()[SUMMARY]
     out = server.analyze(prompt="what color <image> is the <image><image> triangle ?")
-    data = out[12]
+    data = out[SUMMARY]
     assert data["num_visual"] == plain["num_visual"] == 144
     assert data["prompt_text"].count("<image>") == plain["prompt_text"].count("<image>") == 1
-    assert "removed the special token '<image>' from the prompt" in out[11]
+    assert "removed the special token '<image>' from the prompt" in out[EXPLANATION]
     server.still_serving()
 
 
 def test_right_to_left_and_non_ascii_text_is_kept(server):
     prompt = "ما لون المثلث ؟ מה הצבע ? 三角形は何色 ?"
     out = server.analyze(prompt=prompt)
-    assert prompt in out[12]["prompt_text"] and out[1].startswith("#### Pruned (hap)")
+    assert prompt in out[SUMMARY]["prompt_text"] and out[1].startswith("#### Pruned (hap)")
     server.still_serving()
 
 
@@ -392,10 +403,10 @@ def test_nan_and_infinity_sent_as_raw_json(server, tmp_path, name, value, match)
 
 def test_a_budget_that_rounds_to_zero_keeps_one_token_per_group_and_says_so(server):
     out = server.analyze(retain=0.01, decay=0.05)
-    kept = [len(g["kept"]) for g in out[12]["groups"]]
+    kept = [len(g["kept"]) for g in out[SUMMARY]["groups"]]
     assert min(kept) == 1 and len(kept) == 3
-    assert "budget rounds to" in out[11] and "keeping 1 (at least one per group)" in out[11]
-    assert any("keeping 1" in n for n in out[12]["notes"])
+    assert "budget rounds to" in out[EXPLANATION] and "keeping 1 (at least one per group)" in out[EXPLANATION]
+    assert any("keeping 1" in n for n in out[SUMMARY]["notes"])
     server.still_serving()
 
 
@@ -493,6 +504,35 @@ def test_an_unexpected_error_is_a_message_not_a_traceback(server, monkeypatch):
     assert "Traceback" not in str(err.value)
     monkeypatch.undo()
     server.still_serving()
+
+
+# --------------------------------------------------------------------------------------------- the sweep
+
+SWEEP_CASES = [  # (id, the request's changes): /sweep checks them as /analyze does, with the same message
+    ("no-image", lambda t: dict(image=None)),
+    ("text-as-png", lambda t: dict(image=_write(t, "notes.png", b"this is not an image\n" * 20))),
+    ("truncated-png", lambda t: dict(image=_write(t, "cut.png", SCENE.read_bytes()[: SCENE.stat().st_size // 2]))),
+    ("over-pixel-limit", lambda t: dict(image=_over_pixels(t))),
+    ("empty-prompt", lambda t: dict(prompt=" \n ")),
+    ("number-prompt", lambda t: dict(prompt=123)),
+    ("over-the-context", lambda t: dict(prompt="what " * 399)),
+    ("off-list", lambda t: dict(model=OFF_LIST)),
+    ("unreachable", lambda t: dict(model=UNREACHABLE)),
+    ("groups=2.5", lambda t: dict(groups=2.5)),
+    ("groups=9", lambda t: dict(groups=9)),
+    ("first_layers=9", lambda t: dict(first_layers=9)),
+    ("temperature=hot", lambda t: dict(temperature="hot")),
+    ("tau_disp=1.5", lambda t: dict(tau_disp=1.5)),
+    ("sink_rho={}", lambda t: dict(sink_rho={"x": 1})),
+    ("rows=middle", lambda t: dict(rows="middle")),
+]
+
+
+@pytest.mark.parametrize("make", [c[1] for c in SWEEP_CASES], ids=[c[0] for c in SWEEP_CASES])
+def test_bad_sweep_input_gets_the_same_message_as_analyze(server, tmp_path, make):
+    changes = make(tmp_path)
+    expected = server.refused(r".", **changes)
+    assert server.refused(r".", endpoint="sweep", **changes) == expected
 
 
 # --------------------------------------------------------------------------------------------- determinism

@@ -30,9 +30,10 @@ def data(**changes) -> V.ViewData:
     layer_maps = head_maps.mean(1)
     group_maps = np.array([[0.9, 0.1, 0.8, 0.2, 0.3, 1.0], [NAN, NAN, 0.5, NAN, NAN, 0.4]])
     uniform = np.array([[0.9, 0.1, 0.2, 0.8, 0.3, 1.0], [NAN, NAN, 0.1, NAN, NAN, 0.4]])
+    attention = head_maps / np.nansum(head_maps, -1, keepdims=True)
     fields = dict(image=np.full((60, 90, 3), 200, np.uint8), grid=GRID, head_class=HEAD_CLASS, stats=stats,
-                  head_maps=head_maps, layer_maps=layer_maps, group_maps=group_maps, group_uniform=uniform,
-                  groups=GROUPS, method="hap", temperature=0.1, layer=2)
+                  head_maps=head_maps, head_attention=attention, layer_maps=layer_maps, group_maps=group_maps,
+                  group_uniform=uniform, groups=GROUPS, method="hap", temperature=0.1, layer=2)
     return V.ViewData(**{**fields, **changes})
 
 
@@ -42,7 +43,8 @@ def heatmaps(fig) -> list:
 
 def test_one_list_of_views_with_unique_names_and_titles():
     names = [v.name for v in V.VIEWS]
-    assert names == ["kept_masks", "head_classes", "paq", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq"]
+    assert names == ["kept_masks", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps",
+                     "uniform_vs_paq"]
     assert len({v.title for v in V.VIEWS}) == len({v.label for v in V.VIEWS}) == len(V.VIEWS)
     assert set(V.figures(data())) == set(names)
 
@@ -148,12 +150,15 @@ def test_from_result_reads_every_array_into_place():
         paq=tensor(d.stats[..., 0]), sink_share=tensor(d.stats[..., 1]), dispersion=tensor(d.stats[..., 2]),
         visual_share=tensor(d.stats[..., 3]), visual_grid=GRID, head_class=HEAD_CLASS, groups=GROUPS,
         method="fastv", config={"temperature": 0.5},
-        maps=SimpleNamespace(head=tensor(d.head_maps), layer=tensor(d.layer_maps), group=tensor(d.group_maps),
+        maps=SimpleNamespace(head=tensor(d.head_maps), head_attention=tensor(d.head_attention),
+                             layer=tensor(d.layer_maps), group=tensor(d.group_maps),
                              group_uniform=tensor(d.group_uniform)),
     )
     got = V.ViewData.from_result(result, Image.new("RGB", (40, 20), "blue"))
     np.testing.assert_array_equal(got.stats, d.stats)
     np.testing.assert_array_equal(got.head_maps, d.head_maps)
+    np.testing.assert_array_equal(got.head_attention, d.head_attention)
+    assert got.truth is None
     assert (got.layer, got.method, got.temperature, got.shape) == (0, "fastv", 0.5, (L, H, N))  # first cut's scorer
     assert got.image.shape == (V.VIEW_PIXELS, V.VIEW_PIXELS, 3) and got.image[..., 2].min() == 255
     assert V.ViewData.from_result(result, layer=3).layer == 3
@@ -167,8 +172,9 @@ def test_default_layer_without_a_scored_cut_is_the_first_captured():
     assert V.scored_layers(paq) == [2]
 
 
-def test_export_png_writes_one_non_blank_file_per_view(tmp_path):
-    paths = V.export_png(data(), tmp_path / "figs")
+@pytest.mark.parametrize("truth", [None, "scene"])
+def test_export_png_writes_one_non_blank_file_per_view(tmp_path, truth):
+    paths = V.export_png(data(truth=TRUTH if truth else None), tmp_path / "figs")
     assert [p.name for p in paths] == [f"{v.name}.png" for v in V.VIEWS]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
@@ -177,5 +183,59 @@ def test_export_png_writes_one_non_blank_file_per_view(tmp_path):
 
 
 def test_plotly_figures_serialise():
-    for name, fig in V.figures(data()).items():
-        assert json.loads(fig.to_json())["data"], name
+    for d in (data(), data(truth=TRUTH)):
+        for name, fig in V.figures(d).items():
+            assert json.loads(fig.to_json())["data"], name
+
+
+GROUNDING = np.arange(L * H, dtype=float).reshape(L, H)
+TRUTH = V.Truth("what is top left ?", np.array([True, True, False, False, False, False]), GROUNDING, 0.5, [0.5, 0.0])
+
+
+def outlines(fig) -> list:
+    return [t for t in fig.data if t.type == "scatter"]
+
+
+def test_the_answering_patches_are_outlined_on_every_map():
+    d = data(truth=TRUTH)
+    for view in V.VIEWS:
+        fig = view.figure(d)
+        panels = [t for t in fig.data if t.type == "image"]
+        if panels:  # a map view: one outline per panel, none without ground truth
+            assert len(outlines(fig)) == len(panels), view.name
+            assert not outlines(view.figure(data())), view.name
+    xs, ys = V.outline_segments(TRUTH.patches.reshape(GRID))
+    edges = {((xs[i], ys[i]), (xs[i + 1], ys[i + 1])) for i in range(0, len(xs), 3)}
+    assert edges == {((-0.5, -0.5), (0.5, -0.5)), ((0.5, -0.5), (1.5, -0.5)), ((-0.5, 0.5), (0.5, 0.5)),
+                     ((0.5, 0.5), (1.5, 0.5)), ((-0.5, -0.5), (-0.5, 0.5)), ((1.5, -0.5), (1.5, 0.5))}  # 2 x 1 box
+
+
+def test_grounding_grid_beside_paq_with_the_spearman_or_why_not():
+    fig = V.VIEW["grounding"].figure(data(truth=TRUTH))
+    np.testing.assert_array_equal(np.asarray(fig.data[0].z, dtype=float), GROUNDING)
+    assert fig.layout.title.text.endswith("Spearman with PAQ 0.50")
+    empty = V.VIEW["grounding"].figure(data())
+    assert np.isnan(np.asarray(empty.data[0].z, dtype=float)).all()
+    assert empty.layout.title.text.endswith(V.NO_TRUTH)
+    text_only = V.Truth("the object is red . what color is it ?", np.zeros(N, bool), None, None, [None, None])
+    assert "answered from the prompt alone" in V.VIEW["grounding"].figure(data(truth=text_only)).layout.title.text
+
+
+def test_head_inspector_draws_one_head_of_the_layer():
+    d = data(truth=TRUTH)
+    panels = V.head_panel(d, 1)
+    assert [p.title for p in panels.panels] == ["layer 2 head 1: optimal"]
+    np.testing.assert_array_equal(panels.panels[0].scores, d.head_maps[2, 1].reshape(GRID))
+    assert panels.panels[0].outline.tolist() == [[True, True, False], [False, False, False]]
+    with pytest.raises(ValueError, match=r"head=3 is outside the layer's heads 0..2"):
+        V.head_panel(d, 3)
+
+
+def test_sweep_plot_has_both_curves_per_method():
+    sweep = {"retain": [1.0, 0.5, 0.1], "methods": {
+        "hap": {"answers": ["red", "red", "blue"], "answer_prob": [0.9, 0.8, 0.2]},
+        "fastv": {"answers": ["red", "", "blue"], "answer_prob": [0.9, 0.1, 0.05]}}}
+    fig = V.sweep_plotly(sweep, "sweep")
+    assert [(t.name, t.yaxis) for t in fig.data] == [("hap", "y"), ("hap", "y2"), ("fastv", "y"), ("fastv", "y2")]
+    assert list(fig.data[2].y) == [0.9, 0.1, 0.05] and list(fig.data[3].y) == ["red", "(empty)", "blue"]
+    assert fig.layout.xaxis2.type == "log" and fig.layout.title.text == "sweep"

@@ -1,0 +1,87 @@
+"""A budget sweep on one input: every pruning method at budgets from 1.0 down to the smallest the model
+reaches, with its greedy answer and the probability it gives the unpruned answer (docs/method.md §4, §7).
+
+The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
+given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
+token (retain K / L) and each group at least one (`hap.plan` on the model's shape). The answer comes from
+`hap.run` (untraced); the probability of the unpruned answer is teacher-forced: the product of the pruned
+model's next-token probabilities of that answer's tokens, generated on the pruned cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+import hap
+from hap.inputs import InputLimits, load_image
+from hap.patch.decoder import decoder_shape
+from hap.run import build_inputs
+
+POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
+METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
+
+
+def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int) -> float:
+    """The smallest retain every method of METHODS reaches on `shape`: each one planned at the floor of the
+    first K full layers (K / L), where every group keeps its one token; the largest of their achieved retains."""
+    floor = min(max(config.resolved(shape.layers).first_layers / shape.layers, 1e-6), 1.0)  # K >= L: plan says why
+    plans = (hap.plan(replace(config, method=m, retain=floor, flops_ratio=None), shape, num_visual) for m in METHODS)
+    return max(p.retain for p in plans if p is not None)
+
+
+def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, points: int = POINTS) -> list[float]:
+    """`points` retains from 1.0 down to `smallest_retain`, evenly spaced on a log scale."""
+    return [float(r) for r in np.geomspace(1.0, smallest_retain(config, shape, num_visual), points)]
+
+
+def answer_probability(model, inputs, config: hap.HAPConfig, answer_ids: list[int]) -> float | None:
+    """Probability the model pruned by `config` gives the tokens `answer_ids` after the prompt of `inputs`
+    (each token forced in turn on the pruned cache); None for an empty answer."""
+    if not answer_ids:
+        return None
+    start = inputs["input_ids"].shape[1]
+    with hap.patched(model, config), torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=len(answer_ids), do_sample=False, num_beams=1,
+                             output_logits=True, return_dict_in_generate=True,
+                             prefix_allowed_tokens_fn=lambda _, ids: [answer_ids[ids.shape[-1] - start]])
+    logp = sum(float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, answer_ids))
+    return float(np.exp(logp))
+
+
+def reference_config(config: hap.HAPConfig) -> hap.HAPConfig:
+    """`config` as the stock model (method none)."""
+    return replace(config, method="none", retain=None, flops_ratio=None)
+
+
+def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_tokens: int, limits: InputLimits,
+          on_step: Callable[[float, str], None] | None = None) -> dict:
+    """`{"retain": [R], "methods": {name: {"answers": [R], "answer_prob": [R]}}, "unpruned": {...}}` for every
+    method of METHODS at `budgets(...)`, `config`'s other knobs unchanged (its method and budget are replaced)."""
+    step = on_step or (lambda fraction, description: None)
+    image = load_image(image, limits)
+
+    def answer(cfg: hap.HAPConfig) -> hap.Result:
+        return hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
+                       limits=limits)
+
+    step(0.0, "unpruned reference answer")
+    reference = answer(reference_config(config))
+    answer_ids = processor.tokenizer(reference.answer, add_special_tokens=False).input_ids
+    inputs, _, _ = build_inputs(processor, image, prompt, limits)
+    inputs = inputs.to(next(model.parameters()).device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    retains = budgets(config, decoder_shape(model), reference.num_visual)
+    stock = answer_probability(model, inputs, reference_config(config), answer_ids)
+    out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in METHODS},
+           "unpruned": {"answer": reference.answer, "answer_prob": stock}}
+    for i, method in enumerate(METHODS):
+        step(i / len(METHODS), f"{method}: {len(retains)} budgets")
+        for retain in retains:
+            cfg = replace(config, method=method, retain=retain, flops_ratio=None)
+            out["methods"][method]["answers"].append(answer(cfg).answer)
+            out["methods"][method]["answer_prob"].append(answer_probability(model, inputs, cfg, answer_ids))
+    return out

@@ -1,0 +1,53 @@
+"""analysis.sweep: the budgets every method reaches on a decoder (no model), then a sweep on a tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+from tiny_models import tiny_llava
+
+import hap
+from analysis.sweep import METHODS, answer_probability, budgets, smallest_retain, sweep
+from hap.inputs import DEFAULT_LIMITS
+from hap.run import build_inputs
+
+LLAVA = hap.DecoderShape.mha(32, 4096, 11008)
+
+
+def test_every_pruning_method_is_swept():
+    assert METHODS == [m for m in hap.METHODS if m != "none"] and {"hap", "uniform", "fastv", "pdrop"} <= set(METHODS)
+
+
+@pytest.mark.parametrize(("first_layers", "floor"), [(2, 2 / 32), (0, 0.0)])
+def test_the_smallest_budget_is_reached_by_every_method(first_layers, floor):
+    low = smallest_retain(hap.HAPConfig(first_layers=first_layers), LLAVA, 576)
+    assert floor < low < floor + 0.01  # the first K layers keep everything, the groups a token or so each
+    for method in METHODS:  # each one plans it, every group keeping at least one token
+        assert min(hap.plan(hap.HAPConfig(method=method, first_layers=first_layers, retain=low), LLAVA, 576).kept) >= 1
+
+
+def test_budgets_run_from_everything_down_to_the_smallest():
+    config = hap.HAPConfig(first_layers=2)
+    retain = budgets(config, LLAVA, 576)
+    assert len(retain) >= 6 and retain[0] == 1.0 and retain == sorted(retain, reverse=True)
+    assert retain[-1] == pytest.approx(smallest_retain(config, LLAVA, 576))
+    with pytest.raises(ValueError, match=r"first_layers=32 must be < the decoder's 32 layers"):
+        budgets(hap.HAPConfig(first_layers=32), LLAVA, 576)
+
+
+def test_sweep_on_a_tiny_model_matches_direct_runs():
+    model, processor = tiny_llava(layers=4)
+    image = Image.new("RGB", (64, 48), "teal")
+    config = hap.HAPConfig(first_layers=0, groups=2)
+    out = sweep(model, processor, image, "what color ?", config, 3, DEFAULT_LIMITS)
+    assert list(out["methods"]) == METHODS and len(out["retain"]) >= 6
+    reference = hap.run(model, processor, image, "what color ?", hap.HAPConfig(method="none"), 3, trace=False)
+    assert out["unpruned"]["answer"] == reference.answer
+    ids = processor.tokenizer(reference.answer, add_special_tokens=False).input_ids
+    inputs, _, _ = build_inputs(processor, image, "what color ?", DEFAULT_LIMITS)
+    for method in ("hap", "fastv"):
+        cfg = hap.HAPConfig(method=method, first_layers=0, groups=2, retain=out["retain"][3])
+        assert out["methods"][method]["answers"][3] == hap.run(model, processor, image, "what color ?", cfg, 3,
+                                                               trace=False).answer
+        assert out["methods"][method]["answer_prob"][3] == pytest.approx(answer_probability(model, inputs, cfg, ids))
+    assert answer_probability(model, inputs, config, []) is None
