@@ -8,7 +8,6 @@ no dataset download).
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip(
     "lmms_eval.models.simple.llava_hf",
