@@ -41,6 +41,7 @@ import torch
 import hap
 from hap.knobs import knob
 from hap.run import chat_prompt, template_tail
+from analysis.ground_truth import head_grounding, spearman
 from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)
@@ -48,22 +49,6 @@ METHODS = ("hap", "uniform", "fastv", "pdrop", "random")  # the default comparis
 CHOICES = (*(m for m in hap.METHODS if m != "none"), "hap_paper", "oracle")
 KNOB_FLAGS = tuple(k.name for k in hap.KNOBS if k.name not in ("method", "retain", "flops_ratio"))  # every method's
 SCHEDULE = ("first_layers", "groups", "decay")  # the knobs `hap_paper` takes from the run
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-
-    def ranks(v: np.ndarray) -> np.ndarray:
-        order = np.argsort(v, kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v), dtype=float)
-        for value in np.unique(v):
-            tie = v == value
-            r[tie] = r[tie].mean()
-        return r
-
-    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
-    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def batch_inputs(processor, batch) -> dict:
@@ -136,18 +121,12 @@ def grounding(state, batch) -> dict[str, np.ndarray]:
     dist = torch.stack([traced[l].head_attention for l in layers], 1).numpy()  # [B, L, H, N]
     out = {k: torch.stack([getattr(traced[l], k) for l in layers], 1).numpy()
            for k in ("paq", "sink_share", "dispersion", "visual_share")}
-    target = np.stack([q.target_mask for _, q in batch]).astype(float)  # [B, N]
-    other = np.stack([q.other_mask for _, q in batch]).astype(float)
-    n = target.shape[1]
+    def ratio(masks: list[np.ndarray]) -> np.ndarray:
+        rows = [head_grounding(d, m) for d, m in zip(dist, masks)]
+        return np.stack([np.full(dist.shape[1:3], np.nan) if r is None else r for r in rows])
 
-    def ratio(mask: np.ndarray) -> np.ndarray:
-        area = mask.sum(1) / n  # [B]
-        share = (dist * mask[:, None, None, :]).sum(-1)  # [B, L, H]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(area[:, None, None] > 0, share / area[:, None, None], np.nan)
-
-    out["target"] = ratio(target)
-    out["other"] = ratio(other)
+    out["target"] = ratio([q.target_mask for _, q in batch])
+    out["other"] = ratio([q.other_mask for _, q in batch])
     return out
 
 

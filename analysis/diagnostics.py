@@ -20,9 +20,9 @@ from collections import Counter
 import numpy as np
 import torch
 
-from analysis.benchmark import spearman
-from analysis.ground_truth import head_grounding
+from analysis.ground_truth import head_grounding, spearman
 from analysis.scenes import Question, Scene
+from hap.fusion import fusion_weights
 from hap.heads import classify, consensus_sinks, head_stats, sink_tokens, visual_distribution
 from hap.run import chat_prompt
 
@@ -126,9 +126,8 @@ def _summarise(per_item: list[dict]) -> dict:
 def fused_scores(dist: torch.Tensor, paq: torch.Tensor, temperature: float) -> torch.Tensor:
     """`dist [L, H, V]`, `paq [L, H]` -> `[V]`: heads weighted by softmax(PAQ / T) over all heads
     (T = inf: the uniform average)."""
-    flat = paq.flatten()
-    w = torch.full_like(flat, 1 / len(flat)) if math.isinf(temperature) else torch.softmax(flat / temperature, 0)
-    return (w[:, None] * dist.flatten(0, 1)).sum(0)
+    w = fusion_weights(paq[None], temperature)[0]  # [L, H], summing to 1
+    return (w[..., None] * dist).sum((0, 1))
 
 
 def _probe(model, processor, items, per_item: list[dict], answer_ids: list[int]) -> dict:

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from analysis.benchmark import spearman  # the benchmark's grounding Spearman, the same statistic here
 from analysis.scenes import METADATA_KEY, N_PATCHES
 from hap.views import Truth, ViewData
 
@@ -41,6 +40,22 @@ def read_metadata(image: Image.Image) -> dict | None:
     except (ValueError, AttributeError):
         return None
     return meta
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):
+            tie = v == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
+    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def patch_mask(patches: list[int], n: int = N_PATCHES) -> np.ndarray:

@@ -16,7 +16,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 import hap
-from analysis.benchmark import spearman
+from analysis.ground_truth import spearman
 from analysis.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
 from hap import views
 from hap.knobs import KNOBS

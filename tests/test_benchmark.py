@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.benchmark import METHODS, RETAINS, main, spearman
+from analysis.benchmark import METHODS, RETAINS, main
+from analysis.ground_truth import spearman
 from analysis.scenes import QTYPES
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-llava"

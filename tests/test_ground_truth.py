@@ -4,7 +4,7 @@ import pytest
 from PIL import Image
 
 import hap
-from analysis.benchmark import spearman
+from analysis.ground_truth import spearman
 from analysis.ground_truth import (file_metadata, head_grounding, kept_recall, patch_mask, question_for,
                                    read_metadata, scene_truth, truth_json)
 from analysis.scenes import make_questions, make_scene, save_scene
