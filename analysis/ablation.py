@@ -26,11 +26,13 @@ ALONE: dict[str, tuple[str, ...]] = {  # knob -> its non-paper choices, each tri
     "head_weight": ("paq_visual",),
     "sink_ranking": ("mask", "mask_keep_one"),
     "sink_detector": ("consensus", "both"),
-    "rows": ("question",),
+    "rows": ("last", "question"),
+    "score_layers": ("last",),
+    "merge": ("average", "proportional"),
     "first_cut": ("prerope", "vision"),
 }
 TOGETHER = {"head_weight": "paq_visual", "sink_ranking": "mask_keep_one", "sink_detector": "both",
-            "rows": "question", "first_cut": "prerope"}
+            "rows": "question", "score_layers": "last", "merge": "proportional", "first_cut": "prerope"}
 
 
 def variants() -> dict[str, dict]:

@@ -3,16 +3,19 @@
     python -m analysis.train_model --out assets/tiny-llava [--smoke] [--resume]
 
 Stage 1: dense per-patch supervision of the CLIP tower. A linear head on the last hidden
-state (CLS dropped) predicts each patch's colour (5 + background) and shape (3 + background);
-a patch is labelled with the object covering most of it if that covers > 30%. Early stop when
-per-object accuracy (majority vote over the object's labelled patches) reaches the targets.
+state (CLS dropped) predicts each patch's colour (5 + background), shape (3 + background), row
+and column; a patch is labelled with the object covering most of it if that covers > 30%. The
+row/column targets keep the patch's place linearly readable for relational questions. Early
+stop when per-object accuracy (majority vote over the object's labelled patches) reaches the
+targets.
 
 Stage 2: answer-only training of the whole ``LlavaForConditionalGeneration`` with
 shared-prefix packing: one sequence = ``<s> user : <image>x144`` followed by K question
 blocks ``<question> assistant : <answer>``; a 4D mask lets each block see only the prefix and
 itself, and each block gets the position ids of a single-question prompt. The loss is on the
 answer word (predicted from the last prompt token) and on ``</s>`` (predicted from the answer).
-Curriculum: first part of the time on 2-object scenes. The vision tower is frozen first, then
+Curriculum: first part of the time on 2-object scenes. Question kinds are drawn in the
+proportions of ``Settings.s2_kinds`` (relations twice as often as the others). The vision tower is frozen first, then
 trained at 0.1x lr. Time-based warmup + cosine schedule for each stage.
 
 Training seeds start at ``scenes.TRAIN_SEED_START``; held-out evaluation uses seeds below it.
@@ -39,7 +42,7 @@ from transformers.utils import logging as hf_logging
 from analysis.evaluate import evaluate
 from hap.run import chat_prompt
 from analysis.diagnostics import diagnose
-from analysis.scenes import (COLORS, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES, TRAIN_SEED_START,
+from analysis.scenes import (COLORS, GRID, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES, TRAIN_SEED_START,
                              Question, Scene, heldout_items, make_questions, make_scene)
 from analysis.tiny_vlm import build_config, build_processor
 
@@ -71,6 +74,7 @@ class Settings:
     s2_frozen: float = 0.30  # fraction of stage-2 time with the vision tower frozen
     s2_vision_lr: float = 0.1  # vision lr multiplier once unfrozen
     s2_target: float = 0.99  # early stop when every type reaches this
+    s2_kinds: tuple[str, ...] = QTYPES + ("relation",)  # a kind listed twice is asked twice as often
     image_first: bool = False  # the image opens the sequence (analysis.tiny_vlm.IMAGE_FIRST_TEMPLATE)
     vision_from: str | None = None  # a saved LLaVA whose vision tower replaces stage 1
     init_from: str | None = None  # a saved LLaVA whose whole weights stage 2 continues from
@@ -151,16 +155,18 @@ def diagnostic_items(per_kind: int, start: int = DIAG_START) -> list[tuple[Scene
 
 
 class PatchHead(torch.nn.Module):
-    """Linear per-patch classifier: hidden -> colour logits [6] + shape logits [4]."""
+    """Linear per-patch classifier: hidden -> colour [6], shape [4], row [12], column [12] logits."""
+
+    SIZES = (1 + len(COLORS), 1 + len(SHAPES), GRID, GRID)
 
     def __init__(self, hidden: int):
         super().__init__()
-        self.proj = torch.nn.Linear(hidden, 1 + len(COLORS) + 1 + len(SHAPES))
+        self.proj = torch.nn.Linear(hidden, sum(self.SIZES))
 
-    def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """feats [B, 144, D] -> (colour logits [B, 144, 6], shape logits [B, 144, 4])."""
-        logits = self.proj(feats)
-        return logits[..., :1 + len(COLORS)], logits[..., 1 + len(COLORS):]
+    def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """feats [B, 144, D] -> (colour [B, 144, 6], shape [B, 144, 4], row [B, 144, 12],
+        column [B, 144, 12]) logits."""
+        return tuple(self.proj(feats).split(self.SIZES, dim=-1))
 
 
 def patch_features(model: LlavaForConditionalGeneration, pixels: torch.Tensor) -> torch.Tensor:
@@ -168,11 +174,12 @@ def patch_features(model: LlavaForConditionalGeneration, pixels: torch.Tensor) -
     return model.model.vision_tower(pixels).last_hidden_state[:, 1:]
 
 
-def patch_labels(scenes: list[Scene]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(colour ids [B, 144], shape ids [B, 144]); 0 = background."""
+def patch_labels(scenes: list[Scene]) -> tuple[torch.Tensor, ...]:
+    """(colour ids, shape ids, row ids, column ids), each [B, 144]; colour/shape 0 = background."""
     labels = [s.patch_labels() for s in scenes]
+    place = torch.arange(N_PATCHES).expand(len(scenes), N_PATCHES)
     return (torch.from_numpy(np.stack([c for c, _ in labels])),
-            torch.from_numpy(np.stack([s for _, s in labels])))
+            torch.from_numpy(np.stack([s for _, s in labels])), place // GRID, place % GRID)
 
 
 @torch.no_grad()
@@ -182,7 +189,7 @@ def probe_objects(model, head: PatchHead, processor, seeds: range) -> dict[str, 
     hits = {"color": 0, "shape": 0, "objects": 0, "bg_hit": 0, "bg": 0}
     for start in range(0, len(scenes), 32):
         chunk = scenes[start:start + 32]
-        c_logits, s_logits = head(patch_features(model, pixel_values(processor, chunk)))
+        c_logits, s_logits, _, _ = head(patch_features(model, pixel_values(processor, chunk)))
         c_pred, s_pred = c_logits.argmax(-1).numpy(), s_logits.argmax(-1).numpy()
         for i, scene in enumerate(chunk):
             c_lab, _ = scene.patch_labels()
@@ -391,10 +398,9 @@ class Trainer:
         while st.elapsed < budget and st.step < (cfg.s1_max_steps or math.inf):
             t0 = time.time()
             scenes = next_scenes(st, cfg.s1_batch)
-            colors, shapes = patch_labels(scenes)
-            c_logits, s_logits = self.head(patch_features(self.model, pixel_values(self.processor, scenes)))
-            loss = (F.cross_entropy(c_logits.reshape(-1, c_logits.shape[-1]), colors.reshape(-1))
-                    + F.cross_entropy(s_logits.reshape(-1, s_logits.shape[-1]), shapes.reshape(-1)))
+            logits = self.head(patch_features(self.model, pixel_values(self.processor, scenes)))
+            loss = sum(F.cross_entropy(out.flatten(0, 1), target.flatten())
+                       for out, target in zip(logits, patch_labels(scenes)))
             self._set_lr(cfg.s1_lr, lr_factor(st.step, st.elapsed, cfg.s1_warmup, budget, 0.05))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -444,7 +450,7 @@ class Trainer:
             vision.requires_grad_(not frozen)
             curriculum = st.elapsed < cfg.s2_curriculum * budget
             scenes = next_scenes(st, cfg.s2_images, max_objects=MIN_OBJECTS if curriculum else None)
-            questions = [make_questions(s, s.seed, cfg.s2_questions) for s in scenes]
+            questions = [make_questions(s, s.seed, cfg.s2_questions, cfg.s2_kinds) for s in scenes]
             loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions))
             self._set_lr(cfg.s2_lr, lr_factor(st.step, st.elapsed, cfg.s2_warmup, budget, cfg.s2_final_lr))
             self.optimizer.zero_grad(set_to_none=True)

@@ -16,12 +16,14 @@ def prompt_attention(
     row_pos: torch.Tensor,
     key_valid: torch.Tensor | None,
     scaling: float,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probabilities of the prompt rows over every key, in float32.
 
     q_rows [batch, heads, P, d_h] (post-RoPE queries of the rows); keys [batch, kv_heads, T, d_h]
     (post-RoPE); row_pos long [P] or [batch, P], each row's index in the T keys (causal: a row sees
-    keys at index <= its own); key_valid bool [batch, T] or None (False = padding).
+    keys at index <= its own); key_valid bool [batch, T] or None (False = padding); bias float [batch, T] or None:
+    added to every row's logits per key (proportional attention after a merge, hap/merge.py).
     Returns [batch, heads, P, T]; every row sums to 1 over the keys it may see.
     """
     heads, kv_heads = q_rows.shape[1], keys.shape[1]
@@ -31,6 +33,8 @@ def prompt_attention(
     T = keys.shape[2]
     q = q_rows.float().view(B, kv_heads, heads // kv_heads, P, d)  # query head h reads kv head h // group
     logits = (q @ keys.float()[:, :, None].transpose(-1, -2)).view(B, heads, P, T) * scaling  # [B, H, P, T]
+    if bias is not None:
+        logits = logits + bias.float()[:, None, None, :]
     if row_pos.dim() == 1:
         row_pos = row_pos.unsqueeze(0)
     allowed = torch.arange(T, device=keys.device)[None, None, :] <= row_pos[:, :, None]  # [B|1, P, T]

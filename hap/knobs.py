@@ -20,6 +20,8 @@ HEAD_WEIGHTS = ("paq", "paq_visual")
 SINK_RANKINGS = ("keep", "mask", "mask_keep_one")
 SINK_DETECTORS = ("norm", "consensus", "both")
 FIRST_CUTS = ("attention", "prerope", "vision")
+SCORE_LAYERS = ("segment", "last")
+MERGES = ("none", "average", "proportional")
 DEEP_DECODER = 16  # decoder layers from which a model counts as deep for the per-model defaults
 
 
@@ -152,6 +154,14 @@ KNOBS: tuple[Knob, ...] = (
          low_open=True),
     Knob("consensus_quorum", float, 0.25, "...for >= this fraction of the layer's heads", low=0.0, high=1.0,
          low_open=True),
+    Knob("score_layers", str, "segment",
+         "layers whose maps score a cut: every layer of the segment before it (segment), or only its last layer "
+         "(last, as PyramidDrop scores)", choices=SCORE_LAYERS, paper="segment"),
+    Knob("merge", str, "none",
+         "dropped visual tokens: discarded (none), or folded into the most similar kept token (average), whose "
+         "attention logit also gains log(tokens it stands for) so it draws their attention (proportional)",
+         choices=MERGES,
+         paper="none"),
     Knob("first_cut", str, "attention",
          "scores of a cut before layer 0: layer 0's attention (attention), or its q.k without rotary embedding "
          "(prerope: no recency bias), or the vision tower's [CLS] attention (vision; CLIP towers)",

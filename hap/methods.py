@@ -5,7 +5,7 @@ policy only says how many groups there are, which prompt rows and which captured
 cut, and how heads are weighted:
 
     method    groups     rows                  layers scoring a cut       head weights
-    hap       G          config.rows           the whole previous segment softmax(PAQ / T)
+    hap       G          config.rows           the previous segment (or its last layer) softmax(PAQ / T)
     uniform   G          config.rows           the whole previous segment uniform (T = inf)
     pdrop     G          last token            last layer of the segment  uniform
     fastv     1 (at K)   last token            layer K-1                  uniform
@@ -13,7 +13,8 @@ cut, and how heads are weighted:
     visionzip 1, at 0    -                     - (the vision tower's [CLS] attention, `hap.visionzip`)
     none      no cuts
 
-HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `first_cut`)
+HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`,
+`merge`, `first_cut`)
 shape the `hap` policy only; the baselines score as published (`rows` applies to `uniform` too).
 """
 
@@ -38,6 +39,7 @@ class Policy:
     visual_weights: bool = False  # head weights x visual share (head_weight="paq_visual")
     sink_ranking: str = "keep"  # sink tokens at a cut: "keep", "mask" or "mask_keep_one"
     first_cut: str = "attention"  # a cut before layer 0 scored by layer 0's attention, its pre-RoPE q.k, or [CLS]
+    merge: str = "none"  # dropped tokens folded into the kept ones: "none", "average" or "proportional" (+ log-size bias)
     vision: bool = False  # VisionZip: one cut before layer 0 from the vision tower's [CLS] attention
 
     @property
@@ -56,9 +58,9 @@ def policy_for(config: HAPConfig) -> Policy:
     if m == "none":
         return Policy(0, config.rows, True, math.inf)
     if m == "hap":
-        return Policy(config.groups, config.rows, True, config.temperature,
+        return Policy(config.groups, config.rows, config.score_layers == "segment", config.temperature,
                       visual_weights=config.head_weight == "paq_visual", sink_ranking=config.sink_ranking,
-                      first_cut=config.first_cut)
+                      first_cut=config.first_cut, merge=config.merge)
     if m == "uniform":
         return Policy(config.groups, config.rows, True, math.inf)
     if m == "pdrop":

@@ -23,6 +23,7 @@ from .budget import DecoderShape, Schedule, plan
 from .config import HAPConfig
 from .fusion import select_top
 from .heads import HeadStats, detect_sinks, head_stats
+from .merge import key_bias, merge_dropped
 from .methods import Policy, cut_scores, head_weights, policy_for, scoring_layers
 from .trace import CutTrace, Tracer
 from .visionzip import select
@@ -49,8 +50,10 @@ class PruneState:
     prompt_len: int
     priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
     vision: tuple[torch.Tensor, torch.Tensor] | None = None  # VisionZip cues: [CLS] attention [B, N], keys [B, N, d]
-    merged: tuple[torch.Tensor, torch.Tensor] | None = None  # VisionZip: (positions [B, c], embeds [B, c, D]) to
-    #                                                          write into the hidden states after the cut
+    merged: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions [B, c], embeds [B, c, D]) to write into the
+    #                                     hidden states after the cut: VisionZip's contextual tokens, merge's kept ones
+    sizes: torch.Tensor | None = None  # with a merge: [B, N_cur] original tokens each visual token stands for
+    key_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> [B, T_group] log-size bias per key
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0  # time in the capture (timed by the adapter) and in the cuts
@@ -109,6 +112,7 @@ class PruneState:
             tracer=Tracer(N, config.temperature) if trace else None,
             prompt_len=T,
             priority=None if priority is None else priority.float().to(device),
+            sizes=None if policy.merge == "none" else torch.ones(B, N, device=device),
         )
 
     # --- queries the adapter asks at each layer -------------------------------------------------
@@ -134,6 +138,12 @@ class PruneState:
         dropped = self.prompt_len - self.segment_index[0].shape[1] if 0 in self.segment_index else 0
         start = cached + dropped
         return torch.arange(start, start + new, device=self.seq_index.device)[None]
+
+    def bias_at(self, layer: int) -> torch.Tensor | None:
+        """float [batch, T_group] the proportional-attention bias per key of the group holding `layer` (its latest
+        cut at or before `layer`; docs/method.md §10), or None where no merge happened."""
+        cuts = [c for c in self.key_bias if c <= layer]
+        return self.key_bias[max(cuts)] if cuts else None
 
     def key_valid(self) -> torch.Tensor | None:
         """bool [batch, T_cur] padding mask of the current sequence, or None without padding."""
@@ -165,7 +175,8 @@ class PruneState:
     def cut(self, layer: int, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. VisionZip
         (docs/method.md §7) merges `visual_embeds` [batch, N_cur, D] (the visual rows of the hidden states) into
-        its contextual tokens, left in `merged` for the adapter to write."""
+        its contextual tokens, left in `merged` for the adapter to write; a merge (§10) folds the dropped tokens of
+        `visual_embeds` into the kept ones the same way, and merge="proportional" records the group's attention bias."""
         t0 = time.perf_counter()
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
@@ -201,6 +212,11 @@ class PruneState:
         self.kept_orig = self.kept_orig.gather(1, chosen)
         if self.policy.vision:
             self.merged = (self.visual_pos.gather(1, slots), merged)
+        elif self.sizes is not None:
+            merged, self.sizes = merge_dropped(visual_embeds.to(self.visual_pos.device), self.sizes, chosen)
+            self.merged = (self.visual_pos, merged)
+            if self.policy.merge == "proportional":
+                self.key_bias[layer] = key_bias(self.sizes, self.visual_pos, T - (n_cur - k))
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
         self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(),

@@ -99,7 +99,8 @@ def test_a_prerope_first_cut_keeps_the_top_tokens_of_layer0_qk_without_rotary_em
 
 @pytest.mark.parametrize("knobs", [dict(head_weight="paq_visual"), dict(sink_ranking="mask_keep_one"),
                                    dict(sink_detector="both"), dict(rows="question"), dict(first_cut="prerope"),
-                                   dict(first_cut="vision")])
+                                   dict(first_cut="vision"), dict(score_layers="last"), dict(merge="average"),
+                                   dict(merge="proportional")])
 def test_each_knob_runs_end_to_end_and_keeps_the_budget(knobs):
     model, processor = tiny_llava(layers=4)
     config = hap.HAPConfig(retain=0.2, first_layers=0, **knobs)
@@ -109,23 +110,14 @@ def test_each_knob_runs_end_to_end_and_keeps_the_budget(knobs):
     assert abs(result.retain - 0.2) < 0.01
 
 
+@pytest.mark.parametrize("score_layers, scored", [("segment", [[0], [0, 1]]), ("last", [[0], [1]])])
 @torch.no_grad()
-def test_a_vision_first_cut_keeps_the_top_tokens_of_the_towers_eager_cls_attention():
+def test_score_layers_picks_the_segments_layers_or_its_last(score_layers, scored):
+    """Cuts at layers 0 and 2 of a 4-layer decoder: the first looks ahead at layer 0; the second is scored by
+    layers 0-1 (segment) or by layer 1 alone (last, as PyramidDrop)."""
     model, make_inputs = llava_case(layers=4)
-    inputs = make_inputs([QUESTION, "is there a big red square in the image ?"], [0, 1])
-    with hap.patched(model, hap.HAPConfig(retain=0.3, first_layers=0, groups=2, first_cut="vision")) as patch:
-        model.generate(**inputs, max_new_tokens=2, do_sample=False)
-    tower = model.model.vision_tower
-    tower.set_attn_implementation("eager")
-    cls_attention = tower(inputs["pixel_values"], output_attentions=True).attentions[-1][:, :, 0, 1:].mean(1)
-    k = patch.state.schedule.kept[0]
-    assert patch.state.cuts[0].scored_layers == [] and patch.state.cuts[1].scored_layers == [0, 1]
-    assert torch.equal(patch.state.cuts[0].kept, cls_attention.topk(k).indices.sort(1).values)
-
-
-@pytest.mark.parametrize("arch", ["llava-qwen2", "qwen2-vl"])
-def test_a_vision_first_cut_on_a_tower_without_cls_is_refused(arch):
-    from tiny_models import CASES
-
-    with pytest.raises(ValueError, match=r"first_cut='vision' need a \[CLS\] token"):
-        hap.patch(CASES[arch]()[0], hap.HAPConfig(first_cut="vision"))
+    config = hap.HAPConfig(retain=0.3, first_layers=0, groups=2, score_layers=score_layers)
+    with hap.patched(model, config) as patch:
+        model(**make_inputs([QUESTION], [0]))
+    assert [c.layer for c in patch.state.cuts] == [0, 2]
+    assert [c.scored_layers for c in patch.state.cuts] == scored

@@ -34,6 +34,7 @@ from transformers.masking_utils import create_causal_mask
 from ..budget import DecoderShape
 from ..capture import prompt_attention
 from ..config import HAPConfig
+from ..merge import add_key_bias
 from ..methods import policy_for
 from ..pruner import PruneState
 
@@ -164,14 +165,8 @@ class Patch:
         if self.state.cut_index(index) is None:
             return
         step_mask = self.state.decode_attention_mask(index, self.step_mask)
-        kwargs["attention_mask"] = create_causal_mask(
-            config=self.text_config,
-            inputs_embeds=hidden,
-            attention_mask=None if step_mask is None else step_mask.to(hidden.device),
-            cache=kwargs.get("cache"),
-            position_ids=None,
-            layer_idx=index,
-        )
+        kwargs["attention_mask"] = _mask(self.text_config, hidden, step_mask, kwargs, index,
+                                         self.state.key_bias.get(index))
         self.overrides = {"attention_mask": kwargs["attention_mask"]}
 
     def row_rotary(self, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +216,10 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
     if tail is None and policy_for(config).rows == "question":
         raise ValueError("rows='question' needs the chat template's tail after the question: "
                          "hap.patched(model, config, tail=hap.run.template_tail(processor))")
+    attention = getattr(decoder_of(model).config, "_attn_implementation", None) or ""
+    if policy_for(config).merge == "proportional" and "flash" in attention:
+        raise ValueError(f"merge='proportional' adds a bias to the attention mask, which {attention} does not take: "
+                         "load the model with attn_implementation='sdpa' or 'eager', or use merge='none'")
     if hasattr(model, "_hap"):
         remove_patch(model)
     patch = Patch(model, config, trace, decode_positions, priority, tail or 0)
@@ -288,13 +287,16 @@ def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor,
     """The prompt rows' attention (queries `q` of the rows at positions `rows` [B, P], keys `k`) to the pruner."""
     key_valid = st.key_valid()
     key_valid = None if key_valid is None else key_valid.to(q.device)
-    st.record(index, prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling), hidden, lookahead)
+    bias = st.bias_at(index)
+    bias = None if bias is None else bias.to(q.device)
+    st.record(index, prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling, bias), hidden,
+              lookahead)
 
 
 @torch.no_grad()
 def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Apply the cut entering layer `index` to the hidden states and the layer kwargs (in place)."""
-    keep = st.cut(index, _take(hidden, st.visual_pos) if st.policy.vision else None)  # [B, T']
+    keep = st.cut(index, _take(hidden, st.visual_pos) if st.policy.vision or st.sizes is not None else None)  # [B, T']
     hidden = _take(hidden, keep)
     if st.merged is not None:  # VisionZip's contextual tokens take the merged embeddings
         positions, merged = st.merged
@@ -306,12 +308,22 @@ def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: 
     if kwargs.get("position_ids") is not None:
         kwargs["position_ids"] = _take(kwargs["position_ids"], keep)
     key_valid = st.key_valid()
-    kwargs["attention_mask"] = create_causal_mask(
+    kwargs["attention_mask"] = _mask(text_config, hidden, None if key_valid is None else key_valid.long(), kwargs,
+                                     index, st.key_bias.get(index))
+    return hidden
+
+
+def _mask(text_config, hidden: torch.Tensor, mask_2d: torch.Tensor | None, kwargs: dict, index: int,
+          bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention mask of the layers from cut `index` on: the stock causal mask over the padding mask
+    `mask_2d` [batch, kv], plus the group's proportional-attention `bias` [batch, T_group] where a merge made one."""
+    mask = create_causal_mask(
         config=text_config,
         inputs_embeds=hidden,
-        attention_mask=None if key_valid is None else key_valid.to(hidden.device).long(),
+        attention_mask=None if mask_2d is None else mask_2d.to(hidden.device),
         cache=kwargs.get("cache"),
         position_ids=None,
         layer_idx=index,
+        allow_is_causal_skip=bias is None,
     )
-    return hidden
+    return mask if bias is None else add_key_bias(mask, bias, hidden.dtype)
