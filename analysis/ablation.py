@@ -4,7 +4,8 @@
         --out results/ablation
 
 Every non-paper choice of each HAP+ knob alone, then all of them together (`TOGETHER`: one choice
-per knob, first_cut="prerope" of its two), each as
+per knob, first_cut="prerope" of its two), then the library defaults (`hap.HAPConfig()`'s departures
+from the paper, chosen on this table) with PAQ weighting and with plain head averaging, each as
 `hap.HAPConfig.paper(**change)` on one schedule (first_layers, groups, decay: the library's per-model
 defaults unless given), so a row differs from `hap_paper` in its change only. Cells: accuracy, its
 difference to `hap_paper`, and the recall of the queried object's patches among the tokens present
@@ -35,11 +36,19 @@ TOGETHER = {"head_weight": "paq_visual", "sink_ranking": "mask_keep_one", "sink_
             "rows": "question", "score_layers": "last", "merge": "proportional", "first_cut": "prerope"}
 
 
+def defaults() -> dict[str, object]:
+    """The knobs where the library defaults (`hap.HAPConfig()`) depart from the paper."""
+    return {k.name: k.default for k in hap.KNOBS if k.paper is not None and k.default != k.paper}
+
+
 def variants() -> dict[str, dict]:
-    """Row name -> the knobs it changes from the paper: none (`hap_paper`), each alone, all together."""
+    """Row name -> the knobs it changes from the paper: none (`hap_paper`), each alone, all together, the
+    library defaults, and the defaults with plain head averaging (T = inf: what PAQ weighting adds to them)."""
     rows = {"hap_paper": {}}
     rows.update({f"{name}={value}": {name: value} for name, values in ALONE.items() for value in values})
     rows["all"] = dict(TOGETHER)
+    rows["defaults"] = defaults()
+    rows["defaults, T=inf"] = {**defaults(), "temperature": float("inf")}
     return rows
 
 

@@ -137,7 +137,7 @@ KNOBS: tuple[Knob, ...] = (
          low=0.0, high=1.0, paper=0.9),
     Knob("sink_rho", float, 10.0, "a visual token is a sink when its hidden-state norm > rho x the median norm",
          low=1.0, paper=10.0),
-    Knob("rows", str, "prompt",
+    Knob("rows", str, "last",
          "prompt rows scoring the tokens: every text token after the image, the last one, or the question's "
          "(the prompt rows minus the chat template's tail, e.g. ' ASSISTANT:')", choices=ROWS, paper="prompt"),
     Knob("head_weight", str, "paq",
@@ -154,10 +154,10 @@ KNOBS: tuple[Knob, ...] = (
          low_open=True),
     Knob("consensus_quorum", float, 0.25, "...for >= this fraction of the layer's heads", low=0.0, high=1.0,
          low_open=True),
-    Knob("score_layers", str, "segment",
+    Knob("score_layers", str, "last",
          "layers whose maps score a cut: every layer of the segment before it (segment), or only its last layer "
          "(last, as PyramidDrop scores)", choices=SCORE_LAYERS, paper="segment"),
-    Knob("merge", str, "none",
+    Knob("merge", str, "proportional",
          "dropped visual tokens: discarded (none), or folded into the most similar kept token (average), whose "
          "attention logit also gains log(tokens it stands for) so it draws their attention (proportional)",
          choices=MERGES,

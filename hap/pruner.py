@@ -213,9 +213,10 @@ class PruneState:
         if self.policy.vision:
             self.merged = (self.visual_pos.gather(1, slots), merged)
         elif self.sizes is not None:
-            merged, self.sizes = merge_dropped(visual_embeds.to(self.visual_pos.device), self.sizes, chosen)
-            self.merged = (self.visual_pos, merged)
-            if self.policy.merge == "proportional":
+            if k < n_cur:  # a cut that keeps every token merges nothing
+                merged, self.sizes = merge_dropped(visual_embeds.to(self.visual_pos.device), self.sizes, chosen)
+                self.merged = (self.visual_pos, merged)
+            if self.policy.merge == "proportional" and bool((self.sizes > 1).any()):
                 self.key_bias[layer] = key_bias(self.sizes, self.visual_pos, T - (n_cur - k))
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
@@ -268,12 +269,12 @@ def _prompt_rows(rows: str, last_visual: torch.Tensor, last_token: torch.Tensor 
     if rows == "question":
         last_token = last_token - tail
     gap = T - 1 - last_token
-    if rows == "last":
-        return torch.ones(B, 1, dtype=torch.bool, device=device), gap
     counts = last_token - last_visual  # [B] prompt rows of each sample
-    P = int(counts.max())
     if int(counts.min()) < 1:
         raise ValueError("no prompt token follows the image: put the image before the question")
+    if rows == "last":
+        return torch.ones(B, 1, dtype=torch.bool, device=device), gap
+    P = int(counts.max())
     return torch.arange(P - 1, -1, -1, device=device)[None, :] < counts[:, None], gap
 
 

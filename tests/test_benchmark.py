@@ -1,11 +1,13 @@
 """The fidelity benchmark runs end to end on the shipped model and writes the binding keys, consistently."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import hap
 from analysis.benchmark import METHODS, RETAINS, main
 from analysis.ground_truth import spearman
 from analysis.scenes import QTYPES
@@ -66,10 +68,13 @@ def test_layer_recall_averages_over_decoder_layers():
 
 
 def test_the_ablation_runs_every_knob_alone_and_together(tmp_path):
-    from analysis.ablation import TOGETHER, main as ablation, variants
+    from analysis.ablation import ALONE, TOGETHER, defaults, main as ablation, variants
 
     names = variants()
-    assert names["hap_paper"] == {} and names["all"] == TOGETHER and len(names) == 10
+    assert names["hap_paper"] == {} and names["all"] == TOGETHER and names["defaults"] == defaults() != {}
+    assert names["defaults, T=inf"]["temperature"] == math.inf
+    assert len(names) == 1 + sum(len(v) for v in ALONE.values()) + 3
+    assert hap.HAPConfig(**defaults()) == hap.HAPConfig()  # the defaults row is the library's HAP
     report = ablation(["--model", str(SHIPPED), "--seeds", "400000:400002", "--per-scene", "2", "--retain", "0.111",
                        "--out", str(tmp_path)])
     assert set(report["variants"]) == set(names) and report["variants"]["hap_paper"]["delta"]["0.111"] == 0.0

@@ -72,7 +72,7 @@ def test_sink_detectors_combine():
 def test_a_prerope_first_cut_keeps_the_top_tokens_of_layer0_qk_without_rotary_embedding():
     model, make_inputs = llava_case(layers=4)
     inputs = make_inputs([QUESTION], None)
-    config = hap.HAPConfig(retain=0.5, first_layers=0, groups=1, temperature=math.inf, first_cut="prerope")
+    config = hap.HAPConfig.paper(retain=0.5, first_layers=0, groups=1, temperature=math.inf, first_cut="prerope")
     with hap.patched(model, config) as patch:
         model(**inputs)
     kept = patch.state.cuts[0].kept[0].tolist()

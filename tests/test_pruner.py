@@ -30,13 +30,13 @@ def layout(prefix: int, n: int, prompt: list[int]) -> tuple[torch.Tensor, torch.
 
 def test_start_plans_the_rows_the_positions_and_the_layers_to_capture():
     visual, mask = layout(prefix=2, n=6, prompt=[3, 1])
-    st = PruneState.start(hap.HAPConfig(retain=0.5, first_layers=1, groups=2), visual, mask, SHAPE, trace=False)
+    st = PruneState.start(hap.HAPConfig.paper(retain=0.5, first_layers=1, groups=2), visual, mask, SHAPE, trace=False)
     assert st.config.first_layers == 1 and st.schedule.cuts == [1, 2]
     assert st.row_valid.tolist() == [[True, True, True], [False, False, True]]  # sample 1 has one prompt row
     assert st.visual_pos.tolist() == [[2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 8, 9]]
     assert st.scoring_layers == {0, 1} and st.capture_layers == {0, 1} and not st.lookahead_layers
     assert st.tracer is None and st.cut_index(2) == 1 and st.cut_index(3) is None
-    traced = PruneState.start(hap.HAPConfig(retain=0.5, first_layers=0), visual, mask, SHAPE, trace=True)
+    traced = PruneState.start(hap.HAPConfig.paper(retain=0.5, first_layers=0), visual, mask, SHAPE, trace=True)
     assert traced.lookahead_layers == {0} and traced.capture_layers == {0, 1, 2, 3} and traced.tracer is not None
 
 
@@ -102,7 +102,7 @@ def test_hap_keeps_what_the_independent_computation_says_on_the_shipped_model():
     model.set_attn_implementation("eager")
     image = Image.open(SHIPPED / "examples" / "scene_600003.png").convert("RGB")
     inputs = processor(images=image, text=chat_prompt(processor, "what color is the circle ?"), return_tensors="pt")
-    config = hap.HAPConfig(method="hap", retain=0.5, first_layers=2, groups=1)
+    config = hap.HAPConfig.paper(method="hap", retain=0.5, first_layers=2, groups=1)
     with hap.patched(model, config) as patch, torch.no_grad():
         model(**inputs)
     cut = patch.state.cuts[0]
