@@ -40,21 +40,31 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
-# The image-first layout: the image opens the sequence (no <s> before it), so its first patch, the
+
+
+# The image-first layouts: the image opens the sequence (no <s> before it), so its first patch, the
 # scene's fixed marker, always sits at position 0, where a learned attention sink can form.
-IMAGE_FIRST_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['content'] is not string %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}<image>\n{% endif %}{% endfor %}{% endif %}"
-    "{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% if message['role'] == 'user' %} {% else %}</s>{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
-)
+def image_first_template(user_tag: bool = True) -> str:
+    """The chat template of an image-first layout; without ``user_tag`` the question follows the image
+    directly (no constant ``USER :`` between them, so the only fixed tokens a question row can see are
+    the image's, its marker patch first)."""
+    user = "USER: " if user_tag else ""
+    return (
+        "{% for message in messages %}"
+        "{% if message['content'] is not string %}{% for item in message['content'] %}"
+        "{% if item['type'] == 'image' %}<image>\n{% endif %}{% endfor %}{% endif %}"
+        f"{{% if message['role'] == 'user' %}}{user}{{% else %}}ASSISTANT: {{% endif %}}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for item in message['content'] %}"
+        "{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "{% if message['role'] == 'user' %} {% else %}</s>{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+    )
+
+
+LAYOUTS = ("text-first", "image-first", "image-question")  # <s> USER: <image> q | <image> USER: q | <image> q
 
 IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.25, 0.25, 0.25]
@@ -78,16 +88,20 @@ def build_tokenizer(bos: bool = True) -> PreTrainedTokenizerFast:
         padding_side="left", model_max_length=512)
 
 
-def build_processor(image_first: bool = False) -> LlavaProcessor:
-    """LlavaProcessor: 168-px CLIP-style image processing, 144 image tokens, chat template
-    (``USER: <image>\\n...`` after ``<s>``, or with ``image_first`` the image at position 0)."""
+def build_processor(layout: str = "text-first") -> LlavaProcessor:
+    """LlavaProcessor: 168-px CLIP-style image processing, 144 image tokens, chat template of ``layout``
+    (``LAYOUTS``: ``USER: <image>\\n...`` after ``<s>``, or the image at position 0 and ``USER:`` or the
+    question itself after it)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; choose one of {', '.join(LAYOUTS)}")
+    image_first = layout != "text-first"
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
         do_center_crop=True, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
     return LlavaProcessor(
         image_processor=image_processor, tokenizer=build_tokenizer(bos=not image_first), patch_size=PATCH,
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=IMAGE_FIRST_TEMPLATE if image_first else CHAT_TEMPLATE)
+        chat_template=image_first_template(layout == "image-first") if image_first else CHAT_TEMPLATE)
 
 
 def build_config(processor: LlavaProcessor, *, text_layers: int = 6, text_heads: int = 4,

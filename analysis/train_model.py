@@ -3,11 +3,11 @@
     python -m analysis.train_model --out assets/tiny-llava [--smoke] [--resume]
 
 Stage 1: dense per-patch supervision of the CLIP tower. A linear head on the last hidden
-state (CLS dropped) predicts each patch's colour (5 + background), shape (3 + background), row
-and column; a patch is labelled with the object covering most of it if that covers > 30%. The
-row/column targets keep the patch's place linearly readable for relational questions. Early
-stop when per-object accuracy (majority vote over the object's labelled patches) reaches the
-targets.
+state (CLS dropped) predicts each patch's colour (5 + background) and shape (3 + background),
+and with ``--position-targets`` its row and column (to keep the patch's place linearly readable
+for relational questions); a patch is labelled with the object covering most of it if that
+covers > 30%. Early stop when per-object accuracy (majority vote over the object's labelled
+patches) reaches the targets.
 
 Stage 2: answer-only training of the whole ``LlavaForConditionalGeneration`` with
 shared-prefix packing: one sequence = ``<s> user : <image>x144`` followed by K question
@@ -15,7 +15,7 @@ blocks ``<question> assistant : <answer>``; a 4D mask lets each block see only t
 itself, and each block gets the position ids of a single-question prompt. The loss is on the
 answer word (predicted from the last prompt token) and on ``</s>`` (predicted from the answer).
 Curriculum: first part of the time on 2-object scenes. Question kinds are drawn in the
-proportions of ``Settings.s2_kinds`` (relations twice as often as the others). The vision tower is frozen first, then
+proportions of ``Settings.s2_kinds`` (balanced; ``--relation-weight 2`` asks relations twice as often). The vision tower is frozen first, then
 trained at 0.1x lr. Time-based warmup + cosine schedule for each stage.
 
 Training seeds start at ``scenes.TRAIN_SEED_START``; held-out evaluation uses seeds below it.
@@ -44,7 +44,7 @@ from hap.run import chat_prompt
 from analysis.diagnostics import diagnose
 from analysis.scenes import (COLORS, GRID, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES, TRAIN_SEED_START,
                              Question, Scene, heldout_items, make_questions, make_scene)
-from analysis.tiny_vlm import build_config, build_processor
+from analysis.tiny_vlm import LAYOUTS, build_config, build_processor
 
 STAGE1_EVAL_START = 900_000  # held-out scenes for the stage-1 probe start here
 STAGE2_EVAL_START = 0  # held-out scenes for periodic stage-2 evaluation start here
@@ -74,8 +74,9 @@ class Settings:
     s2_frozen: float = 0.30  # fraction of stage-2 time with the vision tower frozen
     s2_vision_lr: float = 0.1  # vision lr multiplier once unfrozen
     s2_target: float = 0.99  # early stop when every type reaches this
-    s2_kinds: tuple[str, ...] = QTYPES + ("relation",)  # a kind listed twice is asked twice as often
-    image_first: bool = False  # the image opens the sequence (analysis.tiny_vlm.IMAGE_FIRST_TEMPLATE)
+    s2_kinds: tuple[str, ...] = QTYPES  # a kind listed twice is asked twice as often
+    s1_position: bool = False  # stage 1 also predicts each patch's row and column
+    layout: str = "text-first"  # the prompt layout (analysis.tiny_vlm.LAYOUTS)
     vision_from: str | None = None  # a saved LLaVA whose vision tower replaces stage 1
     init_from: str | None = None  # a saved LLaVA whose whole weights stage 2 continues from
     s2_weight_decay: float = 0.3  # on the matrices (sinks grow with weight decay, head-heterogeneity note)
@@ -155,18 +156,18 @@ def diagnostic_items(per_kind: int, start: int = DIAG_START) -> list[tuple[Scene
 
 
 class PatchHead(torch.nn.Module):
-    """Linear per-patch classifier: hidden -> colour [6], shape [4], row [12], column [12] logits."""
+    """Linear per-patch classifier: hidden -> colour [6], shape [4] (and with ``position`` row [12],
+    column [12]) logits."""
 
-    SIZES = (1 + len(COLORS), 1 + len(SHAPES), GRID, GRID)
-
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, position: bool = False):
         super().__init__()
-        self.proj = torch.nn.Linear(hidden, sum(self.SIZES))
+        self.sizes = (1 + len(COLORS), 1 + len(SHAPES)) + ((GRID, GRID) if position else ())
+        self.proj = torch.nn.Linear(hidden, sum(self.sizes))
 
     def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """feats [B, 144, D] -> (colour [B, 144, 6], shape [B, 144, 4], row [B, 144, 12],
-        column [B, 144, 12]) logits."""
-        return tuple(self.proj(feats).split(self.SIZES, dim=-1))
+        """feats [B, 144, D] -> (colour [B, 144, 6], shape [B, 144, 4][, row [B, 144, 12],
+        column [B, 144, 12]]) logits."""
+        return tuple(self.proj(feats).split(self.sizes, dim=-1))
 
 
 def patch_features(model: LlavaForConditionalGeneration, pixels: torch.Tensor) -> torch.Tensor:
@@ -189,7 +190,7 @@ def probe_objects(model, head: PatchHead, processor, seeds: range) -> dict[str, 
     hits = {"color": 0, "shape": 0, "objects": 0, "bg_hit": 0, "bg": 0}
     for start in range(0, len(scenes), 32):
         chunk = scenes[start:start + 32]
-        c_logits, s_logits, _, _ = head(patch_features(model, pixel_values(processor, chunk)))
+        c_logits, s_logits = head(patch_features(model, pixel_values(processor, chunk)))[:2]
         c_pred, s_pred = c_logits.argmax(-1).numpy(), s_logits.argmax(-1).numpy()
         for i, scene in enumerate(chunk):
             c_lab, _ = scene.patch_labels()
@@ -314,9 +315,9 @@ class Trainer:
     def __init__(self, out: Path, run_dir: Path, settings: Settings, resume: bool):
         self.out, self.run_dir, self.cfg = out, run_dir, settings
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.processor = build_processor(settings.image_first)
+        self.processor = build_processor(settings.layout)
         self.model = LlavaForConditionalGeneration(build_config(self.processor, **settings.model))
-        self.head = PatchHead(self.model.config.vision_config.hidden_size)
+        self.head = PatchHead(self.model.config.vision_config.hidden_size, settings.s1_position)
         self.packer = Packer(self.processor)
         self.state = State()
         self.optimizer = self._make_optimizer()
@@ -400,7 +401,7 @@ class Trainer:
             scenes = next_scenes(st, cfg.s1_batch)
             logits = self.head(patch_features(self.model, pixel_values(self.processor, scenes)))
             loss = sum(F.cross_entropy(out.flatten(0, 1), target.flatten())
-                       for out, target in zip(logits, patch_labels(scenes)))
+                       for out, target in zip(logits, patch_labels(scenes)))  # row/column only with their logits
             self._set_lr(cfg.s1_lr, lr_factor(st.step, st.elapsed, cfg.s1_warmup, budget, 0.05))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -495,13 +496,16 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser.add_argument("--stage1-minutes", type=float, help="stage-1 time budget")
     parser.add_argument("--stage2-minutes", type=float, help="stage-2 time budget")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--image-first", action="store_true",
-                        help="the image opens the sequence, its marker patch at position 0")
+    parser.add_argument("--layout", choices=LAYOUTS, default="text-first",
+                        help="prompt layout: <s> USER: <image> q (text-first), <image> USER: q (image-first: the "
+                             "marker patch at position 0), <image> q (image-question: no fixed text before q)")
     parser.add_argument("--vision-from", type=Path, help="skip stage 1: the vision tower of this saved model")
     parser.add_argument("--init-from", type=Path, help="skip stage 1: continue from this saved model's weights")
     parser.add_argument("--frozen", type=float, help="fraction of stage-2 time with the tower frozen")
     parser.add_argument("--curriculum", type=float, help="fraction of stage-2 time on the smallest scenes")
     parser.add_argument("--lr", type=float, help="stage-2 peak learning rate")
+    parser.add_argument("--position-targets", action="store_true", help="stage 1 also predicts each patch's row/column")
+    parser.add_argument("--relation-weight", type=int, default=1, help="relations asked this many times as often")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -514,7 +518,9 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     for name, value in (("s2_frozen", args.frozen), ("s2_curriculum", args.curriculum), ("s2_lr", args.lr)):
         if value is not None:
             setattr(settings, name, value)
-    settings.image_first, settings.vision_from, settings.init_from = args.image_first, args.vision_from, args.init_from
+    settings.layout, settings.vision_from, settings.init_from = args.layout, args.vision_from, args.init_from
+    settings.s1_position = args.position_targets
+    settings.s2_kinds = QTYPES + ("relation",) * (args.relation_weight - 1)
     if args.out is None and not args.smoke:
         parser.error("--out is required")
     out = args.out or Path(tempfile.mkdtemp(prefix="tiny-llava-smoke-"))
