@@ -14,7 +14,8 @@ median is reported, so the ratios compare like with like on a noisy machine.
 
 Printed per method and budget: prefill time, measured speed-up over `none`, the FLOPs-ideal
 speed-up (unpruned / pruned prefill FLOPs), their ratio (1.0 = pruning pays what the FLOPs
-promise), peak GPU memory, and HAP's scoring overhead: its extra time over the `random` policy,
+promise), peak GPU memory, and HAP's scoring overhead (`hap`: the library defaults; `hap_paper`: the paper's
+HAP): its extra time over the `random` policy,
 which runs the same schedule without capturing or scoring anything, as a percent of HAP's
 prefill, and the time spent inside the pruner's capture and cut code as timed in the same prefill
 (`scoring`, percent of the prefill: less noisy than a difference of two medians on a busy machine). A `text only` row (the prompt without any visual token) shows the fixed cost no
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     p.add_argument("--shape", choices=SHAPES, nargs="+", default=["mid"], help="one or more shapes, run in turn")
     p.add_argument("--layers", type=int, default=None, help="override the decoder depth (reduced depth on a CPU)")
     p.add_argument("--retain", type=float, nargs="+", default=[0.222, 0.111, 0.056])
-    p.add_argument("--methods", nargs="+", default=["fastv", "pdrop", "uniform", "hap", "random"])
+    p.add_argument("--methods", nargs="+", default=["fastv", "pdrop", "uniform", "hap", "random"],
+                   choices=[*hap.METHODS, "hap_paper"], help="hap: the library defaults; hap_paper: HAPConfig.paper()")
     p.add_argument("--first-layers", type=int, default=None,
                    help="K for every method (FastV cuts once, at K); default: the largest K that reaches the "
                         "smallest budget (0 on the 8-layer mid shape: the cut before layer 0 is scored by "
@@ -162,7 +164,8 @@ def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.d
     runs: dict[tuple[str, float], tuple[dict, hap.HAPConfig | None]] = {("none", 1.0): (inputs, None)}
     for retain in args.retain:
         for method in args.methods:
-            config = hap.HAPConfig(method=method, retain=retain, groups=args.groups, first_layers=first)
+            budget = dict(retain=retain, groups=args.groups, first_layers=first)
+            config = hap.HAPConfig.paper(**budget) if method == "hap_paper" else hap.HAPConfig(method=method, **budget)
             try:
                 schedules[(method, retain)] = hap.plan(config, shape, GRID * GRID, args.text_tokens)
             except ValueError as err:
@@ -217,7 +220,7 @@ def table(schedules: dict, median: dict, peak: dict, text_tokens: int, shape: ha
             method=method, retain=retain, kept=schedule.retained_tokens, seconds=seconds,
             speedup=median[("none", 1.0)] / seconds, ideal=1 / schedule.flops_ratio(text_tokens, shape),
             peak_gib=peak[(method, retain)], scoring=(scoring or {}).get((method, retain), 0.0) / seconds,
-            overhead=(seconds - random) / seconds if method == "hap" and random is not None else None,
+            overhead=(seconds - random) / seconds if method.startswith("hap") and random is not None else None,
         ))
     return rows
 

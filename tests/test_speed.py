@@ -7,20 +7,21 @@ from hap.budget import DecoderShape, Schedule, layer_flops
 
 
 def test_speed_script_prints_ratios_for_each_method(capsys):
-    report = main(["--shape", "mid", "--layers", "2", "--repeats", "1", "--methods", "hap", "random",
+    report = main(["--shape", "mid", "--layers", "2", "--repeats", "1", "--methods", "hap", "hap_paper", "random",
                    "--retain", "0.5", "--groups", "2", "--text-tokens", "12"])
     out = capsys.readouterr().out
     assert "first_layers=0" in out and "text only" in out
-    printed = [line.split() for line in out.splitlines() if line.split()[:1] in (["hap"], ["random"])]
+    printed = [line.split() for line in out.splitlines() if line.split()[:1] in (["hap"], ["hap_paper"], ["random"])]
     rows = report["mid"]
-    assert [r[0] for r in printed] == [r["method"] for r in rows] == ["hap", "random"]
+    assert [r[0] for r in printed] == [r["method"] for r in rows] == ["hap", "hap_paper", "random"]
+    assert rows[1]["overhead"] is not None  # the paper's HAP against random too
     base_ms = float(out.split("none: prefill ")[1].split(" ms")[0])
     for line, row in zip(printed, rows):
         assert float(line[3]) == pytest.approx(row["seconds"] * 1000, abs=0.05)
         assert float(line[4]) == pytest.approx(row["speedup"], abs=0.005)
         assert row["speedup"] == pytest.approx(base_ms / float(line[3]), rel=0.02, abs=0.01)  # none / method
         assert row["kept"] == pytest.approx(0.5 * GRID * GRID, abs=1) and row["ideal"] > 1
-    assert printed[0][-1].endswith("%") and rows[1]["overhead"] is None
+    assert printed[0][-1].endswith("%") and rows[2]["overhead"] is None
 
 
 def test_table_ratios_come_from_the_timings_and_the_flops():

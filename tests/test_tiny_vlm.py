@@ -36,6 +36,22 @@ def test_chat_prompt_and_image_tokens(processor):
     assert words == ["<s>", "user", ":", "what", "color", "is", "the", "circle", "?", "assistant", ":"]
 
 
+@pytest.mark.parametrize("layout, before, between", [("text-first", ["<s>", "user", ":"], []),
+                                                     ("image-first", [], ["user", ":"]), ("image-question", [], [])])
+def test_each_layout_places_the_image_and_the_question(layout, before, between):
+    """The image-first layouts open with the image (its marker patch at position 0, no <s>); image-question puts
+    no fixed text between the image and the question."""
+    proc = build_processor(layout)
+    ids = proc(images=make_scene(0).image, text=chat_prompt(proc, "what color is the circle ?"),
+               return_tensors="pt")["input_ids"][0].tolist()
+    first, last = ids.index(proc.tokenizer.image_token_id), len(ids) - 1 - ids[::-1].index(proc.tokenizer.image_token_id)
+    words = proc.tokenizer.convert_ids_to_tokens(ids)
+    assert words[:first] == before and last - first == 143
+    assert words[last + 1:] == between + ["what", "color", "is", "the", "circle", "?", "assistant", ":"]
+    with pytest.raises(ValueError, match="layout='sideways'; choose one of text-first"):
+        build_processor("sideways")
+
+
 def test_tokenizer_unknown_words_and_decoding(processor):
     tok = processor.tokenizer
     ids = tok("Is there a zebra?", add_special_tokens=False)["input_ids"]
