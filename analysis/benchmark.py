@@ -159,7 +159,7 @@ class Tally:
     correct: dict[tuple[str, float], list[bool]] = field(default_factory=lambda: defaultdict(list))
     recall: dict[tuple[str, float], list[float]] = field(default_factory=lambda: defaultdict(list))
     heads: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))  # grounding(...) parts
-    heads_last: list[np.ndarray] = field(default_factory=list)  # PAQ with the last token as the only row
+    heads_other: list[np.ndarray] = field(default_factory=list)  # PAQ from the other rows (`other_rows`)
     norms: list[np.ndarray] = field(default_factory=list)  # norm_ratios(...) [questions, layers] per batch
 
     def add(self, key: tuple[str, float], batch, answers: list[str], state) -> None:
@@ -178,10 +178,10 @@ def evaluate(model, processor, batches: list, base: dict, methods: list[str], re
         tally.correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
         for k, v in grounding(state, batch).items():
             tally.heads[k].append(v)
-        _, state_last = run_batch(
-            model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": "last"}), trace=True
+        _, state_other = run_batch(
+            model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": other_rows(base)}), trace=True
         )
-        tally.heads_last.append(grounding(state_last, batch)["paq"])
+        tally.heads_other.append(grounding(state_other, batch)["paq"])
         tally.norms.append(norm_ratios(model, processor, batch))
         for retain in retains:
             for method in methods:
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
         "norm_ratio": np.median(np.concatenate(tally.norms), 0).tolist(),
         "seconds": seconds,
     }
-    report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()}, np.concatenate(tally.heads_last)))
+    report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()}, np.concatenate(tally.heads_other),
+                              hap.HAPConfig(**base)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmark.json").write_text(json.dumps(report, indent=1))
     (args.out / "benchmark.md").write_text(markdown(report))
@@ -246,12 +247,18 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def head_report(h: dict[str, np.ndarray], paq_last: np.ndarray) -> dict:
-    """PAQ vs grounding truth across heads (means over questions with a target), and by class."""
+def other_rows(base: dict) -> str:
+    """The prompt rows the head statistics are compared with: all prompt rows if the run scores with the last
+    one, else the last one."""
+    return "prompt" if base["rows"] == "last" else "last"
+
+
+def head_report(h: dict[str, np.ndarray], paq_other: np.ndarray, cfg: hap.HAPConfig) -> dict:
+    """PAQ (from the rows of `cfg`) vs grounding truth across heads (means over questions with a target), and by
+    class; `paq_other` [questions, layers, heads] is PAQ from the other rows (`other_rows`)."""
     has_target = ~np.isnan(h["target"][:, 0, 0])
     mean = {k: np.nanmean(v[has_target], 0) for k, v in h.items()}  # [L, H]
     paq, target, other = mean["paq"].ravel(), mean["target"].ravel(), mean["other"].ravel()
-    cfg = hap.HAPConfig()
     sink = h["sink_share"] >= cfg.tau_sink
     dispersed = ~sink & (h["dispersion"] >= cfg.tau_disp)
     classes = {"sink": sink, "dispersed": dispersed, "optimal": ~sink & ~dispersed}
@@ -266,7 +273,9 @@ def head_report(h: dict[str, np.ndarray], paq_last: np.ndarray) -> dict:
     L, H = mean["paq"].shape
     return {
         "grounding_spearman": spearman(paq, target),
-        "grounding_spearman_last_row": spearman(np.nanmean(paq_last[has_target], 0).ravel(), target),
+        "grounding_rows": cfg.rows,
+        "grounding_spearman_other_rows": {"rows": other_rows({"rows": cfg.rows}),
+                                          "spearman": spearman(np.nanmean(paq_other[has_target], 0).ravel(), target)},
         "grounding_spearman_per_question": float(np.nanmean([
             spearman(h["paq"][i].ravel(), h["target"][i].ravel()) for i in np.flatnonzero(has_target)
         ])),
@@ -278,8 +287,10 @@ def head_report(h: dict[str, np.ndarray], paq_last: np.ndarray) -> dict:
         "best_heads_grounding_target": float(target[top].mean()),
         "best_heads_grounding_other": float(other[top].mean()),
         "classes": by_class,
-        "sink_definition": f"visual tokens with hidden-state norm > {cfg.sink_rho} x median; "
-                           f"sink head: sink share >= {cfg.tau_sink}; dispersed: entropy ratio >= {cfg.tau_disp}",
+        "sink_definition": f"sink tokens by the {cfg.sink_detector} detector (norm: hidden-state norm > {cfg.sink_rho} x "
+                           f"median; consensus: >= {cfg.consensus_share} of the visual attention of >= "
+                           f"{cfg.consensus_quorum} of a layer's heads); sink head: sink share >= {cfg.tau_sink}; "
+                           f"dispersed: entropy ratio >= {cfg.tau_disp}; PAQ from rows={cfg.rows}",
     }
 
 
@@ -295,8 +306,9 @@ def markdown(r: dict) -> str:
     lines += [
         "",
         f"Spearman(PAQ, grounding) across {len(r['head_paq']) * len(r['head_paq'][0])} heads: "
-        f"{r['grounding_spearman']:.3f} (prompt rows); {r['grounding_spearman_last_row']:.3f} (PAQ from the last "
-        f"row only); mean per-question Spearman {r['grounding_spearman_per_question']:.3f}.",
+        f"{r['grounding_spearman']:.3f} (PAQ from rows={r['grounding_rows']}); "
+        f"{r['grounding_spearman_other_rows']['spearman']:.3f} (from rows={r['grounding_spearman_other_rows']['rows']}); "
+        f"mean per-question Spearman {r['grounding_spearman_per_question']:.3f}.",
         f"Best-grounded heads ({', '.join(r['best_heads'])}): grounding ratio {r['best_heads_grounding_target']:.2f} "
         f"on the queried object vs {r['best_heads_grounding_other']:.2f} on the other objects.",
         "Head classes (share of head x question pairs, mean grounding): " + "; ".join(
