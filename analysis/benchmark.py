@@ -159,7 +159,8 @@ class Tally:
     correct: dict[tuple[str, float], list[bool]] = field(default_factory=lambda: defaultdict(list))
     recall: dict[tuple[str, float], list[float]] = field(default_factory=lambda: defaultdict(list))
     heads: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))  # grounding(...) parts
-    heads_other: list[np.ndarray] = field(default_factory=list)  # PAQ from the other rows (`other_rows`)
+    heads_other: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))  # the same from
+    #                                                                             the other rows (`other_rows`)
     norms: list[np.ndarray] = field(default_factory=list)  # norm_ratios(...) [questions, layers] per batch
 
     def add(self, key: tuple[str, float], batch, answers: list[str], state) -> None:
@@ -181,7 +182,8 @@ def evaluate(model, processor, batches: list, base: dict, methods: list[str], re
         _, state_other = run_batch(
             model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": other_rows(base)}), trace=True
         )
-        tally.heads_other.append(grounding(state_other, batch)["paq"])
+        for k, v in grounding(state_other, batch).items():
+            tally.heads_other[k].append(v)
         tally.norms.append(norm_ratios(model, processor, batch))
         for retain in retains:
             for method in methods:
@@ -237,8 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
         "norm_ratio": np.median(np.concatenate(tally.norms), 0).tolist(),
         "seconds": seconds,
     }
-    report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()}, np.concatenate(tally.heads_other),
-                              hap.HAPConfig(**base)))
+    report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()},
+                              {k: np.concatenate(v) for k, v in tally.heads_other.items()}, hap.HAPConfig(**base)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmark.json").write_text(json.dumps(report, indent=1))
     (args.out / "benchmark.md").write_text(markdown(report))
@@ -253,11 +255,17 @@ def other_rows(base: dict) -> str:
     return "prompt" if base["rows"] == "last" else "last"
 
 
-def head_report(h: dict[str, np.ndarray], paq_other: np.ndarray, cfg: hap.HAPConfig) -> dict:
-    """PAQ (from the rows of `cfg`) vs grounding truth across heads (means over questions with a target), and by
-    class; `paq_other` [questions, layers, heads] is PAQ from the other rows (`other_rows`)."""
+def head_means(h: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each `grounding` array averaged over the questions that have answering patches -> `[layers, heads]`."""
     has_target = ~np.isnan(h["target"][:, 0, 0])
-    mean = {k: np.nanmean(v[has_target], 0) for k, v in h.items()}  # [L, H]
+    return {k: np.nanmean(v[has_target], 0) for k, v in h.items()}
+
+
+def head_report(h: dict[str, np.ndarray], other: dict[str, np.ndarray], cfg: hap.HAPConfig) -> dict:
+    """PAQ vs grounding truth across heads, both from the prompt rows of `cfg` (means over questions with a
+    target), and by class; `other` is `grounding` of the same questions from the other rows (`other_rows`)."""
+    has_target = ~np.isnan(h["target"][:, 0, 0])
+    mean, mean_other = head_means(h), head_means(other)
     paq, target, other = mean["paq"].ravel(), mean["target"].ravel(), mean["other"].ravel()
     sink = h["sink_share"] >= cfg.tau_sink
     dispersed = ~sink & (h["dispersion"] >= cfg.tau_disp)
@@ -275,7 +283,7 @@ def head_report(h: dict[str, np.ndarray], paq_other: np.ndarray, cfg: hap.HAPCon
         "grounding_spearman": spearman(paq, target),
         "grounding_rows": cfg.rows,
         "grounding_spearman_other_rows": {"rows": other_rows({"rows": cfg.rows}),
-                                          "spearman": spearman(np.nanmean(paq_other[has_target], 0).ravel(), target)},
+                                          "spearman": spearman(mean_other["paq"].ravel(), mean_other["target"].ravel())},
         "grounding_spearman_per_question": float(np.nanmean([
             spearman(h["paq"][i].ravel(), h["target"][i].ravel()) for i in np.flatnonzero(has_target)
         ])),

@@ -179,11 +179,11 @@ def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.d
     print(f"none: prefill {median[('none', 1.0)] * 1000:.1f} ms, peak {peak[('none', 1.0)]:.2f} GiB; text only "
           f"(no visual token): {median[('text only', 0.0)] * 1000:.1f} ms")
     rows = table(schedules, median, peak, args.text_tokens, shape, scoring)
-    print(f"{'method':8} {'retain':>7} {'kept':>7} {'ms':>8} {'speedup':>8} {'ideal':>7} {'meas/ideal':>10} "
+    print(f"{'method':9} {'retain':>7} {'kept':>7} {'ms':>8} {'speedup':>8} {'ideal':>7} {'meas/ideal':>10} "
           f"{'peak GiB':>9} {'scoring':>8} {'overhead':>9}")
     for r in rows:
         overhead = "" if r["overhead"] is None else f"{100 * r['overhead']:8.1f}%"
-        print(f"{r['method']:8} {r['retain']:7.3f} {r['kept']:7.1f} {r['seconds'] * 1000:8.1f} {r['speedup']:8.2f} "
+        print(f"{r['method']:9} {r['retain']:7.3f} {r['kept']:7.1f} {r['seconds'] * 1000:8.1f} {r['speedup']:8.2f} "
               f"{r['ideal']:7.2f} {r['speedup'] / r['ideal']:10.2f} {r['peak_gib']:9.2f} "
               f"{100 * r['scoring']:7.1f}% {overhead:>9}")
     for line in skipped:
