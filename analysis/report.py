@@ -34,6 +34,12 @@ and *PAQ*). HAP fuses heads with weights softmax(PAQ / T) instead of a plain ave
 aligned heads decide which tokens survive; layers are then fused per group by their share of the
 weights (*Attention maps*). Compare the uniform and PAQ-weighted maps, then the kept tokens of
 each group over the image and the three answers.
+
+**Beyond the paper (HAP+, the defaults).** Each cut is scored by the *last* prompt row (the token
+that predicts the answer) of the layer just before it, and the dropped tokens are not thrown away:
+each is folded into the kept token it most resembles, which then draws the attention of all the
+tokens it stands for (*proportional attention*). Set `rows=prompt`, `score_layers=segment` and
+`merge=none` under *Advanced settings* to see the paper's HAP.
 """
 
 
@@ -95,6 +101,15 @@ def explanation(comparison: Comparison) -> str:
                 f"- Group {g.index} (layers {g.layers[0]}-{g.layers[1] - 1}) keeps {len(g.kept)} tokens; "
                 f"{shared} of them are also kept by the uniform-averaging run (whose earlier cuts differ too)."
             )
+    cfg = result.config
+    if cfg["method"] == "hap":
+        rows = {"last": "the last prompt row", "prompt": "every prompt row", "question": "the question's rows"}
+        lines.append(f"- Cuts scored by {rows[cfg['rows']]} of "
+                     + ("the last layer of each segment" if cfg["score_layers"] == "last" else "every layer of each "
+                        "segment") + "; dropped tokens "
+                     + ({"none": "discarded.", "average": "folded into their most similar kept token.",
+                         "proportional": "folded into their most similar kept token, which draws their attention "
+                                         "(proportional attention)."}[cfg["merge"]]))
     lines += [f"- Note: {note}." for note in result.notes]
     return "\n".join(lines)
 

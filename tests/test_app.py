@@ -103,6 +103,8 @@ def test_analyze_matches_direct_runs(client, model_name, loaded):
     text = out["explanation"]
     assert (f"- {counts['optimal']} optimal, {counts['dispersed']} dispersed and {counts['sink']} sink heads over "
             f"{captured} captured layers") in text
+    assert ("- Cuts scored by every prompt row of the last layer of each segment; dropped tokens folded into "
+            "their most similar kept token, which draws their attention") in text  # the HAP+ knobs in words
     for g, u in zip(pruned.groups, runs["uniform"].groups):
         shared = len(set(g.kept) & set(u.kept))
         assert (f"- Group {g.index} (layers {g.layers[0]}-{g.layers[1] - 1}) keeps {len(g.kept)} tokens; "
