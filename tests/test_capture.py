@@ -40,3 +40,29 @@ def test_capture_keeps_sdpa_on_the_model():
         model(**inputs)
     assert model.config.text_config._attn_implementation == "sdpa"
     assert patch.state.cuts[0].kept.shape == (1, 72)  # (144 + 72) / 2 layers = 0.75 * 144
+
+
+def test_captured_rows_after_a_proportional_merge_equal_the_models_biased_attention(monkeypatch):
+    """After a merge the later layers attend with log(size) added to the merged keys; the rows the pruner records
+    must be those probabilities, as the eager model computes them on the pruned sequence."""
+    model, processor = tiny_llava("eager", layers=3)
+    inputs = inputs_for(processor, ["what color is the circle ?"])
+    captured = {}
+    original = PruneState.record
+
+    def spy(self, layer, rows, hidden, lookahead=False):
+        if not lookahead:
+            captured[layer] = rows.clone()
+        return original(self, layer, rows, hidden, lookahead)
+
+    monkeypatch.setattr(PruneState, "record", spy)
+    config = hap.HAPConfig(retain=0.4, first_layers=1, groups=2, merge="proportional", rows="prompt")
+    with torch.no_grad(), hap.patched(model, config, trace=True) as patch:
+        eager = model(**inputs, output_attentions=True).attentions
+    assert patch.state.key_bias and patch.state.sizes.max() > 1
+    for layer in (1, 2):
+        rows = captured[layer]
+        P = rows.shape[2]
+        assert rows.shape[-1] == eager[layer].shape[-1] < inputs["input_ids"].shape[1]  # the pruned sequence
+        diff = (rows - eager[layer][:, :, -P:, :].float()).abs().max().item()
+        assert diff < 1e-5, f"layer {layer}: {diff}"
