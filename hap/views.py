@@ -127,6 +127,7 @@ class ViewData:
     groups: Sequence[Group]  # index, layers [start, end), scored_by, kept (visual indices)
     method: str = "hap"
     temperature: float = 0.1
+    merged: bool = False  # the dropped tokens were folded into the kept ones (HAP+ merge, docs/method.md §10)
     layer: int = 0  # the layer whose per-head maps are drawn
     truth: Truth | None = None  # the scene's ground truth, when the image carries it for this prompt
 
@@ -150,6 +151,7 @@ class ViewData:
             layer_maps=_array(result.maps.layer),
             group_maps=_array(result.maps.group), group_uniform=_array(result.maps.group_uniform),
             groups=result.groups, method=result.method, temperature=result.config["temperature"],
+            merged=result.method == "hap" and result.config["merge"] != "none",
         )
         return data.at_layer(default_layer(result.groups, stats[..., 0]) if layer is None else layer)
 
@@ -342,14 +344,14 @@ def comparison_panels(data: ViewData) -> Panels:
 
 
 def mask_panels(data: ViewData) -> Panels:
-    """The image dimmed outside the tokens each group runs on."""
+    """The image dimmed outside the tokens each group runs on (with a merge, the dimmed ones live on in them)."""
     visual = data.shape[2]
     panels = []
     for g in data.groups:
         present = np.zeros(visual, dtype=bool)
         present[list(g.kept)] = True
-        panels.append(Panel(f"{_span(g)}: {len(g.kept)}/{visual} kept", data.image, present=present.reshape(data.grid),
-                            outline=data.outline()))
+        title = f"{_span(g)}: {len(g.kept)}/{visual} kept" + (", the rest merged into them" if data.merged else "")
+        panels.append(Panel(title, data.image, present=present.reshape(data.grid), outline=data.outline()))
     return Panels(panels, data.grid, cols=3, width=650)
 
 

@@ -120,6 +120,9 @@ def test_kept_masks_name_each_token_kept_or_pruned():
     assert fig.layout.title.text == "Kept visual tokens (hap)"
     assert [a.text for a in fig.layout.annotations] == ["group 0 (layers 1-2): 3/6 kept",
                                                         "group 1 (layers 3-3): 1/6 kept"]
+    merged = V.VIEW["kept_masks"].figure(data(merged=True))  # HAP+: the dimmed tokens live on in the kept ones
+    assert [a.text for a in merged.layout.annotations] == ["group 0 (layers 1-2): 3/6 kept, the rest merged into them",
+                                                           "group 1 (layers 3-3): 1/6 kept, the rest merged into them"]
 
 
 def test_masks_dim_exactly_the_pruned_patches():
@@ -162,6 +165,10 @@ def test_from_result_reads_every_array_into_place():
     assert (got.layer, got.method, got.temperature, got.shape) == (0, "fastv", 0.5, (L, H, N))  # first cut's scorer
     assert got.image.shape == (V.VIEW_PIXELS, V.VIEW_PIXELS, 3) and got.image[..., 2].min() == 255
     assert V.ViewData.from_result(result, layer=3).layer == 3
+    assert not got.merged  # a baseline never merges
+    for merge, merged in (("proportional", True), ("average", True), ("none", False)):
+        hap_run = SimpleNamespace(**{**vars(result), "method": "hap", "config": {"temperature": 0.1, "merge": merge}})
+        assert V.ViewData.from_result(hap_run).merged is merged
 
 
 def test_default_layer_without_a_scored_cut_is_the_first_captured():
