@@ -51,11 +51,12 @@ def detect_sinks(detector: str, visual_hidden: torch.Tensor, attn: torch.Tensor,
     """Sink tokens of one layer, bool `[batch, visual]`: by the norm test (`sink_tokens`, rho), by attention
     consensus over the layer's heads (`consensus_sinks` of `visual_distribution(attn, row_valid)`), or by
     either ("both"). visual_hidden [batch, visual, d]; attn [batch, heads, P, visual]; row_valid [batch, P]."""
-    norm = sink_tokens(visual_hidden, rho).to(attn.device) if detector in ("norm", "both") else None
-    consensus = consensus_sinks(visual_distribution(attn, row_valid), share, quorum) if detector != "norm" else None
-    if norm is None or consensus is None:
-        return consensus if norm is None else norm
-    return norm | consensus
+    found = torch.zeros(attn.shape[0], attn.shape[-1], dtype=torch.bool, device=attn.device)
+    if detector in ("norm", "both"):
+        found |= sink_tokens(visual_hidden, rho).to(attn.device)
+    if detector in ("consensus", "both"):
+        found |= consensus_sinks(visual_distribution(attn, row_valid), share, quorum)
+    return found
 
 
 def _row_mean(x: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
