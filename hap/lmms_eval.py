@@ -23,8 +23,9 @@ too; in a pyproject.toml:
     llava_hf_hap = "hap.lmms_eval:manifest"
 
 `--model_args` takes every `LlavaHf` argument (pretrained, device, dtype, device_map, attn_implementation,
-...) plus the `HAPConfig` knobs: method, retain, flops_ratio, first_layers, groups, decay, temperature,
-tau_sink, tau_disp, sink_rho, rows, seed. Invalid knobs raise HAPConfig's ValueError before the model loads;
+...) plus every `HAPConfig` knob of `hap.knobs.KNOBS` and seed (method, retain, flops_ratio, first_layers, groups,
+decay, temperature, ..., rows, score_layers, merge, ...). The default merge=proportional needs SDPA or eager
+attention: with attn_implementation=flash_attention_2 pass merge=none (refused by name otherwise). Invalid knobs raise HAPConfig's ValueError before the model loads;
 an unreachable budget (e.g. retain=0.056 with first_layers=2 on a 32-layer decoder: the floor is 0.0625)
 raises right after it loads. `method=none` runs the stock model. One process loads on `device` (default
 cuda) unless `device_map` is given (`device_map=auto`: one process, the model split over the visible GPUs);
