@@ -179,9 +179,8 @@ def evaluate(model, processor, batches: list, base: dict, methods: list[str], re
         tally.correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
         for k, v in grounding(state, batch).items():
             tally.heads[k].append(v)
-        _, state_other = run_batch(
-            model, processor, batch, hap.HAPConfig(method="none", **{**base, "rows": other_rows(base)}), trace=True
-        )
+        other = hap.HAPConfig(method="none", **{**base, "rows": other_rows(base["rows"])})
+        _, state_other = run_batch(model, processor, batch, other, trace=True)
         for k, v in grounding(state_other, batch).items():
             tally.heads_other[k].append(v)
         tally.norms.append(norm_ratios(model, processor, batch))
@@ -249,10 +248,10 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def other_rows(base: dict) -> str:
-    """The prompt rows the head statistics are compared with: all prompt rows if the run scores with the last
-    one, else the last one."""
-    return "prompt" if base["rows"] == "last" else "last"
+def other_rows(rows: str) -> str:
+    """The prompt rows the head statistics of a run scoring with `rows` are compared with: all prompt rows if
+    the run scores with the last one, else the last one."""
+    return "prompt" if rows == "last" else "last"
 
 
 def head_means(h: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -282,7 +281,7 @@ def head_report(h: dict[str, np.ndarray], other: dict[str, np.ndarray], cfg: hap
     return {
         "grounding_spearman": spearman(paq, target),
         "grounding_rows": cfg.rows,
-        "grounding_spearman_other_rows": {"rows": other_rows({"rows": cfg.rows}),
+        "grounding_spearman_other_rows": {"rows": other_rows(cfg.rows),
                                           "spearman": spearman(mean_other["paq"].ravel(), mean_other["target"].ravel())},
         "grounding_spearman_per_question": float(np.nanmean([
             spearman(h["paq"][i].ravel(), h["target"][i].ravel()) for i in np.flatnonzero(has_target)

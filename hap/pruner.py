@@ -216,8 +216,8 @@ class PruneState:
             if k < n_cur:  # a cut that keeps every token merges nothing
                 merged, self.sizes = merge_dropped(visual_embeds.to(self.visual_pos.device), self.sizes, chosen)
                 self.merged = (self.visual_pos, merged)
-            if self.policy.merge == "proportional" and bool((self.sizes > 1).any()):
-                self.key_bias[layer] = key_bias(self.sizes, self.visual_pos, T - (n_cur - k))
+            if self.policy.merge == "proportional" and (k < n_cur or self.key_bias):  # this cut or one before merged
+                self.key_bias[layer] = key_bias(self.sizes, self.visual_pos, kept_positions.shape[1])
         self.seq_index = self.seq_index.gather(1, kept_positions)
         self.segment_index[layer] = self.seq_index
         self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(),
