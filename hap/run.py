@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 
 import torch
 from PIL import Image
@@ -15,10 +16,23 @@ from .patch.decoder import decoder_shape
 from .trace import Outcome, Result, to_result
 
 
-def chat_prompt(processor, question: str) -> str:
-    """The processor's single-turn chat prompt: one image slot, then the question, then the assistant prefix."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    return processor.apply_chat_template(messages, add_generation_prompt=True)
+def chat_messages(question: str, history: Sequence[tuple[str, str]] = ()) -> list[dict]:
+    """The conversation as chat messages: the image slot opens the first user turn, then each earlier
+    ``(question, answer)`` pair of ``history`` as a user and an assistant turn, then ``question``."""
+    turns = [*history, (question, None)]
+    messages: list[dict] = []
+    for i, (q, a) in enumerate(turns):
+        content = ([{"type": "image"}] if i == 0 else []) + [{"type": "text", "text": q}]
+        messages.append({"role": "user", "content": content})
+        if a is not None:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+    return messages
+
+
+def chat_prompt(processor, question: str, history: Sequence[tuple[str, str]] = ()) -> str:
+    """The processor's chat prompt over the conversation (``chat_messages``), ending with the assistant
+    prefix; with no ``history`` it is the single-turn prompt: one image slot, the question."""
+    return processor.apply_chat_template(chat_messages(question, history), add_generation_prompt=True)
 
 
 def template_tail(processor) -> int:
