@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from .config import HAPConfig
@@ -33,8 +33,10 @@ def compare(
     max_new_tokens: int = 32,
     on_stage: Callable[[float, str], None] | None = None,
     limits: InputLimits = DEFAULT_LIMITS,
+    history: Sequence[tuple[str, str]] = (),
 ) -> Comparison:
-    """Run the stock model, `config` (traced) and uniform averaging with `config`'s budget.
+    """Run the stock model, `config` (traced) and uniform averaging with `config`'s budget, each on the
+    conversation `history` then `prompt` (`hap.run.run`).
 
     `on_stage(fraction, description)` is called before each run (a progress bar). A run the
     chosen method already is (method "none" or "uniform") is not repeated.
@@ -42,7 +44,8 @@ def compare(
     stage = on_stage or (lambda fraction, description: None)
 
     def one(cfg: HAPConfig, trace: bool) -> Result:
-        return run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace, limits=limits)
+        return run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace, limits=limits,
+                   history=history)
 
     stage(0.15, f"{config.method}: prefill + attention capture, head scoring, pruned generation")
     pruned = one(config, trace=True)

@@ -9,6 +9,7 @@ pixels are decoded, so a decompression bomb is refused without being expanded.
 from __future__ import annotations
 
 import io
+import json
 import os
 import unicodedata
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ class InputLimits:
     max_bytes: int = 20 * 2**20  # an uploaded file larger than this is refused unread
     max_pixels: int = 40_000_000  # width * height read from the header, before decoding
     max_prompt_chars: int = 2000  # the model's context is checked too, in tokens, by hap.run
+    max_history_turns: int = 8  # earlier (question, answer) turns a follow-up question may carry
+    max_conversation_chars: int = 8000  # characters of every question and answer of a conversation, together
 
 
 DEFAULT_LIMITS = InputLimits()
@@ -103,6 +106,62 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         background = Image.new("RGBA", img.size, (255, 255, 255, 255))
         img = Image.alpha_composite(background, img.convert("RGBA"))
     return img.convert("RGB")
+
+
+def check_history(history, limits: InputLimits = DEFAULT_LIMITS) -> list[tuple[str, str]]:
+    """The earlier turns of a conversation as `(question, answer)` pairs, from a list of `[question, answer]`
+    pairs of strings (or that list as JSON text); None or "" is no history. ValueError names what is wrong."""
+    if history is None or (isinstance(history, str) and not history.strip()):
+        return []
+    if isinstance(history, str):
+        try:
+            history = json.loads(history)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"history is not valid JSON ({err}); give a list of [question, answer] pairs") from err
+    if not isinstance(history, (list, tuple)):
+        raise ValueError(f"history must be a list of [question, answer] pairs, not {type(history).__name__}")
+    if len(history) > limits.max_history_turns:
+        raise ValueError(f"the history has {len(history)} turns; the limit is {limits.max_history_turns}: "
+                         "start a new conversation")
+    pairs = []
+    for i, turn in enumerate(history):
+        if not isinstance(turn, (list, tuple)) or len(turn) != 2:
+            raise ValueError(f"history[{i}] must be a [question, answer] pair, not {_short(turn)}")
+        if not all(isinstance(text, str) for text in turn):
+            raise ValueError(f"history[{i}] must hold two strings (question, answer), not "
+                             f"{', '.join(type(text).__name__ for text in turn)}")
+        if not turn[0].strip():
+            raise ValueError(f"history[{i}]: the question is empty")
+        pairs.append((turn[0], turn[1]))
+    return pairs
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def clean_conversation(prompt, history, special_tokens: set[str], limits: InputLimits = DEFAULT_LIMITS
+                       ) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """(the prompt, the history's pairs, notes), each text cleaned as `clean_prompt` cleans a prompt (an
+    answer may be empty), the history checked by `check_history` and the whole conversation bounded by
+    `limits.max_conversation_chars`."""
+    pairs = check_history(history, limits)
+    total = sum(len(q) + len(a) for q, a in pairs) + (len(prompt) if isinstance(prompt, str) else 0)
+    if total > limits.max_conversation_chars:
+        raise ValueError(f"the conversation has {total} characters; the limit is {limits.max_conversation_chars}: "
+                         "start a new conversation")
+    prompt, notes = clean_prompt(prompt, special_tokens, limits)
+    cleaned = []
+    for i, (q, a) in enumerate(pairs):
+        try:
+            q, q_notes = clean_prompt(q, special_tokens, limits)
+            a, a_notes = clean_prompt(a, special_tokens, limits) if a.strip() else ("", [])
+        except ValueError as err:
+            raise ValueError(f"history[{i}]: {err}") from err
+        notes += [f"history[{i}]: {note}" for note in q_notes + a_notes]
+        cleaned.append((q, a))
+    return prompt, cleaned, notes
 
 
 def clean_prompt(prompt, special_tokens: set[str], limits: InputLimits = DEFAULT_LIMITS) -> tuple[str, list[str]]:

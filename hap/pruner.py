@@ -24,9 +24,9 @@ from .config import HAPConfig
 from .fusion import select_top
 from .heads import HeadStats, detect_sinks, head_stats
 from .merge import key_bias, merge_dropped
-from .methods import Policy, cut_scores, head_weights, policy_for, scoring_layers
+from .methods import Policy, cut_scores, head_weights, looks_ahead, policy_for, scoring_layers
 from .trace import CutTrace, Tracer
-from .visionzip import select
+from .visionzip import VisionCues, select
 
 
 @dataclass
@@ -45,13 +45,13 @@ class PruneState:
     attention_mask: torch.Tensor | None  # [batch, T0] the 2-D padding mask of the prompt, or None
     capture_layers: set[int]  # layers whose prompt rows are recomputed (on the tokens they run on)
     scoring_layers: set[int]  # the captured layers that score some cut
-    lookahead_layers: set[int]  # layers also captured before their own cut, to score it (a cut before layer 0)
+    lookahead_layers: set[int]  # layers also captured before their own cut, to score it (a cut before layer 0; pdrop)
     tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
     priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
-    vision: tuple[torch.Tensor, torch.Tensor] | None = None  # VisionZip cues: [CLS] attention [B, N], keys [B, N, d]
+    vision: VisionCues | None = None  # the vision tower's cues of this prefill (VisionZip, first_cut="vision")
     merged: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions [B, c], embeds [B, c, D]) to write into the
-    #                                     hidden states after the cut: VisionZip's contextual tokens, merge's kept ones
+    #                                     hidden states after the cut: VisionZip's block, merge's kept ones
     sizes: torch.Tensor | None = None  # with a merge: [B, N_cur] original tokens each visual token stands for
     key_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> [B, T_group] log-size bias per key
     cuts: list[CutTrace] = field(default_factory=list)
@@ -71,11 +71,13 @@ class PruneState:
         trace: bool,
         priority: torch.Tensor | None = None,
         tail: int = 0,
+        lead: int = 0,
     ) -> "PruneState":
         """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None;
         priority [batch, N] or None: an analysis hook, values that rank the visual tokens (by original
         index) before the method's scores at every cut (e.g. 1 on the patches that answer the question);
-        tail: tokens of the chat template after the question (e.g. " ASSISTANT:"), left out by rows="question".
+        tail: tokens of the chat template after the question (e.g. " ASSISTANT:"), left out by rows="question";
+        lead: tokens between the image and the question (a follow-up's earlier turns), left out by every rows choice.
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
         config = config.resolved(shape.layers)
@@ -94,7 +96,8 @@ class PruneState:
         policy = policy_for(config)
         schedule = plan(config, shape, N, T - N)
         scoring, lookahead = _scoring_sets(policy, schedule)
-        row_valid, row_gap = _prompt_rows(policy.rows, visual_pos[:, -1], _last_tokens(attention_mask, T), T, tail)
+        row_valid, row_gap = _prompt_rows(policy.rows, visual_pos[:, -1], _last_tokens(attention_mask, T), T, tail,
+                                              lead)
         return cls(
             config=config,
             policy=policy,
@@ -174,9 +177,9 @@ class PruneState:
 
     def cut(self, layer: int, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. VisionZip
-        (docs/method.md §7) merges `visual_embeds` [batch, N_cur, D] (the visual rows of the hidden states) into
-        its contextual tokens, left in `merged` for the adapter to write; a merge (§10) folds the dropped tokens of
-        `visual_embeds` into the kept ones the same way, and merge="proportional" records the group's attention bias."""
+        (docs/method.md §7) leaves its block of projected tokens in `merged` for the adapter to write into the first
+        k visual slots; a merge (§10) folds the dropped tokens of `visual_embeds` [batch, N_cur, D] (the visual rows
+        of the hidden states) into the kept ones, and merge="proportional" records the group's attention bias."""
         t0 = time.perf_counter()
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
@@ -193,13 +196,14 @@ class PruneState:
                 self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
         k = min(self.schedule.kept[g], n_cur)
-        if self.policy.vision:
-            chosen, slots, merged = self._visionzip(visual_embeds, k)
+        if self.policy.vision:  # the first k visual slots carry VisionZip's block: [CLS], dominant, contextual
+            patches, tokens = select(self._cues(), k)
+            chosen = torch.arange(k, device=self.visual_pos.device).expand(self.visual_pos.shape[0], -1)
         else:
             if scored or self.policy.random:
                 scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
             else:  # HAP's first cut before layer 0 by the [CLS] attention (first_cut="vision", §10)
-                scores = self._cls_cues()[0]
+                scores = self._cues().cls_attention
             priority = None if self.priority is None else self.priority.gather(1, self.kept_orig)
             chosen = select_top(scores.to(self.visual_pos.device), k, priority)  # [B, k] into the current visual list
         B, T = self.seq_index.shape
@@ -210,8 +214,9 @@ class PruneState:
         new_pos = keep.long().cumsum(1) - 1
         self.visual_pos = new_pos.gather(1, self.visual_pos.gather(1, chosen))
         self.kept_orig = self.kept_orig.gather(1, chosen)
-        if self.policy.vision:
-            self.merged = (self.visual_pos.gather(1, slots), merged)
+        if self.policy.vision:  # the [CLS] slot stays in the sequence but is no patch: out of the visual maps
+            self.merged = (self.visual_pos, tokens)
+            self.visual_pos, self.kept_orig = self.visual_pos[:, 1:], patches.to(self.kept_orig.device)
         elif self.sizes is not None:
             if k < n_cur:  # a cut that keeps every token merges nothing
                 merged, self.sizes = merge_dropped(visual_embeds.to(self.visual_pos.device), self.sizes, chosen)
@@ -227,16 +232,13 @@ class PruneState:
         self.scoring_seconds += time.perf_counter() - t0
         return kept_positions
 
-    def _cls_cues(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This prefill's vision cues ([CLS] attention [B, N], keys [B, N, d]) on the pruner's device."""
-        if self.vision is None or self.vision[0].shape != self.visual_pos.shape:
+    def _cues(self) -> VisionCues:
+        """This prefill's vision cues, their tensors on the pruner's device."""
+        cues = self.vision
+        if cues is None or cues.cls_attention.shape != self.visual_pos.shape:
             raise ValueError("the vision tower's [CLS] attention of this prefill is missing: pass pixel_values")
-        return tuple(t.to(self.visual_pos.device) for t in self.vision)
-
-    def _visionzip(self, visual_embeds: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`hap.visionzip.select` on this prefill's vision cues: (chosen [B, k], slots [B, c], merged [B, c, D])."""
-        cls_attention, keys = self._cls_cues()
-        return select(cls_attention, keys, visual_embeds.to(self.visual_pos.device), k)
+        device = self.visual_pos.device
+        return VisionCues(cues.cls_attention.to(device), cues.keys.to(device), cues.features.to(device), cues.project)
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.
@@ -259,17 +261,18 @@ def _last_tokens(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | 
 
 
 def _prompt_rows(rows: str, last_visual: torch.Tensor, last_token: torch.Tensor | None, T: int,
-                 tail: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 tail: int = 0, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(bool [batch, P] valid rows, long [batch] gap) of each sample: the P positions ending at its last real token
     (`last_token` long [batch]; None: T - 1), valid after its last visual token (`last_visual` long [batch])
-    for rows "prompt", the last token alone for "last", and for "question" the prompt rows without the
-    chat template's `tail` tokens (docs/method.md §10); the gap is the count of tokens after the last row."""
+    and its `lead` tokens (a follow-up's earlier turns: only the last question's rows score) for rows "prompt",
+    the last token alone for "last", and for "question" the prompt rows without the chat template's `tail`
+    tokens (docs/method.md §10); the gap is the count of tokens after the last row."""
     B, device = last_visual.shape[0], last_visual.device
     last_token = torch.full_like(last_visual, T - 1) if last_token is None else last_token.to(device)
     if rows == "question":
         last_token = last_token - tail
     gap = T - 1 - last_token
-    counts = last_token - last_visual  # [B] prompt rows of each sample
+    counts = last_token - last_visual - lead  # [B] prompt rows of each sample
     if int(counts.min()) < 1:
         raise ValueError("no prompt token follows the image: put the image before the question")
     if rows == "last":
@@ -284,8 +287,6 @@ def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], 
     if schedule is not None:
         starts = [0] + schedule.cuts
         for g, cut in enumerate(schedule.cuts):
-            if starts[g] == cut:
-                lookahead.update(scoring_layers(policy, (cut, cut)))
-            else:
-                scoring.update(scoring_layers(policy, (starts[g], cut)))
+            segment = (starts[g], cut)
+            (lookahead if looks_ahead(policy, segment) else scoring).update(scoring_layers(policy, segment))
     return scoring, lookahead

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from .config import HAPConfig
-from .inputs import DEFAULT_LIMITS, InputLimits, clean_prompt, load_image
+from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
 from .patch import adapter_for, apply, remove
 from .patch.decoder import decoder_shape
 from .trace import Outcome, Result, to_result
@@ -45,13 +45,33 @@ def template_tail(processor) -> int:
     return n
 
 
-def build_inputs(processor, image: Image.Image, prompt: str, limits: InputLimits) -> tuple[dict, str, list[str]]:
-    """Chat-template the cleaned prompt with one image slot and run the processor."""
+def question_lead(processor, history: Sequence[tuple[str, str]] = ()) -> int:
+    """Tokens between the image and the new question: 0 on a first turn (its prompt rows start right after the
+    image); after `history`, the earlier turns and the new turn's opening, which the prompt rows leave out. Found
+    as the common prefix of two prompts whose questions start differently, less the tokens up to the image."""
+    if not history:
+        return 0
+    tok = processor.tokenizer
+    a, b = (tok(chat_prompt(processor, q, history)).input_ids for q in ("is it red ?", "what shape"))
+    start = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    image = tok.convert_tokens_to_ids(processor.image_token)
+    return start - 1 - max(i for i in range(start) if a[i] == image)
+
+
+def build_inputs(processor, image: Image.Image, prompt: str, limits: InputLimits,
+                 history: Sequence[tuple[str, str]] = ()) -> tuple[dict, str, list[str]]:
+    """Chat-template the cleaned conversation (`history`'s turns, then the prompt) with one image slot in the first
+    turn and run the processor; `history` is checked by `hap.inputs.check_history`."""
+    prompt, history, notes = conversation(processor, prompt, history, limits)
+    text = chat_prompt(processor, prompt, history)
+    return processor(images=image, text=text, return_tensors="pt"), text, notes
+
+
+def conversation(processor, prompt: str, history, limits: InputLimits) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """(prompt, history, notes) cleaned of the processor's special tokens (`hap.inputs.clean_conversation`)."""
     tok = processor.tokenizer
     specials = {t for t in (*tok.all_special_tokens, getattr(processor, "image_token", None)) if t}
-    prompt, notes = clean_prompt(prompt, specials, limits)
-    text = chat_prompt(processor, prompt)
-    return processor(images=image, text=text, return_tensors="pt"), text, notes
+    return clean_conversation(prompt, history, specials, limits)
 
 
 def run(
@@ -63,8 +83,13 @@ def run(
     max_new_tokens: int = 32,
     trace: bool = True,
     limits: InputLimits = DEFAULT_LIMITS,
+    history: Sequence[tuple[str, str]] = (),
 ) -> Result:
     """Run the full HAP pipeline on one image and prompt; greedy decoding on the pruned cache.
+
+    `history`: earlier `(question, answer)` turns about the same image (a list of `[question, answer]` pairs of
+    strings); the prompt is the chat template over the whole conversation, and the pruner's rows come from the
+    new question's turn only (`question_lead`).
 
     Bad input raises ValueError naming the problem; running out of memory raises MemoryError
     after the memory is freed, so the next call can succeed.
@@ -74,7 +99,7 @@ def run(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= 1024:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer in [1, 1024]")
     try:
-        return _run(model, processor, image, prompt, config, max_new_tokens, trace, limits)
+        return _run(model, processor, image, prompt, config, max_new_tokens, trace, limits, history)
     except (torch.OutOfMemoryError, MemoryError) as err:
         free_memory()
         device = next(model.parameters()).device
@@ -85,9 +110,10 @@ def run(
 
 
 def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens: int, trace: bool,
-         limits: InputLimits) -> Result:
+         limits: InputLimits, history: Sequence[tuple[str, str]]) -> Result:
     t0 = time.perf_counter()
-    inputs, text, notes = build_inputs(processor, load_image(image, limits), prompt, limits)
+    prompt, history, notes = conversation(processor, prompt, history, limits)
+    inputs, text, _ = build_inputs(processor, load_image(image, limits), prompt, limits, history)
     device = next(model.parameters()).device
     inputs = inputs.to(device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
@@ -96,9 +122,9 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
     if limit is not None and T + max_new_tokens > limit:
         raise ValueError(
             f"prompt too long: {T} tokens + max_new_tokens={max_new_tokens} exceed the model's {limit} positions; "
-            "shorten the prompt"
+            "shorten the prompt" + (" or the conversation" if history else "")
         )
-    patch = apply(model, config, trace=trace, tail=template_tail(processor))
+    patch = apply(model, config, trace=trace, tail=template_tail(processor), lead=question_lead(processor, history))
     try:
         t1 = time.perf_counter()
         with torch.inference_mode():
@@ -113,6 +139,7 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
     facts = Outcome(config.resolved(shape.layers), shape, model.config.text_config.num_attention_heads, N, T,
                 st.schedule if st else None, st.cuts if st else [], st.tracer if st else None)
     result = to_result(facts, answer, text, grid, notes)
+    result.history = [list(turn) for turn in history]
     result.timings = {
         "prepare_s": t1 - t0,
         "prefill_s": patch.prefill_seconds,

@@ -147,6 +147,7 @@ class Result:
     maps: Maps
     timings: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    history: list[list[str]] = field(default_factory=list)  # earlier [question, answer] turns; prompt_text has them all
     flops_convention: str = FLOPS_CONVENTION
 
     def kept_mask(self, group: int) -> torch.Tensor:

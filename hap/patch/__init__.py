@@ -1,6 +1,7 @@
 """Model adapters: one file per architecture, each patching a model *instance* (never a class).
 
 `apply(model, config)` picks the adapter from the model's class; `remove(model)` undoes it.
+`decoder_of(model)` and `attention_outputs(model)` say where an intervention (hap.causal) hooks in.
 """
 
 from __future__ import annotations
@@ -29,15 +30,27 @@ def adapter_for(model):
     return ADAPTERS[name]
 
 
+def decoder_of(model) -> torch.nn.Module:
+    """The text decoder of a supported model (its forward takes `inputs_embeds`, `attention_mask`, `position_ids`)."""
+    return adapter_for(model).decoder_of(model)
+
+
+def attention_outputs(model) -> list[torch.nn.Module]:
+    """Each decoder layer's attention output projection, whose input holds the query heads' outputs side by side
+    (`[batch, T, heads * head_dim]`, head h in columns `[h * head_dim, (h + 1) * head_dim)`)."""
+    return adapter_for(model).attention_outputs(model)
+
+
 def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-          tail: int | None = None):
+          tail: int | None = None, lead: int = 0):
     """Patch `model` in place; a plain `model.generate(**inputs)` then prunes. Returns the patch state.
 
     `priority [batch, visual]` (analysis only, e.g. an oracle): at every cut the visual tokens are ranked by
     it first (by original visual index, row-major), by the method's scores among equal priorities.
     `tail`: tokens of the chat template after the question (`hap.run.template_tail(processor)`), needed by
-    rows="question"."""
-    return adapter_for(model).apply_patch(model, config, trace=trace, priority=priority, tail=tail)
+    rows="question". `lead`: tokens between the image and the question (`hap.run.question_lead(processor, history)`),
+    the earlier turns of a follow-up, which no prompt row is taken from."""
+    return adapter_for(model).apply_patch(model, config, trace=trace, priority=priority, tail=tail, lead=lead)
 
 
 def remove(model) -> None:
@@ -47,10 +60,10 @@ def remove(model) -> None:
 
 @contextmanager
 def patched(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-            tail: int | None = None):
-    """`with hap.patched(model, config) as p:` patches for the block and always unpatches (`priority`, `tail`:
-    see `apply`)."""
-    state = apply(model, config, trace=trace, priority=priority, tail=tail)
+            tail: int | None = None, lead: int = 0):
+    """`with hap.patched(model, config) as p:` patches for the block and always unpatches (`priority`, `tail`,
+    `lead`: see `apply`)."""
+    state = apply(model, config, trace=trace, priority=priority, tail=tail, lead=lead)
     try:
         yield state
     finally:

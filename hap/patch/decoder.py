@@ -47,6 +47,13 @@ def decoder_of(model) -> torch.nn.Module:
     return model.model.language_model
 
 
+def attention_outputs(model) -> list[torch.nn.Module]:
+    """Each decoder layer's attention output projection (`self_attn.o_proj`), in layer order. Its input
+    `[batch, T, heads * head_dim]` holds the query heads' outputs side by side, head h in columns
+    `[h * head_dim, (h + 1) * head_dim)` (with GQA too: one slice per query head)."""
+    return [layer.self_attn.o_proj for layer in decoder_of(model).layers]
+
+
 def check_decoder(model) -> None:
     """Refuse decoders this machinery would get wrong."""
     layer_types = getattr(model.config.text_config, "layer_types", None) or []
@@ -68,8 +75,8 @@ class Patch:
     forward (model pre-hook, layer prefill, layer decode, layer done, decoder done)."""
 
     def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None,
-                 priority: torch.Tensor | None = None, tail: int = 0) -> None:
-        self.config, self.trace, self.priority, self.tail = config, trace, priority, tail
+                 priority: torch.Tensor | None = None, tail: int = 0, lead: int = 0) -> None:
+        self.config, self.trace, self.priority, self.tail, self.lead = config, trace, priority, tail, lead
         self.decode_positions = decode_positions or (lambda model, positions: positions)
         self.shape = decoder_shape(model)
         self.image_token = model.config.image_token_id
@@ -116,7 +123,7 @@ class Patch:
             self.prefill_started = time.perf_counter()
             self.state = PruneState.start(
                 self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace,
-                self.priority, self.tail,
+                self.priority, self.tail, self.lead,
             )
             self.state.vision, self.vision_cues = self.vision_cues, None
             self.mode = "prefill"
@@ -207,9 +214,9 @@ class Patch:
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-                tail: int | None = None, decode_positions: Positions = None) -> Patch:
+                tail: int | None = None, decode_positions: Positions = None, lead: int = 0) -> Patch:
     """Patch `model` in place so that its forward and `generate` prune as `config` says. `priority`
-    [batch, visual] and `tail` (needed by rows="question"): see `PruneState.start`. `decode_positions` (the
+    [batch, visual], `tail` (needed by rows="question") and `lead`: see `PruneState.start`. `decode_positions` (the
     multimodal model, long [1, new] text positions) -> the `position_ids` its decoder takes, for decode steps
     given none (default: as they are)."""
     check_decoder(model)
@@ -222,7 +229,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
                          "load the model with attn_implementation='sdpa' or 'eager', or use merge='none'")
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(model, config, trace, decode_positions, priority, tail or 0)
+    patch = Patch(model, config, trace, decode_positions, priority, tail or 0, lead)
     patch.attach(model)
     model._hap = patch
     return patch
@@ -296,13 +303,15 @@ def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor,
 @torch.no_grad()
 def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Apply the cut entering layer `index` to the hidden states and the layer kwargs (in place)."""
-    keep = st.cut(index, _take(hidden, st.visual_pos) if st.policy.vision or st.sizes is not None else None)  # [B, T']
+    keep = st.cut(index, _take(hidden, st.visual_pos) if st.sizes is not None else None)  # [B, T']
     hidden = _take(hidden, keep)
-    if st.merged is not None:  # VisionZip's contextual tokens take the merged embeddings
+    if st.merged is not None:  # VisionZip's block, or the kept tokens a merge folded the dropped ones into
         positions, merged = st.merged
         where = positions.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
         hidden = hidden.scatter(1, where, merged.to(hidden))
         st.merged = None
+    if st.policy.renumber:  # the official PyramidDrop / VisionZip: positions 0..T'-1 (the first T' of 0..T-1)
+        keep = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
     cos, sin = kwargs["position_embeddings"]
     kwargs["position_embeddings"] = (_take(cos, keep), _take(sin, keep))
     if kwargs.get("position_ids") is not None:

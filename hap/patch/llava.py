@@ -4,7 +4,8 @@ with a Qwen2 decoder and grouped-query attention).
 The visual tokens are the `image_token_id` placeholders the processor expands (576 for CLIP-L/336
 with CLS dropped, 729 for SigLIP-384 with strategy "full"), a square grid in row-major order.
 For `visionzip` (and HAP's first_cut="vision") the adapter also captures the [CLS] row of the vision tower's feature layer's
-attention and that layer's keys (a CLIP tower; SigLIP has no [CLS] token).
+attention, that layer's keys and its output features, which VisionZip merges and projects itself (a CLIP tower;
+SigLIP has no [CLS] token).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 
 from ..config import HAPConfig
 from ..methods import policy_for
+from ..visionzip import VisionCues
 from . import decoder
-from .decoder import remove_patch
+from .decoder import attention_outputs, decoder_of, remove_patch
 
-__all__ = ["apply_patch", "remove_patch", "visual_grid"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "visual_grid"]
 
 
 def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
@@ -47,11 +49,12 @@ def cls_layer(model) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def capture_cls(patch: decoder.Patch, layer, args, kwargs) -> None:
-    """Forward pre-hook on `cls_layer`: recompute the layer's [CLS] attention row from its input (layer_norm1,
-    q/k projections; the tower keeps SDPA) and hand the prefill (`[CLS] attention [B, N]` averaged over heads,
-    keys [B, N, head_dim] averaged over heads, patches only) to the pruning state: the running prefill's, or
-    the next one's (`generate` encodes the image before the first forward)."""
+def capture_cls(patch: decoder.Patch, project, layer, args, kwargs, output) -> None:
+    """Forward hook on `cls_layer`: recompute the layer's [CLS] attention row from its input (layer_norm1, q/k
+    projections; the tower keeps SDPA) and hand the prefill its `VisionCues` ([CLS] attention [B, N] summed over
+    heads, keys [B, N, head_dim] averaged over heads, patches only; the layer's output features [B, 1 + N, Dv];
+    `project`, the model's projector): to the running prefill's state, or the next one's (`generate` encodes the
+    image before the first forward)."""
     hidden = args[0] if args else kwargs["hidden_states"]
     attn = layer.self_attn
     x = layer.layer_norm1(hidden)
@@ -59,7 +62,8 @@ def capture_cls(patch: decoder.Patch, layer, args, kwargs) -> None:
     q = attn.q_proj(x[:, :1]).view(B, 1, -1, attn.head_dim).transpose(1, 2)  # [B, H, 1, hd]
     k = attn.k_proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)  # [B, H, T, hd]
     row = (q.float() @ k.float().transpose(-1, -2) * attn.scale).softmax(-1)[:, :, 0]  # [B, H, T]
-    cues = (row[:, :, 1:].mean(1), k[:, :, 1:].float().mean(1))
+    features = output[0] if isinstance(output, tuple) else output
+    cues = VisionCues(row[:, :, 1:].sum(1), k[:, :, 1:].float().mean(1), features, project)
     if patch.mode == "prefill":
         patch.state.vision = cues
     else:
@@ -67,10 +71,11 @@ def capture_cls(patch: decoder.Patch, layer, args, kwargs) -> None:
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-                tail: int | None = None) -> decoder.Patch:
+                tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch`, plus the [CLS] capture for `visionzip`."""
     layer = cls_layer(model) if policy_for(config).needs_cls else None
-    patch = decoder.apply_patch(model, config, trace, priority, tail)
+    patch = decoder.apply_patch(model, config, trace, priority, tail, lead=lead)
     if layer is not None:
-        patch.handles.append(layer.register_forward_pre_hook(partial(capture_cls, patch), with_kwargs=True))
+        hook = partial(capture_cls, patch, model.model.multi_modal_projector)
+        patch.handles.append(layer.register_forward_hook(hook, with_kwargs=True))
     return patch

@@ -16,9 +16,9 @@ import torch
 from ..config import HAPConfig
 from ..methods import policy_for
 from . import decoder
-from .decoder import remove_patch
+from .decoder import attention_outputs, decoder_of, remove_patch
 
-__all__ = ["apply_patch", "remove_patch", "visual_grid"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "visual_grid"]
 
 
 def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
@@ -36,10 +36,14 @@ def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-                tail: int | None = None) -> decoder.Patch:
+                tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch` with M-RoPE positions for decode steps given none; the [CLS] cues (visionzip,
     first_cut="vision") are refused."""
     if policy_for(config).needs_cls:
         raise ValueError(f"visionzip and first_cut='vision' need a [CLS] token: the {type(model).__name__} vision "
                          "tower has no [CLS] token")
-    return decoder.apply_patch(model, config, trace, priority, tail, decode_positions=mrope_positions)
+    if policy_for(config).renumber:
+        raise ValueError(f"method={config.method!r} renumbers positions 0..T-1 after each drop, as its official LLaVA "
+                         f"code does; {type(model).__name__}'s M-RoPE positions cannot be renumbered that way: "
+                         "use it on a LLaVA model")
+    return decoder.apply_patch(model, config, trace, priority, tail, decode_positions=mrope_positions, lead=lead)
