@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import HAPConfig
+from .inputs import check_history
 from .knobs import KNOBS, SEED
 from .load import ModelLoadError, load_model
 from .run import run
@@ -23,6 +24,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local folder (default: the shipped small model)")
     r.add_argument("--image", required=True, help="image file")
     r.add_argument("--prompt", required=True)
+    r.add_argument("--history", type=Path, help="JSON file: earlier [question, answer] turns about the image; "
+                   "--prompt is then the follow-up question")
     budget = r.add_mutually_exclusive_group()
     for k in (*KNOBS, SEED):
         k.add_to(budget if k.name in ("retain", "flops_ratio") else r)
@@ -34,16 +37,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_history(path: Path | None) -> list[tuple[str, str]]:
+    """The turns of a `--history` file (`hap.inputs.check_history`); ValueError naming the file."""
+    if path is None:
+        return []
+    try:
+        return check_history(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"--history {path}: {err}") from err
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         given = {k.name: getattr(args, k.name) for k in (*KNOBS, SEED)}
         config = HAPConfig(**{name: value for name, value in given.items() if value is not None})
+        history = read_history(args.history)
         model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
-        result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens)
+        result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens,
+                     history=history)
     except (ValueError, ModelLoadError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    for i, (question, answer) in enumerate(result.history):
+        print(f"turn {i + 1}: {question} -> {answer}")
     print(f"answer: {result.answer}")
     print(f"method: {result.method}   visual tokens: {result.num_visual}   layers: {result.num_layers}")
     print(

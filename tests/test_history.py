@@ -1,10 +1,14 @@
 """Follow-up questions (hap.run `history`): the conversation's prompt is the processor's own chat template, the
 pruner scores with the new question's rows only, and a malformed or oversized history is refused by name."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 import hap
+from hap.__main__ import main
 from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.pruner import PruneState
 from hap.run import build_inputs, chat_prompt, question_lead, template_tail
@@ -12,6 +16,7 @@ from tiny_models import noise_image, tiny_llava
 
 FIRST, ANSWER, FOLLOW_UP = "what color is the triangle ?", "purple", "what shape is it ?"
 HISTORY = [(FIRST, ANSWER)]
+SCENE = Path(__file__).resolve().parent.parent / "assets" / "examples" / "scene_600000.png"
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +116,19 @@ def test_a_run_refuses_a_malformed_history_before_the_model(tiny):
     model, processor = tiny
     with pytest.raises(ValueError, match=r"history\[0\] must be a \[question, answer\] pair"):
         hap.run(model, processor, noise_image(), FOLLOW_UP, history=[["q"]])
+
+
+def test_the_cli_takes_a_history_file(tmp_path, capsys):
+    history = tmp_path / "history.json"
+    history.write_text(json.dumps([[FIRST, ANSWER]]))
+    out = tmp_path / "out.json"
+    code = main(["run", "--image", str(SCENE), "--prompt", FOLLOW_UP, "--history", str(history), "--json", str(out),
+                 "--max-new-tokens", "2"])
+    printed = capsys.readouterr().out
+    assert code == 0 and f"turn 1: {FIRST} -> {ANSWER}" in printed and "answer: " in printed
+    data = json.loads(out.read_text())
+    assert data["history"] == [[FIRST, ANSWER]] and f"{FIRST} ASSISTANT: {ANSWER}</s>USER: {FOLLOW_UP}" in data[
+        "prompt_text"]
+    history.write_text('[["what color ?"]]')
+    assert main(["run", "--image", str(SCENE), "--prompt", FOLLOW_UP, "--history", str(history)]) == 2
+    assert f"error: --history {history}: history[0] must be a [question, answer] pair" in capsys.readouterr().err
