@@ -4,14 +4,19 @@ Every method runs through the same cuts, the same FLOPs accounting and the same 
 policy only says how many groups there are, which prompt rows and which captured layers score a
 cut, and how heads are weighted:
 
-    method    groups     rows                  layers scoring a cut       head weights
-    hap       G          config.rows           the previous segment (or its last layer) softmax(PAQ / T)
-    uniform   G          config.rows           the whole previous segment uniform (T = inf)
-    pdrop     G          last token            last layer of the segment  uniform
-    fastv     1 (at K)   last token            layer K-1                  uniform
-    random    G          -                     -                          seeded uniform choice
-    visionzip 1, at 0    -                     - (the vision tower's [CLS] attention, `hap.visionzip`)
+    method    groups     rows                  layers scoring a cut       head weights        positions after a cut
+    hap       G          config.rows           the previous segment (or its last layer) softmax(PAQ / T)  original
+    uniform   G          config.rows           the whole previous segment uniform (T = inf)          original
+    pdrop     G          last token            the next layer (lookahead) uniform                    renumbered
+    fastv     1 (at K)   last token            layer K-1                  uniform                    original
+    random    G          -                     -                          seeded uniform choice      original
+    visionzip 1, at 0    -                     - (the vision tower's [CLS] attention, `hap.visionzip`)  renumbered
     none      no cuts
+
+`pdrop` and `visionzip` follow their official code (docs/method.md §7): PyramidDrop scores the cut entering
+layer l with layer l's own norm, q/k projections and RoPE applied to the tokens about to enter it, and both
+renumber positions 0..T'-1 after a drop (RoPE distances between the remaining tokens shrink); HAP and the
+other methods keep each token's original position.
 
 HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`,
 `merge`, `first_cut`)
@@ -41,6 +46,8 @@ class Policy:
     first_cut: str = "attention"  # a cut before layer 0 scored by layer 0's attention, its pre-RoPE q.k, or [CLS]
     merge: str = "none"  # dropped tokens folded into the kept ones: "none", "average" or "proportional" (+ log-size bias)
     vision: bool = False  # VisionZip: one cut before layer 0 from the vision tower's [CLS] attention
+    lookahead: bool = False  # score every cut with the next layer's attention on the tokens about to enter it
+    renumber: bool = False  # positions 0..T'-1 after each cut (the official PyramidDrop / VisionZip), else original
 
     @property
     def needs_maps(self) -> bool:
@@ -64,11 +71,11 @@ def policy_for(config: HAPConfig) -> Policy:
     if m == "uniform":
         return Policy(config.groups, config.rows, True, math.inf)
     if m == "pdrop":
-        return Policy(config.groups, "last", False, math.inf)
+        return Policy(config.groups, "last", False, math.inf, lookahead=True, renumber=True)
     if m == "fastv":
         return Policy(1, "last", False, math.inf)
     if m == "visionzip":
-        return Policy(1, config.rows, False, math.inf, vision=True)
+        return Policy(1, config.rows, False, math.inf, vision=True, renumber=True)
     return Policy(config.groups, config.rows, False, math.inf, random=True)
 
 
@@ -76,15 +83,22 @@ def scoring_layers(policy: Policy, segment: tuple[int, int]) -> list[int]:
     """Layers whose maps score the cut that follows `segment` = [start, end).
 
     A cut before layer 0 has no layer behind it; it looks ahead at layer 0's own attention over
-    the full input (as PyramidDrop scores with the next layer's queries and keys), unless HAP's
-    first_cut="vision" scores it by the vision tower's [CLS] attention (docs/method.md §10).
+    the full input (as PyramidDrop scores every cut with the next layer's queries and keys), unless HAP's
+    first_cut="vision" scores it by the vision tower's [CLS] attention (docs/method.md §10). A lookahead
+    policy (pdrop) scores every cut with layer `end` itself (`looks_ahead`).
     """
     start, end = segment
     if not policy.needs_maps:
         return []
-    if start == end:
-        return [] if policy.first_cut == "vision" else [end]
+    if looks_ahead(policy, segment):
+        return [] if start == end and policy.first_cut == "vision" else [end]
     return list(range(start, end)) if policy.whole_segment else [end - 1]
+
+
+def looks_ahead(policy: Policy, segment: tuple[int, int]) -> bool:
+    """Whether the cut after `segment` = [start, end) is scored by layer `end` before it runs (on the tokens about
+    to enter it), rather than by layers that ran: always for a lookahead policy, and for a cut before layer 0."""
+    return policy.lookahead or segment[0] == segment[1]
 
 
 def head_weights(policy: Policy, paq: torch.Tensor, visual_share: torch.Tensor) -> torch.Tensor:

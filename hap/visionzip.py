@@ -1,26 +1,42 @@
-"""VisionZip-style selection before the decoder (docs/method.md §7): the peer baseline at small budgets.
+"""VisionZip before the decoder, as its official code selects and merges (docs/method.md §7).
 
-The vision tower's [CLS] query says which patches carry the image's summary: the `dominant`
-tokens are the patches it attends to most (averaged over heads). The remaining patches are not
-dropped outright: a few evenly spaced ones become `contextual` targets, every other remaining patch
-joins the target whose key it is most similar to (cosine), and each target's embedding becomes
-the mean of its members. Dominant plus contextual tokens enter the decoder and stay in every
-layer, so the layer-averaged retained fraction is simply (dominant + contextual) / N.
+On the vision tower's feature layer (the layer whose output LLaVA projects):
+- dominant: the [CLS] token takes one slot, the other `dominant - 1` slots go to the patches the
+  [CLS] row attends to most (summed over heads);
+- contextual: of the R remaining patches, the targets are every `step`-th one, `step = max(1, R // c)`
+  (the first c of them); every other remaining patch joins the target whose key (averaged over heads,
+  L2-normalised) is most similar; a contextual token is the target's feature **plus the mean** of its
+  members' features, on the tower's features before the projector.
+The decoder receives one block in this order, [CLS, dominant patches ascending, contextual tokens in target
+order], projected like any image feature, at consecutive positions. The tokens stay in every layer, so the
+layer-averaged retained count is simply dominant + contextual.
 
-Pure tensor functions; the adapter supplies the [CLS] attention row and the keys of the tower's
-feature layer, and the projected visual embeddings.
+Pure tensor functions; the adapter supplies the cues (`VisionCues`) of one prefill.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-DOMINANT_SHARE = 54 / 64  # the published 54 dominant + 10 contextual split of 64 tokens
+DOMINANT_SHARE = 54 / 64  # the published 54 dominant ([CLS] included) + 10 contextual split of 64 tokens
+
+
+@dataclass
+class VisionCues:
+    """What the tower's feature layer gives one prefill."""
+
+    cls_attention: torch.Tensor  # [batch, N] the [CLS] row's attention over the patches, summed over heads
+    keys: torch.Tensor  # [batch, N, d] the patches' keys averaged over heads
+    features: torch.Tensor  # [batch, 1 + N, Dv] the layer's output, [CLS] first
+    project: Callable[[torch.Tensor], torch.Tensor]  # tower features [batch, n, Dv] -> decoder embeddings [batch, n, D]
 
 
 def split_budget(k: int, dominant_share: float = DOMINANT_SHARE) -> tuple[int, int]:
-    """(dominant, contextual) counts for a budget of `k` tokens; at least one dominant token, and
-    a contextual token only when k >= 2."""
+    """(dominant, contextual) slots for a budget of `k` tokens, [CLS] counted among the dominant ones; at least one
+    dominant slot, and a contextual one only when k >= 2."""
     if k < 1:
         raise ValueError(f"a VisionZip budget needs at least one token; got k={k}")
     dominant = min(k, max(1, round(k * dominant_share)))
@@ -35,44 +51,51 @@ def dominant_tokens(cls_attention: torch.Tensor, k: int) -> torch.Tensor:
     return order[:, :k].sort(dim=-1).values
 
 
-def contextual_tokens(keys: torch.Tensor, embeds: torch.Tensor, dominant: torch.Tensor,
+def contextual_targets(remaining: int, k: int) -> torch.Tensor:
+    """Positions in the list of `remaining` non-dominant patches that become the `k` contextual targets: every
+    `max(1, remaining // k)`-th one from the first -> long [k]."""
+    if k > remaining:
+        raise ValueError(f"{k} contextual tokens need at least {k} non-dominant patches; there are {remaining}")
+    return torch.arange(0, remaining, max(1, remaining // k))[:k]
+
+
+def contextual_tokens(keys: torch.Tensor, features: torch.Tensor, dominant: torch.Tensor,
                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the non-dominant patches into `k` contextual tokens.
 
-    keys [batch, N, d] (the tower's keys, for similarity), embeds [batch, N, D] (what the decoder
-    receives), dominant long [batch, n_dom]. Returns (targets long [batch, k]: the patch whose place
-    each contextual token takes, ascending; merged [batch, k, D]: the mean embedding of each target
-    and the remaining patches most similar to it).
+    keys [batch, N, d] (for similarity), features [batch, N, Dv] (the patches' tower features), dominant long
+    [batch, n_dom]. Returns (targets long [batch, k]: the patch of each contextual token, ascending; merged
+    [batch, k, Dv]: each target's feature plus the mean feature of the remaining patches that joined it).
     """
     B, N, _ = keys.shape
     if k == 0:
-        return dominant.new_zeros(B, 0), embeds.new_zeros(B, 0, embeds.shape[-1])
+        return dominant.new_zeros(B, 0), features.new_zeros(B, 0, features.shape[-1])
     rest_mask = torch.ones(B, N, dtype=torch.bool, device=keys.device)
     rest_mask.scatter_(1, dominant, False)
     rest = rest_mask.nonzero()[:, 1].view(B, -1)  # [B, R] ascending
-    R = rest.shape[1]
-    if k > R:
-        raise ValueError(f"{k} contextual tokens need at least {k} non-dominant patches; there are {R}")
-    pick = torch.linspace(0, R - 1, k, device=keys.device).round().long()  # evenly spaced targets
-    targets = rest[:, pick]  # [B, k]
+    pick = contextual_targets(rest.shape[1], k).to(keys.device)
+    is_target = torch.zeros(rest.shape[1], dtype=torch.bool, device=keys.device)
+    is_target[pick] = True
+    targets, members = rest[:, pick], rest[:, ~is_target]  # [B, k], [B, R - k]
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
-    sim = unit.gather(1, rest[..., None].expand(-1, -1, unit.shape[-1])) @ \
-        unit.gather(1, targets[..., None].expand(-1, -1, unit.shape[-1])).transpose(1, 2)  # [B, R, k]
-    assign = sim.argmax(-1)  # [B, R] every remaining patch (targets join themselves)
-    assign[:, pick] = torch.arange(k, device=keys.device)
-    members = torch.nn.functional.one_hot(assign, k).to(embeds.dtype)  # [B, R, k]
-    rest_embeds = embeds.gather(1, rest[..., None].expand(-1, -1, embeds.shape[-1]))
-    merged = members.transpose(1, 2) @ rest_embeds / members.sum(1)[..., None]
-    return targets, merged
+    sim = _rows(unit, members) @ _rows(unit, targets).transpose(1, 2)  # [B, R - k, k]
+    assign = torch.nn.functional.one_hot(sim.argmax(-1), k).to(features.dtype)  # [B, R - k, k]
+    mean = assign.transpose(1, 2) @ _rows(features, members) / assign.sum(1).clamp_min(1)[..., None]
+    return targets, _rows(features, targets) + mean
 
 
-def select(cls_attention: torch.Tensor, keys: torch.Tensor, embeds: torch.Tensor,
-           k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VisionZip's `k` tokens: `split_budget(k)` dominant ones by [CLS] attention, the rest merged into contextual
-    ones. cls_attention [batch, N], keys [batch, N, d], embeds [batch, N, D] -> (chosen long [batch, k] ascending,
-    slots long [batch, k_ctx]: where in `chosen` each contextual token sits, merged [batch, k_ctx, D])."""
+def select(cues: VisionCues, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """VisionZip's `k` tokens from one prefill's cues: (patches long [batch, k - 1]: the patch each token after
+    [CLS] stands for, dominant ones ascending then the contextual targets; tokens [batch, k, D]: [CLS], the dominant
+    patches and the contextual tokens, projected for the decoder)."""
     n_dominant, n_contextual = split_budget(k)
-    dominant = dominant_tokens(cls_attention, n_dominant)
-    targets, merged = contextual_tokens(keys, embeds, dominant, n_contextual)
-    chosen = torch.cat([dominant, targets], 1).sort(1).values
-    return chosen, torch.searchsorted(chosen, targets), merged
+    patches = cues.features[:, 1:]
+    dominant = dominant_tokens(cues.cls_attention, n_dominant - 1)
+    targets, merged = contextual_tokens(cues.keys, patches, dominant, n_contextual)
+    block = torch.cat([cues.features[:, :1], _rows(patches, dominant), merged.to(patches.dtype)], 1)
+    return torch.cat([dominant, targets], 1), cues.project(block)
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`x [batch, N, d]` at `index` long [batch, n] -> [batch, n, d]."""
+    return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))

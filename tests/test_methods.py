@@ -13,7 +13,7 @@ from hap.methods import Policy, cut_scores, head_weights, policy_for, rank_sinks
 @pytest.mark.parametrize(
     "method, expected",
     [("hap", Policy(4, "last", False, 0.3, merge="proportional")), ("uniform", Policy(4, "last", True, math.inf)),
-     ("pdrop", Policy(4, "last", False, math.inf)), ("fastv", Policy(1, "last", False, math.inf)),
+     ("pdrop", Policy(4, "last", False, math.inf, lookahead=True, renumber=True)), ("fastv", Policy(1, "last", False, math.inf)),
      ("random", Policy(4, "last", False, math.inf, random=True)), ("none", Policy(0, "last", True, math.inf))],
 )
 def test_each_method_is_a_policy(method, expected):
@@ -29,7 +29,7 @@ def test_prompt_rows_are_kept_for_hap_and_uniform_only():
 
 def test_scoring_layers():
     hap, pdrop, rnd = (policy_for(HAPConfig.paper(method=m)) for m in ("hap", "pdrop", "random"))
-    assert scoring_layers(hap, (2, 5)) == [2, 3, 4] and scoring_layers(pdrop, (2, 5)) == [4]
+    assert scoring_layers(hap, (2, 5)) == [2, 3, 4] and scoring_layers(pdrop, (2, 5)) == [5]  # the next layer
     assert scoring_layers(policy_for(HAPConfig(score_layers="last")), (2, 5)) == [4]
     assert scoring_layers(hap, (0, 0)) == [0]  # a cut before layer 0 looks ahead at layer 0
     assert scoring_layers(rnd, (2, 5)) == []
