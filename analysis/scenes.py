@@ -1,7 +1,8 @@
 """Seeded synthetic scenes and one-word questions of seven kinds, each with the patches that answer it.
 
 A scene is a 168x168 RGB image (patch 14 -> a 12x12 grid = 144 visual tokens; the LLaVA visual
-token order is row-major over that grid) with 3-6 non-overlapping coloured shapes on a noisy,
+token order is row-major over that grid) with 3-6 non-overlapping coloured shapes (each carrying a
+dark capital letter in the patch it covers most) and one small coloured dot on a noisy,
 blocky background that is either dark or light. The top-left patch always holds the same
 black-and-white checker marker (a token that is always there and never informative: the raw
 material of a learned attention sink, docs/method.md §3). Everything is a deterministic function
@@ -21,7 +22,16 @@ Question kinds (``QTYPES``; one-word answers) and the patches that answer them (
   * ``count``      ``how many <color> objects ?`` (zero-three)                    -> every counted object;
   * ``background`` ``is the background dark or light ?``                          -> every background patch;
   * ``text``       ``the object is <color> . what color is it ?`` / ``the object is a <shape> . what
-                   shape is it ?`` (answerable from the prompt alone)             -> none.
+                   shape is it ?`` (answerable from the prompt alone)             -> none;
+  * ``letter``     ``what letter is on the <c> <s> ?`` (fine-grained: every object carries a letter in
+                   one patch; the object unique by colour and shape)              -> the letter's patch;
+  * ``dot``        ``what color is the dot ?`` (fine-grained: one small dot inside one background
+                   patch)                                                         -> the dot's patch.
+
+The two fine-grained kinds live in one patch each, so a selector that drops that patch loses the
+answer: they exist to separate selectors. ``AUX_KINDS`` are asked in training only (not evaluated):
+``position`` (``is the <c> <s> on the left or right ?`` / ``... at the top or bottom ?``, objects
+clearly on one side) teaches the decoder to read an object's place, the step a relation needs.
 
 Masks: a patch belongs to an object's mask when the object covers more than ``MASK_THRESHOLD``
 (10%) of its pixels. ``other_mask`` is the union of the masks of every object not answering the
@@ -52,7 +62,12 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 NUMBERS: tuple[str, ...] = ("zero", "one", "two", "three")
 BACKGROUNDS: tuple[str, ...] = ("dark", "light")
-QTYPES: tuple[str, ...] = ("color", "shape", "exist", "relation", "count", "background", "text")
+LETTERS: tuple[str, ...] = ("e", "h", "k", "x", "z")  # answers; drawn as capitals (``_GLYPHS``)
+QTYPES: tuple[str, ...] = ("color", "shape", "exist", "relation", "count", "background", "text",
+                           "letter", "dot")
+FINE_KINDS: tuple[str, ...] = ("letter", "dot")  # answers that live in one patch
+AUX_KINDS: tuple[str, ...] = ("position",)  # training-only
+SIDES: dict[str, tuple[str, str]] = {"horizontal": ("left", "right"), "vertical": ("top", "bottom")}
 
 MIN_OBJECTS, MAX_OBJECTS = 3, 6
 MIN_RADIUS, MAX_RADIUS = 12, 18
@@ -61,6 +76,18 @@ MASK_THRESHOLD = 0.1  # fraction of a patch an object must cover to be in its ma
 LABEL_THRESHOLD = 0.3  # fraction of a patch an object must cover to label it (stage-1 labels)
 TRAIN_SEED_START = 1_000_000
 GREY = {"dark": (45, 95), "light": (150, 200)}  # range of the mean grey of background blocks
+
+DOT_RADIUS = 3.2
+GLYPH_INK = 15  # grey level of a letter's strokes
+
+# 5x7 capitals, drawn at 2x (10x14 px) centred horizontally in one 14x14 patch: one patch holds the answer
+_GLYPHS: dict[str, tuple[str, ...]] = {
+    "e": ("11111", "10000", "10000", "11110", "10000", "10000", "11111"),
+    "h": ("10001", "10001", "10001", "11111", "10001", "10001", "10001"),
+    "k": ("10001", "10010", "10100", "11000", "10100", "10010", "10001"),
+    "x": ("10001", "10001", "01010", "00100", "01010", "10001", "10001"),
+    "z": ("11111", "00001", "00010", "00100", "01000", "10000", "11111"),
+}
 
 _YX = np.mgrid[0:IMAGE_SIZE, 0:IMAGE_SIZE].astype(np.float32) + 0.5  # pixel centres, [2,H,W]
 _CHECKER = np.where(np.add.outer(np.arange(PATCH) // 7, np.arange(PATCH) // 7) % 2 == 0, 235, 20)
@@ -77,6 +104,8 @@ class SceneObject:
     cy: float
     radius: float
     coverage: np.ndarray = field(repr=False)
+    letter: str = ""
+    letter_patch: int = -1  # row-major index of the patch holding the letter
 
     def mask(self, threshold: float = MASK_THRESHOLD) -> np.ndarray:
         """Bool [144]: patches covered by more than ``threshold``."""
@@ -91,6 +120,8 @@ class Scene:
     image: Image.Image
     objects: list[SceneObject]
     background: str
+    dot_color: str = ""
+    dot_patch: int = -1  # row-major index of the patch holding the dot
 
     @property
     def coverage(self) -> np.ndarray:
@@ -112,10 +143,23 @@ class Scene:
         return (np.where(covered, color_idx[best], 0).astype(np.int64),
                 np.where(covered, shape_idx[best], 0).astype(np.int64))
 
+    def fine_labels(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-patch labels of the fine details: (letter ids [144], dot colour ids [144]), int64,
+        0 = none, otherwise 1 + index into ``LETTERS`` / ``COLORS``."""
+        letters = np.zeros(N_PATCHES, dtype=np.int64)
+        for o in self.objects:
+            letters[o.letter_patch] = LETTERS.index(o.letter) + 1
+        dots = np.zeros(N_PATCHES, dtype=np.int64)
+        if self.dot_patch >= 0:
+            dots[self.dot_patch] = list(COLORS).index(self.dot_color) + 1
+        return letters, dots
+
     def background_mask(self) -> np.ndarray:
-        """Bool [144]: patches no object touches (the marker patch excluded)."""
+        """Bool [144]: patches no object touches (the marker and dot patches excluded)."""
         out = ~_union(self.objects)
         out[MARKER_PATCH] = False
+        if self.dot_patch >= 0:
+            out[self.dot_patch] = False
         return out
 
 
@@ -166,14 +210,53 @@ def _clear_of_marker(cx: float, cy: float, r: float) -> bool:
     return cx - r > PATCH + 2 or cy - r > PATCH + 2
 
 
-def make_scene(seed: int) -> Scene:
-    """Render the scene of ``seed``: 3-6 non-overlapping shapes on a dark or light background,
-    the checker marker in the top-left patch."""
+def _one_hot(index: int) -> np.ndarray:
+    out = np.zeros(N_PATCHES, dtype=bool)
+    out[index] = True
+    return out
+
+
+def _patch_box(index: int) -> tuple[int, int]:
+    """(top, left) pixel of a row-major patch index."""
+    return (index // GRID) * PATCH, (index % GRID) * PATCH
+
+
+def _draw_letter(pixels: np.ndarray, letter: str, patch: int) -> None:
+    """Ink a 2x capital (10x14 px) into ``patch``, 2 px from its left edge."""
+    ink = np.kron(np.array([[c == "1" for c in row] for row in _GLYPHS[letter]]), np.ones((2, 2), bool))
+    top, left = _patch_box(patch)
+    region = pixels[top:top + PATCH, left + 2:left + 12]
+    region[ink] = GLYPH_INK
+
+
+def _place_dot(pixels: np.ndarray, rng: np.random.Generator, objects: list[SceneObject]) -> tuple[str, int]:
+    """Draw one small dot centred in a random background patch no object touches; (colour, patch)."""
+    touched = np.zeros(N_PATCHES, dtype=bool)
+    for o in objects:
+        touched |= o.coverage > 0
+    touched[MARKER_PATCH] = True
+    free = np.flatnonzero(~touched)
+    color = list(COLORS)[int(rng.integers(len(COLORS)))]
+    if not len(free):
+        return "", -1
+    patch = int(free[int(rng.integers(len(free)))])
+    top, left = _patch_box(patch)
+    y, x = _YX
+    dot = (x - left - PATCH / 2) ** 2 + (y - top - PATCH / 2) ** 2 <= DOT_RADIUS ** 2
+    pixels[dot] = COLORS[color]
+    return color, patch
+
+
+def make_scene(seed: int, n_objects: int | None = None) -> Scene:
+    """Render the scene of ``seed``: 3-6 non-overlapping shapes (``n_objects`` when given: the
+    training curriculum's small scenes), each with a letter, on a dark or light background, one
+    small dot, the checker marker in the top-left patch."""
     rng = np.random.default_rng([seed, 0])
     background = BACKGROUNDS[int(rng.integers(2))]
     pixels = _background(rng, background)
     pixels[:PATCH, :PATCH] = _CHECKER[..., None]
-    n_objects = int(rng.integers(MIN_OBJECTS, MAX_OBJECTS + 1))
+    drawn = int(rng.integers(MIN_OBJECTS, MAX_OBJECTS + 1))
+    n_objects = drawn if n_objects is None else n_objects
     placed: list[tuple[float, float, float]] = []
     objects: list[SceneObject] = []
     color_names = list(COLORS)
@@ -191,9 +274,14 @@ def make_scene(seed: int) -> Scene:
         pix = _shape_mask(shape, cx, cy, r)
         shade = np.array(COLORS[color], dtype=np.float64) * rng.uniform(0.9, 1.05)
         pixels[pix] = shade + rng.normal(0, 8, size=(int(pix.sum()), 3))
-        objects.append(SceneObject(shape, color, cx, cy, r, _patch_coverage(pix)))
+        coverage = _patch_coverage(pix)
+        objects.append(SceneObject(shape, color, cx, cy, r, coverage,
+                                   LETTERS[int(rng.integers(len(LETTERS)))], int(coverage.argmax())))
+    for o in objects:  # letters last, so no later shape paints over one
+        _draw_letter(pixels, o.letter, o.letter_patch)
+    dot_color, dot_patch = _place_dot(pixels, rng, objects)
     image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
-    return Scene(seed=seed, image=image, objects=objects, background=background)
+    return Scene(seed, image, objects, background, dot_color, dot_patch)
 
 
 def _union(objects: list[SceneObject]) -> np.ndarray:
@@ -247,6 +335,14 @@ def _candidates(scene: Scene, qtype: str, rng: np.random.Generator) -> list[Ques
         color, shape = list(COLORS)[int(rng.integers(len(COLORS)))], SHAPES[int(rng.integers(3))]
         return [_question(scene, f"the object is {color} . what color is it ?", color, qtype, []),
                 _question(scene, f"the object is a {shape} . what shape is it ?", shape, qtype, [])]
+    if qtype == "letter":
+        return [_question(scene, f"what letter is on the {o.color} {o.shape} ?", o.letter, qtype, [o],
+                          _one_hot(o.letter_patch)) for o in _unique(objs)]
+    if qtype == "dot":
+        return [] if scene.dot_patch < 0 else [
+            _question(scene, "what color is the dot ?", scene.dot_color, qtype, [], _one_hot(scene.dot_patch))]
+    if qtype == "position":
+        return _position_candidates(scene)
     raise ValueError(f"unknown question kind {qtype!r}; choose one of {', '.join(QTYPES)}")
 
 
@@ -263,11 +359,28 @@ def _exist_candidates(scene: Scene, rng: np.random.Generator) -> list[Question]:
     return [_question(scene, f"is there a {c} {s} ?", "no", "exist", []) for c, s in hard]
 
 
+def _unique(objs: list[SceneObject]) -> list[SceneObject]:
+    """The objects no other object shares both colour and shape with."""
+    return [o for o in objs if sum((p.color, p.shape) == (o.color, o.shape) for p in objs) == 1]
+
+
+def _position_candidates(scene: Scene) -> list[Question]:
+    """Uniquely named objects clearly on one side of the image (``MIN_APART`` px from the middle)."""
+    out = []
+    for o in _unique(scene.objects):
+        for axis, (first, second) in SIDES.items():
+            delta = (o.cx if axis == "horizontal" else o.cy) - IMAGE_SIZE / 2
+            if abs(delta) >= MIN_APART:
+                text = (f"is the {o.color} {o.shape} on the left or right ?" if axis == "horizontal"
+                        else f"is the {o.color} {o.shape} at the top or bottom ?")
+                out.append(_question(scene, text, first if delta < 0 else second, "position", [o]))
+    return out
+
+
 def _relation_candidates(scene: Scene, rng: np.random.Generator) -> list[Question]:
     """Pairs of uniquely named objects and a relation that clearly holds (yes) or clearly fails
     (no), chosen by one coin flip."""
-    objs = scene.objects
-    unique = [o for o in objs if sum((p.color, p.shape) == (o.color, o.shape) for p in objs) == 1]
+    unique = _unique(scene.objects)
     want = bool(rng.random() < 0.5)
     out = []
     for a in unique:
@@ -286,18 +399,20 @@ def make_questions(scene: Scene, seed: int, n: int | None = None,
     """Sample ``n`` questions about ``scene`` (default: one per kind), kinds balanced.
 
     Kinds cycle in a seeded random order; a kind with no well-posed question for this scene is
-    skipped. Questions may repeat when ``n`` exceeds the distinct candidates.
+    skipped (when no kind has one, fewer than ``n`` come back). Questions may repeat when ``n``
+    exceeds the distinct candidates.
     """
     rng = np.random.default_rng([seed, 1])
     n = len(kinds) if n is None else n
     order = [kinds[i] for i in rng.permutation(len(kinds))]
     out: list[Question] = []
-    i = 0
-    while len(out) < n:
+    i, misses = 0, 0
+    while len(out) < n and misses < len(order):
         qtype = order[i % len(order)]
         i += 1
         cands = _candidates(scene, qtype, rng)
-        if cands:  # background and text always have candidates, so this ends
+        misses = 0 if cands else misses + 1
+        if cands:
             out.append(cands[int(rng.integers(len(cands)))])
     return out
 
@@ -320,9 +435,10 @@ def describe(scene: Scene, question: Question | None = None) -> dict:
     indices into the 12x12 grid) and, for a question, its text, answer, kind and answering patches."""
     out = {
         "seed": scene.seed, "grid": GRID, "background": scene.background,
-        "marker_patch": MARKER_PATCH,
+        "marker_patch": MARKER_PATCH, "dot": {"color": scene.dot_color, "patch": scene.dot_patch},
         "objects": [{"shape": o.shape, "color": o.color, "cx": round(o.cx, 2), "cy": round(o.cy, 2),
-                     "radius": round(o.radius, 2), "patches": np.flatnonzero(o.mask()).tolist()}
+                     "radius": round(o.radius, 2), "patches": np.flatnonzero(o.mask()).tolist(),
+                     "letter": o.letter, "letter_patch": o.letter_patch}
                     for o in scene.objects],
     }
     if question is not None:

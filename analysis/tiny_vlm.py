@@ -18,16 +18,19 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                           LlavaProcessor, PreTrainedTokenizerFast)
 
-from analysis.scenes import BACKGROUNDS, COLORS, IMAGE_SIZE, NUMBERS, PATCH, RELATIONS, SHAPES
+from analysis.scenes import (BACKGROUNDS, COLORS, IMAGE_SIZE, LETTERS, NUMBERS, PATCH, RELATIONS, SHAPES,
+                             SIDES)
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<image>"]
 TEMPLATE_WORDS = ["user", "assistant", ":"]
 TASK_WORDS = ["what", "color", "colour", "shape", "is", "the", "object", "there", "a", "an",
               "?", "yes", "no", "of", "which", "how", "many", "are", "in", "image", "this",
-              ".", ",", "circles", "squares", "triangles", "objects", "any", "it", "or", "background"]
+              ".", ",", "circles", "squares", "triangles", "objects", "any", "it", "or", "background",
+              "letter", "dot", "on", "at"]
+_RELATION_WORDS = sorted({w for rel in RELATIONS for w in rel.split()} - set(TASK_WORDS))
 VOCAB: list[str] = (SPECIAL_TOKENS + TEMPLATE_WORDS + TASK_WORDS + list(COLORS) + list(SHAPES)
-                    + sorted({w for rel in RELATIONS for w in rel.split()} - set(TASK_WORDS))
-                    + list(NUMBERS) + list(BACKGROUNDS))
+                    + _RELATION_WORDS + list(NUMBERS) + list(BACKGROUNDS) + list(LETTERS)
+                    + sorted({w for pair in SIDES.values() for w in pair} - set(_RELATION_WORDS)))
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

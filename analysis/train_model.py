@@ -1,6 +1,8 @@
 """Train the tiny LLaVA on synthetic scenes (two-stage recipe, CPU, one thread).
 
-    python -m analysis.train_model --out assets/tiny-llava [--smoke] [--resume]
+    python -m analysis.train_model --out assets/tiny-llava --run-dir runs/v3 [options]   # a new run
+    python -m analysis.train_model --out assets/tiny-llava --resume runs/v3               # continue it
+    python -m analysis.train_model --smoke                                                # < 60 s check
 
 Stage 1: dense per-patch supervision of the CLIP tower. A linear head on the last hidden
 state (CLS dropped) predicts each patch's colour (5 + background) and shape (3 + background),
@@ -19,7 +21,9 @@ proportions of ``Settings.s2_kinds`` (balanced; ``--relation-weight 2`` asks rel
 trained at 0.1x lr. Time-based warmup + cosine schedule for each stage.
 
 Training seeds start at ``scenes.TRAIN_SEED_START``; held-out evaluation uses seeds below it.
-Checkpoints (model safetensors, head, optimizer, ``state.json``) go to ``--run-dir``.
+Checkpoints (model safetensors, head, optimizer, ``state.json``, and the run's ``settings.json``) go to
+``--run-dir``; ``--resume RUN_DIR`` continues from the last one with the saved settings (a new
+``--stage1-minutes`` / ``--stage2-minutes`` may extend a stage's budget).
 """
 from __future__ import annotations
 
@@ -36,14 +40,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import LlavaForConditionalGeneration, LlavaProcessor
+from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
 from transformers.utils import logging as hf_logging
 
 from analysis.evaluate import evaluate
 from hap.run import chat_prompt
 from analysis.diagnostics import diagnose
-from analysis.scenes import (COLORS, GRID, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES, TRAIN_SEED_START,
-                             Question, Scene, heldout_items, make_questions, make_scene)
+from analysis.scenes import (AUX_KINDS, COLORS, GRID, LETTERS, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES,
+                             TRAIN_SEED_START, Question, Scene, heldout_items, make_questions, make_scene)
 from analysis.tiny_vlm import LAYOUTS, build_config, build_processor
 
 STAGE1_EVAL_START = 900_000  # held-out scenes for the stage-1 probe start here
@@ -64,6 +68,7 @@ class Settings:
     s1_check_every: int = 200
     s1_target_color: float = 0.98
     s1_target_shape: float = 0.97
+    s1_target_fine: float = 0.97  # letter and dot, per object / per scene
     s2_images: int = 16
     s2_questions: int = 16
     s2_lr: float = 1.5e-3
@@ -74,7 +79,9 @@ class Settings:
     s2_frozen: float = 0.30  # fraction of stage-2 time with the vision tower frozen
     s2_vision_lr: float = 0.1  # vision lr multiplier once unfrozen
     s2_target: float = 0.99  # early stop when every type reaches this
-    s2_kinds: tuple[str, ...] = QTYPES  # a kind listed twice is asked twice as often
+    s2_kinds: tuple[str, ...] = QTYPES + AUX_KINDS  # a kind listed twice is asked twice as often
+    s2_relation_stage: float = 0.0  # fraction of stage-2 time on two-object scenes, relation and position only
+    s2_followups: float = 0.25  # fraction of question blocks asked as the second turn of a conversation
     s1_position: bool = False  # stage 1 also predicts each patch's row and column
     layout: str = "text-first"  # the prompt layout (analysis.tiny_vlm.LAYOUTS)
     vision_from: str | None = None  # a saved LLaVA whose vision tower replaces stage 1
@@ -83,9 +90,9 @@ class Settings:
     s1_probe_scenes: int = 128
     s1_max_steps: int | None = None
     s2_max_steps: int | None = None
-    eval_minutes: float = 7.0
+    eval_minutes: float = 8.0
     eval_scenes: int = 100
-    eval_per_scene: int = 7
+    eval_per_scene: int = 9
     diag_per_kind: int = 10
     ckpt_minutes: float = 3.0
     log_every: int = 20
@@ -95,6 +102,16 @@ FULL_MODEL = dict(text_layers=6, text_heads=8, text_hidden=128, text_mlp=384,
                   vision_hidden=128, vision_layers=3, vision_heads=4)
 SMOKE_MODEL = dict(text_layers=2, text_heads=2, text_hidden=32, text_mlp=64,
                    vision_hidden=32, vision_layers=1, vision_heads=2)
+
+
+def load_settings(path: Path, s1_minutes: float | None, s2_minutes: float | None) -> Settings:
+    """A run's saved settings; a stage's time budget may be given anew (to extend it)."""
+    saved = json.loads(path.read_text())
+    saved["s2_kinds"] = tuple(saved["s2_kinds"])
+    settings = Settings(**saved)
+    settings.s1_minutes = settings.s1_minutes if s1_minutes is None else s1_minutes
+    settings.s2_minutes = settings.s2_minutes if s2_minutes is None else s2_minutes
+    return settings
 
 
 def smoke_settings() -> Settings:
@@ -128,11 +145,30 @@ def pixel_values(processor: LlavaProcessor, scenes: list[Scene]) -> torch.Tensor
     return processor.image_processor([s.image for s in scenes], return_tensors="pt")["pixel_values"]
 
 
-def next_scenes(state: State, n: int, max_objects: int | None = None) -> list[Scene]:
-    """The next ``n`` training scenes (seed stream in ``state``), optionally size-filtered."""
+RELATION_STAGE_KINDS = ("relation", "position")
+
+
+def followup_histories(questions: list[Question], share: float, rng: np.random.Generator) -> list[tuple]:
+    """For each question about one image: no earlier turn, or (with probability ``share``) one earlier
+    turn, another question about the same image with its right answer."""
+    out = []
+    for j, _ in enumerate(questions):
+        others = [q for i, q in enumerate(questions) if i != j]
+        if others and rng.random() < share:
+            prev = others[int(rng.integers(len(others)))]
+            out.append(((prev.text, prev.answer),))
+        else:
+            out.append(())
+    return out
+
+
+def next_scenes(state: State, n: int, max_objects: int | None = None,
+                n_objects: int | None = None) -> list[Scene]:
+    """The next ``n`` training scenes (seed stream in ``state``), optionally size-filtered, or all
+    with ``n_objects`` objects."""
     out: list[Scene] = []
     while len(out) < n:
-        scene = make_scene(state.next_seed)
+        scene = make_scene(state.next_seed, n_objects)
         state.next_seed += 1
         if max_objects is None or len(scene.objects) <= max_objects:
             out.append(scene)
@@ -156,17 +192,18 @@ def diagnostic_items(per_kind: int, start: int = DIAG_START) -> list[tuple[Scene
 
 
 class PatchHead(torch.nn.Module):
-    """Linear per-patch classifier: hidden -> colour [6], shape [4] (and with ``position`` row [12],
-    column [12]) logits."""
+    """Linear per-patch classifier: hidden -> colour [6], shape [4], letter [6], dot colour [6] (and
+    with ``position`` row [12], column [12]) logits; index 0 of each = none / background."""
 
     def __init__(self, hidden: int, position: bool = False):
         super().__init__()
-        self.sizes = (1 + len(COLORS), 1 + len(SHAPES)) + ((GRID, GRID) if position else ())
+        self.sizes = ((1 + len(COLORS), 1 + len(SHAPES), 1 + len(LETTERS), 1 + len(COLORS))
+                      + ((GRID, GRID) if position else ()))
         self.proj = torch.nn.Linear(hidden, sum(self.sizes))
 
     def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """feats [B, 144, D] -> (colour [B, 144, 6], shape [B, 144, 4][, row [B, 144, 12],
-        column [B, 144, 12]]) logits."""
+        """feats [B, 144, D] -> (colour [B, 144, 6], shape [B, 144, 4], letter [B, 144, 6],
+        dot [B, 144, 6][, row [B, 144, 12], column [B, 144, 12]]) logits."""
         return tuple(self.proj(feats).split(self.sizes, dim=-1))
 
 
@@ -176,23 +213,29 @@ def patch_features(model: LlavaForConditionalGeneration, pixels: torch.Tensor) -
 
 
 def patch_labels(scenes: list[Scene]) -> tuple[torch.Tensor, ...]:
-    """(colour ids, shape ids, row ids, column ids), each [B, 144]; colour/shape 0 = background."""
-    labels = [s.patch_labels() for s in scenes]
+    """(colour, shape, letter, dot colour, row, column) ids, each [B, 144]; 0 = background / none
+    for the first four."""
+    labels = [s.patch_labels() + s.fine_labels() for s in scenes]
     place = torch.arange(N_PATCHES).expand(len(scenes), N_PATCHES)
-    return (torch.from_numpy(np.stack([c for c, _ in labels])),
-            torch.from_numpy(np.stack([s for _, s in labels])), place // GRID, place % GRID)
+    return (*(torch.from_numpy(np.stack(column)) for column in zip(*labels)), place // GRID, place % GRID)
 
 
 @torch.no_grad()
 def probe_objects(model, head: PatchHead, processor, seeds: range) -> dict[str, float]:
-    """Per-object colour/shape accuracy (majority vote over its labelled patches), bg accuracy."""
+    """Per-object colour/shape accuracy (majority vote over its labelled patches), per-object letter
+    accuracy (on its letter patch), per-scene dot colour accuracy (on its dot patch), bg accuracy."""
     scenes = [make_scene(s) for s in seeds]
-    hits = {"color": 0, "shape": 0, "objects": 0, "bg_hit": 0, "bg": 0}
+    hits = {"color": 0, "shape": 0, "letter": 0, "objects": 0, "dot": 0, "dots": 0, "bg_hit": 0, "bg": 0}
     for start in range(0, len(scenes), 32):
         chunk = scenes[start:start + 32]
-        c_logits, s_logits = head(patch_features(model, pixel_values(processor, chunk)))[:2]
-        c_pred, s_pred = c_logits.argmax(-1).numpy(), s_logits.argmax(-1).numpy()
+        preds = [out.argmax(-1).numpy() for out in head(patch_features(model, pixel_values(processor, chunk)))]
+        c_pred, s_pred, l_pred, d_pred = preds[:4]
         for i, scene in enumerate(chunk):
+            if scene.dot_patch >= 0:
+                hits["dots"] += 1
+                hits["dot"] += int(d_pred[i][scene.dot_patch] == list(COLORS).index(scene.dot_color) + 1)
+            for obj in scene.objects:
+                hits["letter"] += int(l_pred[i][obj.letter_patch] == LETTERS.index(obj.letter) + 1)
             c_lab, _ = scene.patch_labels()
             hits["bg_hit"] += int((c_pred[i][c_lab == 0] == 0).sum())
             hits["bg"] += int((c_lab == 0).sum())
@@ -206,7 +249,9 @@ def probe_objects(model, head: PatchHead, processor, seeds: range) -> dict[str, 
                                      == list(COLORS).index(obj.color) + 1)
                 hits["shape"] += int(np.bincount(s_pred[i][patches], minlength=4).argmax()
                                      == SHAPES.index(obj.shape) + 1)
+    n_objects = sum(len(s.objects) for s in scenes)
     return {"color": hits["color"] / hits["objects"], "shape": hits["shape"] / hits["objects"],
+            "letter": hits["letter"] / n_objects, "dot": hits["dot"] / max(hits["dots"], 1),
             "background": hits["bg_hit"] / hits["bg"]}
 
 
@@ -242,26 +287,32 @@ class Packer:
         self._blocks: dict[str, list[int]] = {}
         self.prefix = self._split("x")[0]
 
-    def _split(self, question: str) -> tuple[list[int], list[int]]:
-        """(prefix ids with the image expanded, question-block ids) of the chat prompt."""
-        ids = self.tok(chat_prompt(self.processor, question))["input_ids"]
+    def _split(self, question: str, history: tuple[tuple[str, str], ...] = ()) -> tuple[list[int], list[int]]:
+        """(prefix ids with the image expanded, ids of the rest: earlier turns, then the question)."""
+        ids = self.tok(chat_prompt(self.processor, question, history))["input_ids"]
         cut = ids.index(self.image_id)
         return ids[:cut] + [self.image_id] * self.n_image_tokens, ids[cut + 1:]
 
-    def block(self, question: str) -> list[int]:
+    def block(self, question: str, history: tuple[tuple[str, str], ...] = ()) -> list[int]:
+        """Token ids after the image for ``question`` asked after the ``history`` turns."""
+        if history:
+            return self._split(question, history)[1]
         if question not in self._blocks:
             self._blocks[question] = self._split(question)[1]
         return self._blocks[question]
 
-    def pack(self, scenes: list[Scene], questions: list[list]) -> tuple[list[list[int]], ...]:
-        """Token ids, positions, block ids (0 prefix, j>0 block, -1 pad) and loss pairs."""
+    def pack(self, scenes: list[Scene], questions: list[list],
+             histories: list[list[tuple]] | None = None) -> tuple[list[list[int]], ...]:
+        """Token ids, positions, block ids (0 prefix, j>0 block, -1 pad) and loss pairs;
+        ``histories[b][j]`` holds the earlier turns of question j of image b (default none)."""
         eos = self.tok.eos_token_id
         seqs, poss, blks, losses = [], [], [], []
-        for qs in questions:
+        for b, qs in enumerate(questions):
             ids, pos, blk = list(self.prefix), list(range(len(self.prefix))), [0] * len(self.prefix)
             loss = []  # (row, target, is_answer)
             for j, q in enumerate(qs, start=1):
-                body = self.block(q.text) + [self.tok.convert_tokens_to_ids(q.answer)]
+                history = histories[b][j - 1] if histories else ()
+                body = self.block(q.text, history) + [self.tok.convert_tokens_to_ids(q.answer)]
                 start = len(ids)
                 ids += body
                 pos += range(len(self.prefix), len(self.prefix) + len(body))
@@ -270,8 +321,9 @@ class Packer:
             seqs.append(ids), poss.append(pos), blks.append(blk), losses.append(loss)
         return seqs, poss, blks, losses
 
-    def batch(self, scenes: list[Scene], questions: list[list]) -> PackedBatch:
-        seqs, poss, blks, losses = self.pack(scenes, questions)
+    def batch(self, scenes: list[Scene], questions: list[list],
+              histories: list[list[tuple]] | None = None) -> PackedBatch:
+        seqs, poss, blks, losses = self.pack(scenes, questions, histories)
         B, T = len(seqs), max(len(s) for s in seqs)
         input_ids = torch.full((B, T), self.tok.pad_token_id, dtype=torch.long)
         position_ids = torch.zeros((B, T), dtype=torch.long)
@@ -325,8 +377,10 @@ class Trainer:
         self._diag_items = diagnostic_items(settings.diag_per_kind)
         if resume and (run_dir / "state.json").exists():
             self._load()
-        elif settings.vision_from or settings.init_from:
-            self._adopt(Path(settings.init_from or settings.vision_from), whole=bool(settings.init_from))
+        else:
+            (run_dir / "settings.json").write_text(json.dumps(asdict(settings), default=str, indent=1))
+            if settings.vision_from or settings.init_from:
+                self._adopt(Path(settings.init_from or settings.vision_from), whole=bool(settings.init_from))
         print(f"parameters: {sum(p.numel() for p in self.model.parameters()):,}", flush=True)
 
     # -- optimisation set-up
@@ -376,13 +430,29 @@ class Trainer:
         print(f"resumed: {self.state}", flush=True)
 
     def _adopt(self, folder: Path, whole: bool) -> None:
-        """Start at stage 2 from a saved LLaVA: its vision tower (stage 1 done there) or all of it."""
+        """Start from a saved LLaVA: its vision tower (stage 1 done there: start at stage 2) or all of
+        it (stage 1 still runs, to teach the tower this data's labels). Word embeddings are copied
+        word by word, so a grown vocabulary keeps every row the donor knew."""
         donor = LlavaForConditionalGeneration.from_pretrained(folder)
-        target, source = (self.model, donor) if whole else (self.model.model.vision_tower, donor.model.vision_tower)
-        target.load_state_dict(source.state_dict())
-        self.state = State(stage=2)
-        self.optimizer = self._make_optimizer()
-        print(f"{'weights' if whole else 'vision tower'} from {folder}; stage 1 skipped", flush=True)
+        if not whole:
+            self.model.model.vision_tower.load_state_dict(donor.model.vision_tower.state_dict())
+            self.state = State(stage=2)
+            self.optimizer = self._make_optimizer()
+            print(f"vision tower from {folder}; stage 1 skipped", flush=True)
+            return
+        embed = "model.language_model.embed_tokens.weight"
+        weights = {k: v for k, v in donor.state_dict().items() if k != embed and not k.startswith("lm_head")}
+        missing = set(self.model.load_state_dict(weights, strict=False).missing_keys) - {embed, "lm_head.weight"}
+        if missing:
+            raise ValueError(f"{folder} lacks weights of this architecture: {sorted(missing)[:5]}")
+        old_vocab = AutoTokenizer.from_pretrained(folder).get_vocab()
+        with torch.no_grad():
+            rows = self.model.get_input_embeddings().weight
+            for word, i in self.processor.tokenizer.get_vocab().items():
+                if word in old_vocab:
+                    rows[i] = donor.get_input_embeddings().weight[old_vocab[word]]
+        print(f"weights from {folder} ({sum(w not in old_vocab for w in self.processor.tokenizer.get_vocab())} "
+              "new words)", flush=True)
 
     def export(self) -> None:
         """Save the model and processor for ``from_pretrained`` into ``out``."""
@@ -416,7 +486,8 @@ class Trainer:
             if st.step >= cfg.s1_min_steps and st.step % cfg.s1_check_every == 0:
                 acc = probe_objects(self.model, self.head, self.processor, self._probe_seeds)
                 print(f"[s1] step {st.step} probe {json.dumps(acc)}", flush=True)
-                if acc["color"] >= cfg.s1_target_color and acc["shape"] >= cfg.s1_target_shape:
+                if (acc["color"] >= cfg.s1_target_color and acc["shape"] >= cfg.s1_target_shape
+                        and min(acc["letter"], acc["dot"]) >= cfg.s1_target_fine):
                     break
             if time.time() - last_ckpt > cfg.ckpt_minutes * 60:
                 self._save()
@@ -430,18 +501,21 @@ class Trainer:
     def _eval(self) -> dict:
         seeds = range(STAGE2_EVAL_START, STAGE2_EVAL_START + self.cfg.eval_scenes)
         result = evaluate(self.model, self.processor, heldout_items(seeds, self.cfg.eval_per_scene))
+        follow = evaluate(self.model, self.processor, heldout_items(seeds[: len(seeds) // 2], 3), followup=True)
         diag = diagnose(self.model, self.processor, self._diag_items)
         record = {"step": self.state.step, "minutes": round(self.state.elapsed / 60, 2),
                   "fraction": round(self.state.elapsed / (self.cfg.s2_minutes * 60), 3),
-                  "accuracy": result, "diagnostics": diag}
+                  "accuracy": result, "followup": follow["overall"], "diagnostics": diag}
         with open(self.run_dir / "diagnostics.jsonl", "a") as log:
             log.write(json.dumps(record) + "\n")
-        print(f"[s2] step {self.state.step} diagnostics {json.dumps(diag)}", flush=True)
+        print(f"[s2] step {self.state.step} follow-up accuracy {follow['overall']:.3f}; "
+              f"diagnostics {json.dumps(diag)}", flush=True)
         return result
 
     def stage2(self) -> None:
         cfg, st = self.cfg, self.state
         budget = cfg.s2_minutes * 60
+        rng = np.random.default_rng([st.next_seed, 2])
         vision = self.model.model.vision_tower
         last_ckpt = time.time()
         self.model.train()
@@ -449,10 +523,16 @@ class Trainer:
             t0 = time.time()
             frozen = st.elapsed < cfg.s2_frozen * budget
             vision.requires_grad_(not frozen)
-            curriculum = st.elapsed < cfg.s2_curriculum * budget
-            scenes = next_scenes(st, cfg.s2_images, max_objects=MIN_OBJECTS if curriculum else None)
-            questions = [make_questions(s, s.seed, cfg.s2_questions, cfg.s2_kinds) for s in scenes]
-            loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions))
+            relational = st.elapsed < cfg.s2_relation_stage * budget
+            curriculum = not relational and st.elapsed < (cfg.s2_relation_stage + cfg.s2_curriculum) * budget
+            if relational:
+                scenes = next_scenes(st, cfg.s2_images, n_objects=2)
+                questions = [make_questions(s, s.seed, cfg.s2_questions, RELATION_STAGE_KINDS) for s in scenes]
+            else:
+                scenes = next_scenes(st, cfg.s2_images, max_objects=MIN_OBJECTS if curriculum else None)
+                questions = [make_questions(s, s.seed, cfg.s2_questions, cfg.s2_kinds) for s in scenes]
+            histories = [followup_histories(qs, cfg.s2_followups, rng) for qs in questions]
+            loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions, histories))
             self._set_lr(cfg.s2_lr, lr_factor(st.step, st.elapsed, cfg.s2_warmup, budget, cfg.s2_final_lr))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -462,7 +542,8 @@ class Trainer:
             dt = time.time() - t0
             st.elapsed += dt
             if st.step % cfg.log_every == 0:
-                phase = ("curriculum " if curriculum else "") + ("frozen" if frozen else "unfrozen")
+                phase = ("relations " if relational else "curriculum " if curriculum else "") + (
+                    "frozen" if frozen else "unfrozen")
                 print(f"[s2] step {st.step} loss {loss.item():.4f} train_acc {acc:.3f} {dt:.2f}s/step "
                       f"t={st.elapsed / 60:.1f}min ({phase})", flush=True)
             if st.elapsed - st.last_eval > cfg.eval_minutes * 60:
@@ -491,7 +572,8 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser = argparse.ArgumentParser(description="Train the tiny LLaVA on synthetic scenes.")
     parser.add_argument("--out", type=Path, help="export folder (default with --smoke: a temp dir)")
     parser.add_argument("--run-dir", type=Path, help="checkpoint folder (default runs/train)")
-    parser.add_argument("--resume", action="store_true", help="continue from --run-dir")
+    parser.add_argument("--resume", nargs="?", const=True, metavar="RUN_DIR",
+                        help="continue from the last checkpoint of RUN_DIR (default --run-dir) with its saved settings")
     parser.add_argument("--smoke", action="store_true", help="a few steps of a tiny config (< 60 s)")
     parser.add_argument("--stage1-minutes", type=float, help="stage-1 time budget")
     parser.add_argument("--stage2-minutes", type=float, help="stage-2 time budget")
@@ -500,12 +582,16 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
                         help="prompt layout: <s> USER: <image> q (text-first), <image> USER: q (image-first: the "
                              "marker patch at position 0), <image> q (image-question: no fixed text before q)")
     parser.add_argument("--vision-from", type=Path, help="skip stage 1: the vision tower of this saved model")
-    parser.add_argument("--init-from", type=Path, help="skip stage 1: continue from this saved model's weights")
+    parser.add_argument("--init-from", type=Path, help="start from this saved model's weights (words matched by "
+                        "name; stage 1 still teaches the tower this data's labels, --stage1-minutes 0 skips it)")
     parser.add_argument("--frozen", type=float, help="fraction of stage-2 time with the tower frozen")
     parser.add_argument("--curriculum", type=float, help="fraction of stage-2 time on the smallest scenes")
     parser.add_argument("--lr", type=float, help="stage-2 peak learning rate")
     parser.add_argument("--position-targets", action="store_true", help="stage 1 also predicts each patch's row/column")
     parser.add_argument("--relation-weight", type=int, default=1, help="relations asked this many times as often")
+    parser.add_argument("--relation-stage", type=float,
+                        help="fraction of stage-2 time first spent on two-object scenes, relation and position only")
+    parser.add_argument("--followups", type=float, help="share of questions asked as a conversation's second turn")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -515,17 +601,22 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
         settings.s1_minutes = args.stage1_minutes
     if args.stage2_minutes is not None:
         settings.s2_minutes = args.stage2_minutes
-    for name, value in (("s2_frozen", args.frozen), ("s2_curriculum", args.curriculum), ("s2_lr", args.lr)):
+    for name, value in (("s2_frozen", args.frozen), ("s2_curriculum", args.curriculum), ("s2_lr", args.lr),
+                        ("s2_relation_stage", args.relation_stage), ("s2_followups", args.followups)):
         if value is not None:
             setattr(settings, name, value)
     settings.layout, settings.vision_from, settings.init_from = args.layout, args.vision_from, args.init_from
     settings.s1_position = args.position_targets
-    settings.s2_kinds = QTYPES + ("relation",) * (args.relation_weight - 1)
+    settings.s2_kinds = QTYPES + AUX_KINDS + ("relation",) * (args.relation_weight - 1)
     if args.out is None and not args.smoke:
         parser.error("--out is required")
     out = args.out or Path(tempfile.mkdtemp(prefix="tiny-llava-smoke-"))
+    if isinstance(args.resume, str):
+        args.run_dir = Path(args.resume)
     run_dir = args.run_dir or (out / "_run" if args.smoke else Path("runs/train"))
-    trainer = Trainer(out, run_dir, settings, args.resume)
+    if args.resume and (run_dir / "settings.json").exists():
+        settings = load_settings(run_dir / "settings.json", args.stage1_minutes, args.stage2_minutes)
+    trainer = Trainer(out, run_dir, settings, bool(args.resume))
     started = time.time()
     if trainer.state.stage == 1:
         trainer.stage1()

@@ -49,7 +49,8 @@ def test_masks_match_object_positions():
             assert abs(rows.mean() * PATCH + PATCH / 2 - obj.cy) < PATCH
             assert abs(cols.mean() * PATCH + PATCH / 2 - obj.cx) < PATCH
             assert 2 <= mask.sum() <= 16  # radius 12-18 px: about 2x2 .. 4x4 patches
-            colour = pixels[int(obj.cy), int(obj.cx)]
+            inside = S._shape_mask(obj.shape, obj.cx, obj.cy, obj.radius) & (pixels != S.GLYPH_INK).any(-1)
+            colour = np.median(pixels[inside], axis=0)  # the letter's ink aside
             assert np.abs(colour - np.array(COLORS[obj.color])).max() < 60
 
 
@@ -87,9 +88,22 @@ def _check_answer(scene, q) -> None:
         for o in members:
             expected |= o.mask()
         assert (q.target_mask == expected).all()
+    elif q.qtype == "letter":
+        (obj,) = [o for o in objs if (o.color, o.shape) == (words[-3], words[-2])]
+        assert q.answer == obj.letter and np.flatnonzero(q.target_mask).tolist() == [obj.letter_patch]
+        assert obj.mask()[obj.letter_patch]
+        # the rest of the named object neither answers nor distracts
+        others = np.any([o.mask() for o in objs if o is not obj], axis=0)
+        assert (q.other_mask == others & ~q.target_mask).all()
+        return
+    elif q.qtype == "dot":
+        assert q.answer == scene.dot_color and np.flatnonzero(q.target_mask).tolist() == [scene.dot_patch]
+        assert not union[scene.dot_patch] and (q.other_mask == union).all()
+        return
     elif q.qtype == "background":
         assert q.answer == scene.background
-        assert (q.target_mask == ~union & (np.arange(GRID * GRID) != S.MARKER_PATCH)).all()
+        others = (np.arange(GRID * GRID) != S.MARKER_PATCH) & (np.arange(GRID * GRID) != scene.dot_patch)
+        assert (q.target_mask == ~union & others).all()
         assert (q.other_mask == union).all()  # the objects are what does not answer it
         return
     else:
@@ -187,3 +201,54 @@ def test_metadata_round_trip(tmp_path):
     assert meta["question"]["answering_patches"] == np.flatnonzero(q.target_mask).tolist()
     assert meta["question"]["kind"] == "relation" and meta["grid"] == GRID
     assert [o["patches"] for o in meta["objects"]] == [np.flatnonzero(o.mask()).tolist() for o in scene.objects]
+
+
+def _patch_pixels(scene, index: int) -> np.ndarray:
+    top, left = (index // GRID) * PATCH, (index % GRID) * PATCH
+    return np.asarray(scene.image).astype(int)[top:top + PATCH, left:left + PATCH]
+
+
+def test_letters_are_drawn_in_one_patch():
+    """Each object's letter is the glyph's ink pattern (2x, 2 px from the left) in its letter patch, and
+    no other letter's pattern fits there."""
+    for seed in SEEDS:
+        scene = make_scene(seed)
+        for obj in scene.objects:
+            ink = (_patch_pixels(scene, obj.letter_patch) == S.GLYPH_INK).all(-1)[:, 2:12]
+            glyphs = {ch: np.kron(np.array([[c == "1" for c in row] for row in rows]), np.ones((2, 2), bool))
+                      for ch, rows in S._GLYPHS.items()}
+            assert (ink == glyphs[obj.letter]).all()
+            assert obj.letter_patch == int(obj.coverage.argmax())
+
+
+def test_dot_and_fine_labels():
+    for seed in SEEDS:
+        scene = make_scene(seed)
+        assert scene.dot_patch >= 0 and scene.dot_color in COLORS
+        centre = _patch_pixels(scene, scene.dot_patch)[PATCH // 2, PATCH // 2]
+        assert (centre == COLORS[scene.dot_color]).all()
+        assert all(o.coverage[scene.dot_patch] == 0 for o in scene.objects)
+        letters, dots = scene.fine_labels()
+        assert np.flatnonzero(dots).tolist() == [scene.dot_patch]
+        assert dots[scene.dot_patch] == list(COLORS).index(scene.dot_color) + 1
+        assert sorted(np.flatnonzero(letters).tolist()) == sorted(o.letter_patch for o in scene.objects)
+        assert all(letters[o.letter_patch] == S.LETTERS.index(o.letter) + 1 for o in scene.objects)
+
+
+def test_position_questions_and_small_scenes():
+    """The training-only position kind answers which side an object is on; ``n_objects`` forces the
+    curriculum's two-object scenes."""
+    asked = 0
+    for seed in SEEDS:
+        scene = make_scene(seed, n_objects=2)
+        assert len(scene.objects) == 2
+        for q in make_questions(scene, seed, 4, S.AUX_KINDS):
+            words = q.text.split()
+            (obj,) = [o for o in scene.objects if (o.color, o.shape) == (words[2], words[3])]
+            centre = obj.cx if "left" in words else obj.cy
+            assert abs(centre - IMAGE_SIZE / 2) >= S.MIN_APART
+            assert q.answer == {True: "left" if "left" in words else "top",
+                                False: "right" if "left" in words else "bottom"}[centre < IMAGE_SIZE / 2]
+            asked += 1
+    assert asked > 20
+    assert not set(S.AUX_KINDS) & set(S.QTYPES)
