@@ -15,6 +15,8 @@ layers of the visual tokens present in each.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import HAPConfig
@@ -105,18 +107,26 @@ def group_cuts(num_layers: int, first_layers: int, groups: int) -> list[int]:
     return [first_layers + (g * span) // groups for g in range(groups)]
 
 
-def _counts(k1: float, decay: float, groups: int, num_visual: int) -> list[float]:
-    return [min(float(num_visual), k1 * decay**g) for g in range(groups)]
+def _counts(log_k1: float, log_decay: float, groups: int, num_visual: int) -> list[float]:
+    """Continuous group budgets k_g = k_1 * decay^(g-1), within [1, num_visual], from log k_1 and log decay (no
+    overflow or underflow for any decay in (0, 1])."""
+    log_n = math.log(num_visual)
+    return [max(1.0, math.exp(min(log_n, log_k1 + g * log_decay))) for g in range(groups)]
 
 
-def _round_counts(counts: list[float], num_visual: int, notes: list[str]) -> list[int]:
-    kept = []
-    for g, c in enumerate(counts):
-        k = int(round(c))
-        if k < 1:
-            notes.append(f"group {g} budget rounds to {c:.2f} tokens; keeping 1 (at least one per group)")
-            k = 1
-        kept.append(min(k, num_visual if not kept else kept[-1]))
+def _round_counts(counts: list[float], num_visual: int, fits: Callable[[list[int]], bool]) -> list[int]:
+    """Integer budgets that do not exceed the continuous ones' target: each count rounded down (at least 1,
+    non-increasing), then single tokens added back, earliest group first, while `fits` (the target still holds)."""
+    kept: list[int] = []
+    for c in counts:
+        kept.append(max(1, min(math.floor(c + 1e-9), num_visual if not kept else kept[-1])))
+    grown = True
+    while grown:
+        grown = False
+        for g in range(len(kept)):
+            more = kept[:g] + [kept[g] + 1] + kept[g + 1:]
+            if more[g] <= (kept[g - 1] if g else num_visual) and fits(more):
+                kept, grown = more, True
     return kept
 
 
@@ -131,13 +141,14 @@ def solve_schedule(
     flops_ratio: float | None = None,
     text_tokens: int = 0,
 ) -> Schedule:
-    """Solve k_1 (then k_g = k_1 * decay^(g-1), capped at num_visual) so the schedule hits the target.
+    """Solve k_1 (then k_g = k_1 * decay^(g-1), within [1, num_visual]) so the schedule hits the target.
 
     The target is the layer-averaged retained fraction `retain`, or the prefill FLOPs ratio
-    `flops_ratio` (which depends on `text_tokens`). k_1 is found by bisection on the continuous
-    schedule, then each k_g is rounded to an integer (at least 1, non-increasing); the rounding
-    shows in the returned schedule's achieved `retain` and `flops_ratio(...)`.
-    Raises ValueError when the target is below what the first `first_layers` full layers already cost.
+    `flops_ratio` (which depends on `text_tokens`). log k_1 is found by bisection on the continuous
+    schedule, then the counts are rounded so the realised schedule never exceeds the target (`_round_counts`);
+    a shortfall of more than one token per layer is reported in `notes`.
+    Raises ValueError when the target is below what the first `first_layers` full layers and one token per
+    group already cost.
     """
     if (retain is None) == (flops_ratio is None):
         raise ValueError("solve_schedule needs exactly one of retain or flops_ratio")
@@ -146,9 +157,9 @@ def solve_schedule(
     lengths = [e - s for s, e in zip(cuts, cuts[1:] + [L])]
     full_flops = prefill_flops([num_visual] * L, text_tokens, shape)
 
-    def achieved(k1: float) -> float:
+    def achieved(counts: list[float]) -> float:
         per_layer = [float(num_visual)] * first_layers
-        for length, c in zip(lengths, _counts(k1, decay, groups, num_visual)):
+        for length, c in zip(lengths, counts):
             per_layer += [c] * length
         if retain is not None:
             return sum(per_layer) / (L * num_visual)
@@ -156,30 +167,35 @@ def solve_schedule(
 
     target = retain if retain is not None else flops_ratio
     name = "retain" if retain is not None else "flops_ratio"
-    if achieved(num_visual / decay ** (groups - 1)) <= target:  # every layer keeps everything
+    if achieved([num_visual] * groups) <= target:  # every layer keeps everything
         return Schedule(num_visual, L, cuts, [num_visual] * groups, retain)
-    floor = achieved(0.0)
+    floor = achieved([1] * groups)
     if target < floor:
         raise ValueError(
             f"{name}={target:g} is unreachable: with first_layers={first_layers} of {L} decoder layers keeping all "
-            f"{num_visual} visual tokens, the minimum is {floor:.4f}; lower first_layers (0 prunes before the first "
-            f"layer) or raise {name}"
+            f"{num_visual} visual tokens and at least one token per group, the minimum is {floor:.4f}; lower "
+            f"first_layers (0 prunes before the first layer) or raise {name}"
         )
-    lo, hi = 0.0, num_visual / decay ** (groups - 1)
-    for _ in range(100):
+    log_decay = math.log(decay)
+    lo, hi = -1.0, math.log(num_visual) - (groups - 1) * log_decay  # at hi every group keeps everything
+    for _ in range(200):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if achieved(mid) < target else (lo, mid)
-    notes: list[str] = []
-    kept = _round_counts(_counts(hi, decay, groups, num_visual), num_visual, notes)
-    return Schedule(num_visual, L, cuts, kept, retain, notes)
-
+        lo, hi = (mid, hi) if achieved(_counts(mid, log_decay, groups, num_visual)) < target else (lo, mid)
+    counts = _counts(lo, log_decay, groups, num_visual)
+    kept = _round_counts(counts, num_visual, lambda k: achieved(k) <= target * (1 + 1e-12))
+    schedule = Schedule(num_visual, L, cuts, kept, retain)
+    short = (first_layers * num_visual + sum(n * c for n, c in zip(lengths, counts))) / L - schedule.retained_tokens
+    if short > 1:
+        schedule.notes.append(f"integer rounding keeps {short:.2f} visual tokens per layer fewer than {name}={target:g} "
+                              f"asks (realised retain {schedule.retain:.4f})")
+    return schedule
 
 
 def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: int = 0) -> Schedule | None:
     """The schedule `config` asks for on a decoder of `shape` and a sequence of `num_visual` visual and
     `text_tokens` text tokens; None when the method does not prune. The one planner of the pruner, the
     lmms-eval plugin and the speed script: model-dependent defaults resolve here (`HAPConfig.resolved`),
-    FastV gets its single cut at K, VisionZip its single cut before layer 0 (k = round(retain x N) in every
+    FastV gets its single cut at K, VisionZip its single cut before layer 0 (k = floor(retain x N) in every
     layer), and an unreachable budget raises ValueError naming the knobs."""
     config = config.resolved(shape.layers)
     policy = policy_for(config)

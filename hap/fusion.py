@@ -15,16 +15,21 @@ import torch
 _EPS = 1e-12
 
 
-def weight_logits(paq: torch.Tensor, temperature: float, visual_share: torch.Tensor | None = None) -> torch.Tensor:
-    """PAQ / T, plus log mu when the visual share `visual_share` (same shape as `paq`) is given."""
-    logits = paq.float() / temperature
-    return logits if visual_share is None else logits + visual_share.float().clamp_min(_EPS).log()
+def scaled(paq: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(PAQ - max PAQ) / T over the last dim, `[..., n]` -> the same shape, each in [-inf, 0]: the logits of
+    softmax(PAQ / T) shifted so that no temperature > 0 overflows (PAQ / T reaches inf below T ~ 3e-39 in float32,
+    and inf - inf is NaN); divided in float64, where any positive float T stays positive."""
+    paq = paq.double()
+    return ((paq - paq.amax(-1, keepdim=True)) / temperature).float()
 
 
 def fusion_weights(paq: torch.Tensor, temperature: float, visual_share: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(PAQ / T) (or mu exp(PAQ / T) normalised, with `visual_share`) over every trailing dim:
     `paq [batch, ...]` -> same shape, summing to 1 per sample."""
-    return weight_logits(paq, temperature, visual_share).flatten(1).softmax(-1).view_as(paq)
+    logits = scaled(paq.flatten(1), temperature)
+    if visual_share is not None:
+        logits = logits + visual_share.float().flatten(1).clamp_min(_EPS).log()
+    return logits.softmax(-1).view_as(paq)
 
 
 def fuse(attn: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -35,7 +40,7 @@ def fuse(attn: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def head_fusion(attn: torch.Tensor, paq: torch.Tensor, temperature: float) -> torch.Tensor:
     """Per-layer head fusion: `attn [batch, layers, heads, P, V]`, `paq [batch, layers, heads]` -> `[batch, layers, P, V]`."""
-    w = paq.float().div(temperature).softmax(-1)
+    w = scaled(paq, temperature).softmax(-1)
     return (attn * w[..., None, None].to(attn.dtype)).sum(2)
 
 

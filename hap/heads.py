@@ -16,7 +16,6 @@ import torch
 SINK, DISPERSED, OPTIMAL = "sink", "dispersed", "optimal"
 CLASSES = (SINK, DISPERSED, OPTIMAL)
 _EPS = 1e-12
-_TINY = 1e-30  # a divisor floor far below any attention mass float32 holds in a row (normal floats reach 1e-38)
 
 
 @dataclass
@@ -88,13 +87,13 @@ def head_stats(attn: torch.Tensor, row_valid: torch.Tensor, sink: torch.Tensor) 
         free_mass = y.sum(-1)
     else:
         y, free_mass = attn, mass
-    sink_mass = (mass - free_mass) / mass.clamp_min(_TINY)  # share of the row's visual attention on sinks
-    z = free_mass.clamp_min(_TINY)  # a row can hold ~1e-20 of its head's attention: no 1e-12 floor here
+    sink_mass = (mass - free_mass) / torch.where(mass > 0, mass, 1.0)  # share of the row's visual attention on sinks
+    z = torch.where(free_mass > 0, free_mass, 1.0)  # the unfloored mass: a row can hold 1e-31 of its head's attention
     entropy = torch.where(free_mass > 0, z.log() - torch.special.xlogy(y, y).sum(-1) / z, 0.0)  # [B, H, P]
     free = (~sink).sum(-1).to(attn.dtype)  # [B] non-sink tokens
     norm_entropy = entropy / free.clamp_min(2).log()[:, None, None] * (free > 1)[:, None, None]
+    norm_entropy = norm_entropy.clamp(0.0, 1.0)  # per row: float error on one row must not drag the head's mean
     sigma, delta, mu = _row_mean(torch.stack([sink_mass, norm_entropy, mass]), row_valid)  # each [B, H]
-    delta = delta.clamp(0.0, 1.0)
     return HeadStats(sink_share=sigma, dispersion=delta, visual_share=mu, paq=(1 - sigma) * (1 - delta))
 
 

@@ -1,5 +1,7 @@
 """FLOPs accounting, groups and budgets against hand-computed figures (LLaVA-1.5-7B shape)."""
 
+import math
+
 import pytest
 
 from hap import HAPConfig
@@ -74,11 +76,40 @@ def test_full_budget_keeps_everything():
     assert s.kept == [576, 576, 576] and s.retain == 1.0
 
 
-def test_a_budget_rounding_to_zero_keeps_one_token_per_group_and_says_so():
+def test_a_budget_below_one_token_per_group_is_refused_with_the_minimum():
     shape = DecoderShape.mha(layers=6, hidden=64, intermediate=128)
-    s = solve_schedule(144, shape, first_layers=0, groups=3, decay=0.5, retain=0.001)
-    assert s.kept == [1, 1, 1]
-    assert any("keeping 1" in note for note in s.notes)
+    with pytest.raises(ValueError, match=r"retain=0.001 is unreachable.*at least one token per group.*0\.0069"):
+        solve_schedule(144, shape, first_layers=0, groups=3, decay=0.5, retain=0.001)
+    assert solve_schedule(144, shape, first_layers=0, groups=3, decay=0.5, retain=1 / 144).kept == [1, 1, 1]
+
+
+@pytest.mark.parametrize("decay, groups", [(1e-6, 30), (1e-12, 30), (1e-200, 3), (1e-200, 30), (1.0, 30)])
+def test_extreme_decays_meet_the_request_or_are_refused(decay, groups):
+    """Review finding: the bisection ran on k_1 up to N / decay^(G-1) (imprecise, or a division by zero)."""
+    s = solve_schedule(576, LLAVA7B, first_layers=2, groups=groups, decay=decay, retain=0.2)
+    assert 0.2 - 1 / 576 <= s.retain <= 0.2 + 1e-12
+    assert s.kept == sorted(s.kept, reverse=True) and min(s.kept) >= 1
+    with pytest.raises(ValueError, match="at least one token per group"):  # 2 full layers + 30 x 1 token > 0.0635
+        solve_schedule(576, LLAVA7B, first_layers=2, groups=30, decay=decay, retain=0.0635)
+
+
+def test_rounding_never_exceeds_the_request():
+    """Review finding: per-group rounding to the nearest exceeded the request (N=7, retain 0.5 kept 4 tokens)."""
+    s = solve_schedule(7, DecoderShape.mha(layers=1, hidden=64, intermediate=128), first_layers=0, groups=1,
+                       decay=0.5, retain=0.5)
+    assert s.kept == [3]
+    for layers, n in ((4, 7), (6, 144), (32, 576)):
+        shape = DecoderShape.mha(layers=layers, hidden=64, intermediate=128)
+        for groups in range(1, 4):
+            for first in range(0, min(layers - groups, 3) + 1):
+                for decay in (0.3, 0.5, 0.9):
+                    for retain in (0.05, 0.111, 0.2, 0.37, 0.5, 0.73):
+                        try:
+                            s = solve_schedule(n, shape, first_layers=first, groups=groups, decay=decay, retain=retain)
+                        except ValueError:
+                            continue
+                        assert s.retain <= retain + 1e-12, (layers, n, groups, first, decay, retain, s.kept)
+                        assert s.notes or s.retained_tokens >= retain * n - 1 - 1e-9
 
 
 SHALLOW = DecoderShape.mha(layers=6, hidden=64, intermediate=128)
@@ -93,13 +124,13 @@ def test_plan_resolves_the_per_model_defaults():
 
 def test_plan_gives_fastv_one_cut_at_k_and_none_no_schedule():
     fastv = plan(HAPConfig(method="fastv", retain=0.3, first_layers=2), LLAVA7B, 576)
-    assert fastv.cuts == [2] and fastv.kept == [round(576 * (0.3 * 32 - 2) / 30)]
+    assert fastv.cuts == [2] and fastv.kept == [math.floor(576 * (0.3 * 32 - 2) / 30)]  # never above the request
     assert plan(HAPConfig(method="none"), LLAVA7B, 576) is None
 
 
 def test_plan_gives_visionzip_its_tokens_in_every_layer():
     vz = plan(HAPConfig(method="visionzip", retain=0.111, first_layers=2), LLAVA7B, 576)
-    assert vz.cuts == [0] and vz.kept == [round(0.111 * 576)] and vz.visual_per_layer == [64] * 32
+    assert vz.cuts == [0] and vz.kept == [63] and vz.visual_per_layer == [63] * 32  # floor(0.111 x 576)
 
 
 def test_plan_with_a_flops_target_keeps_fewer_tokens_behind_a_longer_text():

@@ -66,3 +66,17 @@ def test_select_top_ranks_by_priority_then_score():
     assert select_top(scores, 3, priority).tolist() == [[0, 1, 3]]  # both prioritised, then the best score
     assert select_top(scores, 1, priority).tolist() == [[3]]  # among equal priority: the higher score
     assert select_top(scores, 3, torch.zeros(1, 5)).tolist() == select_top(scores, 3).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300, 5e-324])
+def test_tiny_temperatures_weight_the_best_head_not_nan(temperature):
+    """Review finding: PAQ / 1e-39 overflows float32, softmax gave NaN weights and select_top kept the first k by
+    position. softmax(PAQ / T) -> 0 is one-hot on the best head; the scores follow that head."""
+    paq = torch.tensor([[[0.2, 0.9, 0.5]]])
+    w = fusion_weights(paq, temperature)
+    assert torch.equal(w, torch.tensor([[[0.0, 1.0, 0.0]]]))
+    attn = torch.zeros(1, 1, 3, 1, 6)
+    attn[0, 0, 1, 0, 4] = attn[0, 0, 1, 0, 5] = 1.0  # the best head looks at the last two tokens
+    chosen = select_top(token_scores(group_map(attn, paq, temperature), torch.ones(1, 1, dtype=torch.bool)), 2)
+    assert chosen.tolist() == [[4, 5]]
+    assert not head_fusion(attn, paq, temperature).isnan().any()

@@ -1,5 +1,6 @@
 """Planted sink / dispersed / focused heads: the sink detector, head statistics, classification and PAQ order."""
 
+import pytest
 import torch
 
 from hap.heads import head_stats, classify, sink_tokens
@@ -68,3 +69,15 @@ def test_head_stats_do_not_depend_on_how_little_a_head_looks_at_the_image():
     torch.testing.assert_close(tiny.dispersion, big.dispersion)
     torch.testing.assert_close(tiny.sink_share, big.sink_share)
     torch.testing.assert_close(tiny.sink_share, row[..., 2].mean(-1))
+
+
+@pytest.mark.parametrize("tiny", [1e-31, 1e-40, 1e-45])
+def test_a_row_with_almost_no_visual_mass_does_not_make_a_dispersed_head_focused(tiny):
+    """Review finding: a row of per-token mass 1e-31 got an entropy near -69 (a 1e-30 floor on its mass), which
+    dragged the head's dispersion below 0: a uniform head scored PAQ 1."""
+    attn = torch.full((1, 1, 2, 8), 1 / 8)
+    attn[0, 0, 1] = tiny  # the second row: uniform, with almost no mass on the image
+    stats = head_stats(attn, torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 8, dtype=torch.bool))
+    assert stats.dispersion.item() >= 0.5 and stats.paq.item() <= 0.5
+    if tiny >= 1e-38:  # a normal float32: its row is exactly as dispersed as the first
+        torch.testing.assert_close(stats.dispersion, torch.ones(1, 1))
