@@ -73,23 +73,31 @@ def test_config_ids_and_small_sizes(processor):
     assert (default.text_config.num_hidden_layers, default.text_config.hidden_size) == (6, 128)
 
 
-def test_packing_matches_single_prompts(processor):
-    """Shared-prefix packed logits equal those of separate single-question prompts."""
-    from analysis.train_model import Packer
+@pytest.mark.parametrize("followups", [0.0, 1.0])
+def test_packing_matches_single_prompts(processor, followups):
+    """Shared-prefix packed logits equal those of separate single-question prompts, and of two-turn
+    conversations (the chat template over an earlier turn, then the question) for follow-up blocks."""
+    import numpy as np
+
+    from analysis.train_model import Packer, followup_histories
 
     model = tiny_model(processor)
     scenes = [make_scene(TRAIN_SEED_START + i) for i in range(2)]
     questions = [make_questions(s, s.seed, 3) for s in scenes]
-    batch = Packer(processor).batch(scenes, questions)
+    rng = np.random.default_rng(0)
+    histories = [followup_histories(qs, followups, rng) for qs in questions]
+    assert all(len(h) == (1 if followups else 0) for hs in histories for h in hs)
+    batch = Packer(processor).batch(scenes, questions, histories)
     with torch.no_grad():
         hidden = model.model(input_ids=batch.input_ids, pixel_values=batch.pixel_values,
                              attention_mask=batch.attention_mask,
                              position_ids=batch.position_ids).last_hidden_state
         packed = model.lm_head(hidden.reshape(-1, hidden.shape[-1])[batch.loss_rows])
         row = 0
-        for scene, qs in zip(scenes, questions):
-            for q in qs:
-                text = chat_prompt(processor, q.text) + " " + q.answer
+        for scene, qs, hs in zip(scenes, questions, histories):
+            for q, history in zip(qs, hs):
+                assert all(h[0] != q.text or h[1] == q.answer for h in history)  # right answers only
+                text = chat_prompt(processor, q.text, history) + " " + q.answer
                 inputs = processor(images=scene.image, text=text, return_tensors="pt")
                 single = model(**inputs).logits[0]
                 assert batch.loss_targets[row] == inputs["input_ids"][0, -1]
@@ -121,6 +129,44 @@ def test_resume_restores_state(tmp_path):
     assert resumed.state == trainer.state and resumed.state.stage == 2
     for (name, a), b in zip(trainer.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_resume_reads_the_runs_settings(tmp_path):
+    """--resume RUN_DIR continues with the settings the run started with; a new stage budget extends it."""
+    from analysis.train_model import Trainer, load_settings, smoke_settings
+
+    settings = smoke_settings()
+    settings.s2_relation_stage, settings.s2_kinds = 0.4, ("relation", "dot")
+    Trainer(tmp_path / "out", tmp_path / "run", settings, resume=False)
+    loaded = load_settings(tmp_path / "run" / "settings.json", None, 9.0)
+    assert loaded.s2_kinds == ("relation", "dot") and loaded.s2_relation_stage == 0.4
+    assert loaded.s2_minutes == 9.0 and loaded.s1_minutes == settings.s1_minutes
+
+
+def test_init_from_keeps_every_known_word(tmp_path, monkeypatch):
+    """A donor with a smaller vocabulary: every weight and every word's embedding it knows carry over."""
+    from analysis import tiny_vlm
+    from analysis.train_model import Trainer, smoke_settings
+
+    full = list(tiny_vlm.VOCAB)
+    monkeypatch.setattr(tiny_vlm, "VOCAB", [w for w in full if w not in ("dot", "letter", "z")])
+    old_processor = build_processor()
+    torch.manual_seed(1)
+    donor = LlavaForConditionalGeneration(build_config(old_processor, **smoke_settings().model))
+    donor.save_pretrained(tmp_path / "donor")
+    old_processor.save_pretrained(tmp_path / "donor")
+    monkeypatch.setattr(tiny_vlm, "VOCAB", full)
+    settings = smoke_settings()
+    settings.init_from = str(tmp_path / "donor")
+    trainer = Trainer(tmp_path / "out", tmp_path / "run", settings, resume=False)
+    assert trainer.state.stage == 1  # stage 1 still teaches the tower this data's labels
+    new, old = trainer.processor.tokenizer.get_vocab(), old_processor.tokenizer.get_vocab()
+    rows, old_rows = trainer.model.get_input_embeddings().weight, donor.get_input_embeddings().weight
+    assert len(new) == len(old) + 3
+    for word, i in old.items():
+        assert torch.equal(rows[new[word]], old_rows[i]), word
+    tower, old_tower = trainer.model.model.vision_tower.state_dict(), donor.model.vision_tower.state_dict()
+    assert all(torch.equal(tower[k], old_tower[k]) for k in tower)
 
 
 @pytest.mark.skipif(not (SHIPPED / "config.json").exists(), reason="no shipped model")
