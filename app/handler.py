@@ -216,8 +216,12 @@ def user_errors(fn: Callable) -> Callable:
 
 
 def image_key(source: str | Image.Image) -> str:
-    """SHA-256 of the uploaded file's bytes (of the pixels, for an in-process PIL image)."""
-    data = source.tobytes() if isinstance(source, Image.Image) else Path(source).read_bytes()
+    """SHA-256 of the uploaded file's bytes; for an in-process PIL image, of its mode, size and pixels (the same
+    bytes read as 20x10 or 10x20 are different images)."""
+    if isinstance(source, Image.Image):
+        data = f"{source.mode} {source.size[0]}x{source.size[1]}\n".encode() + source.tobytes()
+    else:
+        data = Path(source).read_bytes()
     return hashlib.sha256(data).hexdigest()
 
 

@@ -24,6 +24,7 @@ from .settings import Settings, examples, knob_defaults
 
 MAIN_KNOBS = ("method", "retain", "flops_ratio")  # shown above the fold; the rest under "Advanced settings"
 SLIDER_STEPS = 1000  # steps of a slider over a knob's range
+DELETE_CACHE = (3600, 86400)  # (every, older than) seconds: uploads and figures leave the disk after a day
 RULED = [k.name for k in KNOBS if k.rule is not None]  # knobs whose default depends on the model
 # Knobs without a default (not given = None). gradio's number box shows None as 0 and sends 0, which such a
 # knob never takes (its range starts above 0): the page sends None for it instead (`unset_zeros`).
@@ -174,7 +175,7 @@ def build_demo(
     settings = replace(env, models=models or env.models, allow_local=env.allow_local if allow_local is None
                        else allow_local, limits=limits or env.limits, queue_size=queue_size or env.queue_size)
     handler = Handler(settings)
-    with gr.Blocks(title="HAP: head-adaptive visual token pruning") as demo:
+    with gr.Blocks(title="HAP: head-adaptive visual token pruning", delete_cache=DELETE_CACHE) as demo:
         gr.Markdown(intro(settings.limits))
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
