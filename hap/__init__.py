@@ -7,6 +7,7 @@
 """
 
 from .budget import DecoderShape, Schedule, plan, solve_schedule
+from .causal import head_importance, token_importance
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
 from .knobs import KNOBS, METHODS, Knob, knob
@@ -30,6 +31,7 @@ __all__ = [
     "ModelLoadError",
     "Result",
     "Schedule",
+    "head_importance",
     "knob",
     "load_model",
     "patch",
@@ -37,5 +39,6 @@ __all__ = [
     "plan",
     "run",
     "solve_schedule",
+    "token_importance",
     "unpatch",
 ]
