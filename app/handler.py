@@ -45,10 +45,12 @@ from analysis.report import answer_card, explanation, head_text, summary, sweep_
 from analysis.sweep import sweep
 from hap import views
 from hap.compare import compare
-from hap.inputs import FORMATS, InputLimits, clean_prompt, load_image
+from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.knobs import KNOBS
 from hap.run import free_memory, run
 
+from . import conversation as chat
+from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
 from .settings import Settings, check_model, is_local, resolve
 
 try:
@@ -66,8 +68,11 @@ MAX_NEW_TOKENS = 32
 SEED = 0
 CARDS = ("unpruned", "pruned", "uniform")  # the answer cards, in `Comparison.items()` order
 INSPECTOR = ("inspector", "inspector_stats")  # the head inspector: one head's map and its numbers
+EDIT = ("edit_diff", "edit_diff_plot")  # the run on the edited image against the run on the original
+CONVERSATION = ("history", "conversation", "turn")  # the turns as the next history, as chat messages, the turn picker
 OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "summary", "ground_truth",
-           *INSPECTOR, "state")
+           *INSPECTOR, *EDIT, *CONVERSATION, "state", "turns")
+TURN_OUTPUTS = OUTPUTS[: OUTPUTS.index("history")] + ("state",)  # what picking a turn shows again
 SWEPT = ("method", "retain", "flops_ratio")  # knobs /sweep varies itself: not among its parameters
 SWEEP_OUTPUTS = ("sweep_plot", "sweep")
 SWEEP_CACHE = 16  # sweeps kept (least recently used dropped)
@@ -120,18 +125,6 @@ def hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
         return False
 
 
-def upload_path(image) -> tuple[str | Image.Image, str]:
-    """(what `load_image` reads, the name to show) of the image input: an uploaded file (gradio's FileData,
-    already in gradio's upload cache) or, in-process, a PIL image."""
-    if image is None:
-        raise ValueError("no image: upload one or click an example")
-    if isinstance(image, Image.Image):
-        return image, "image"
-    if isinstance(image, dict) and isinstance(image.get("path"), str) and image["path"]:
-        return image["path"], Path(str(image.get("orig_name") or image["path"])).name
-    raise ValueError(f"the image must be an uploaded file ({FORMATS}; gradio_client: handle_file(path))")
-
-
 def describe_input(source, name: str, img: Image.Image) -> tuple[dict, str]:
     """What was uploaded and how it was converted: JSON for API callers and a line for the page."""
     info = {"file": name, "width": img.width, "height": img.height}
@@ -165,7 +158,8 @@ def check_settings(settings: dict) -> hap.HAPConfig:
 
 
 @gpu
-def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress):
+def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
+             history: list[tuple[str, str]]):
     """The GPU part: the three runs on the loaded model, then the chosen method untraced. Returns (comparison
     with the traced run, for the figures; the three results to report, untraced, for fair latencies).
 
@@ -173,10 +167,19 @@ def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: Inp
     where it persists between calls) and read from LOADED here, not loaded inside.
     """
     comparison = compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
-                         lambda fraction, description: progress(fraction, desc=description), limits)
+                         lambda fraction, description: progress(fraction, desc=description), limits, history)
     progress(0.8, desc=f"{config.method} again, untraced, for its latency")
-    untraced = run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=False, limits=limits)
+    untraced = run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=False, limits=limits,
+                   history=history)
     return comparison, {label: untraced if r is comparison.pruned else r for label, r in comparison.items()}
+
+
+@gpu
+def _original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits,
+              history: list[tuple[str, str]]) -> hap.Result:
+    """The GPU part of an edit's comparison: the chosen method, traced, on the original image."""
+    return run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=True, limits=limits,
+               history=history)
 
 
 @gpu
@@ -233,16 +236,19 @@ class Handler:
         self.sweeps: OrderedDict[tuple, dict] = OrderedDict()  # LRU: (image hash, prompt, model, config) -> sweep
 
     @user_errors
-    def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
-                **settings) -> dict[str, object]:
-        """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`).
+    def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True), *,
+                history: list | str | None = None, turns: list[chat.Turn] | None = None, **settings) -> dict[str, object]:
+        """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`). `image` is an upload
+        or the page's editor value (`app.edit.image_input`); `history` the earlier `[question, answer]` turns about
+        the image (None or []: a first question), `turns` the page's stored conversation (`app.conversation`).
 
         Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer and head sliders, every view
-        of `hap.views.VIEWS`, the explanation, the JSON summary (with "input": the upload and its conversion, and
-        "ground_truth" on a scene asked its own question), the ground-truth note, the head inspector and the state
-        for re-drawing. Any failure is a gr.Error with the message.
+        of `hap.views.VIEWS`, the explanation, the JSON summary (with "input": the upload and its conversion,
+        "ground_truth" on a scene asked its own question and "edit" on an edited image), the ground-truth note,
+        the head inspector, the edit's comparison, the conversation (its history, messages and turn picker), the
+        state for re-drawing and the turns. Any failure is a gr.Error with the message.
         """
-        return self._analyze(image, prompt, model_name, settings, progress)
+        return self._analyze(image, prompt, model_name, settings, progress, history, turns)
 
     @user_errors
     def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
@@ -250,9 +256,9 @@ class Handler:
         """Every pruning method at budgets from 1.0 down to the model's smallest (`analysis.sweep`); `settings`
         are the knobs but the swept ones (SWEPT), checked as `/analyze` checks them. Outputs by name
         (`SWEEP_OUTPUTS`): the plot and the JSON. Cached per input (image bytes, prompt, model, knobs)."""
-        source, name, model_name, config = self.check(image, prompt, model_name, {**settings, "method": "hap"})
-        img = self.load(source, name)
-        key = (image_key(source), prompt, model_name, tuple(config.to_dict().items()))
+        picture, model_name, config, _ = self.check(image, prompt, model_name, {**settings, "method": "hap"})
+        img = load(picture.source, picture.name, self.settings.limits)
+        key = (image_key(picture.source), prompt, model_name, tuple(config.to_dict().items()))
         if key not in self.sweeps:
             progress(0.02, desc=f"loading {model_name}")
             LOADED.get(model_name)
@@ -263,47 +269,65 @@ class Handler:
         result = self.sweeps[key]
         return {"sweep_plot": views.sweep_plotly(result, sweep_title(result, model_name)), "sweep": result}
 
-    def load(self, source, name: str) -> Image.Image:
-        """The checked image as RGB; ValueError naming the file."""
-        try:
-            return load_image(source, self.settings.limits)
-        except ValueError as err:
-            raise ValueError(f"image {name!r}: {err}") from err
+    def check(self, image, prompt, model_name, settings: dict, history=None
+              ) -> tuple[ImageInput, str, hap.HAPConfig, list[tuple[str, str]]]:
+        """Every input checked, cheapest first: (the image, model, config, history's turns)."""
+        limits = self.settings.limits
+        turns = check_history(history, limits)
+        clean_conversation(prompt, turns, set(), limits)  # types, lengths, empty; hap.run cleans them (and says what)
+        model_name, config = check_model(model_name, self.settings), check_settings(settings)
+        return image_input(image, limits), model_name, config, turns
 
-    def check(self, image, prompt, model_name, settings: dict) -> tuple[str | Image.Image, str, str, hap.HAPConfig]:
-        """Every input checked, cheapest first: (image source, its name, model, config)."""
-        source, name = upload_path(image)
-        clean_prompt(prompt, set(), self.settings.limits)  # type, length, empty; hap.run cleans it (and says what)
-        return source, name, check_model(model_name, self.settings), check_settings(settings)
-
-    def _analyze(self, image, prompt, model_name, settings: dict, progress) -> dict[str, object]:
-        source, name, model_name, config = self.check(image, prompt, model_name, settings)
-        img = self.load(source, name)
-        info, conversion = describe_input(source, name, img)
-        meta = file_metadata(source)  # the upload's own text chunks, before any conversion
+    def _analyze(self, image, prompt, model_name, settings: dict, progress, history, turns) -> dict[str, object]:
+        picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
+        limits = self.settings.limits
+        img = load(picture.source, picture.name, limits)
+        info, conversion = describe_input(picture.source, picture.name, img)
+        meta = file_metadata(picture.source)  # the upload's own text chunks, before any conversion
         progress(0.02, desc=f"loading {model_name}")
         LOADED.get(model_name)
         torch.manual_seed(SEED)
-        comparison, timed = _compare(img, prompt, config, self.settings.limits, progress)
+        comparison, timed = _compare(img, prompt, config, limits, progress, history)
         progress(0.9, desc="figures")
         data = views.ViewData.from_result(comparison.pruned, img, LOADED.center_crop())
         question, why_not = question_for(meta, prompt, data.shape[2])
+        if picture.edited:
+            question, why_not = None, "the image was edited in the editor, and an edited scene has no saved ground truth"
         report = summary(comparison, timed, model_name)
-        report["input"] = info
+        report["input"] = {**info, "edited": picture.edited}
         if question is not None:
             data = replace(data, truth=scene_truth(question, data))
             report["ground_truth"] = truth_json(data.truth)
-        return {
+        edit = self.edit_diff(picture, prompt, config, history, data, comparison.pruned.answer, progress)
+        if edit is not None:
+            report["edit"] = edit.to_json()
+        outputs = {
             **{label: answer_card(label, r) for label, r in timed.items()},
             "layer": gr.Slider(value=data.layer, maximum=data.shape[0] - 1, interactive=True),
             "head": gr.Slider(value=0, maximum=data.shape[1] - 1, interactive=True),
             **views.figures(data),
-            "explanation": explanation(comparison) + f"\n- Input: {conversion}.",
+            "explanation": explanation(comparison) + f"\n- Input: {conversion}." + chat.rows_note(len(history), config.rows),
             "summary": report,
             "ground_truth": truth_text(data.truth, why_not),
             **dict(zip(INSPECTOR, inspect_head(data, data.layer, 0))),
+            "edit_diff": NO_EDIT if edit is None else edit.text(),
+            "edit_diff_plot": None if edit is None else edit.figure(),
             "state": data,
         }
+        turn = chat.Turn(prompt, comparison.pruned.answer, [list(g.kept) for g in data.groups], data.shape[2], outputs)
+        conversation = [*chat.continued(turns, history), turn]
+        return {**outputs, **conversation_outputs(conversation, len(conversation) - 1)}
+
+    def edit_diff(self, picture: ImageInput, prompt: str, config: hap.HAPConfig, history: list[tuple[str, str]],
+                  after: views.ViewData, answer: str, progress) -> EditDiff | None:
+        """For an edited image, the chosen method's traced run on the original and how the edit changed it."""
+        if not picture.edited:
+            return None
+        progress(0.92, desc=f"{config.method} on the original image, to compare with the edit")
+        original = load(picture.original, picture.name, self.settings.limits)
+        before = _original(original, prompt, config, self.settings.limits, history)
+        return EditDiff.of(views.ViewData.from_result(before, original, LOADED.center_crop()), after,
+                           (before.answer, answer))
 
     def endpoint(self, method: Callable, components: dict[str, gr.components.Component],
                  knobs: tuple[str, ...]) -> Callable:
@@ -320,6 +344,23 @@ class Handler:
         call.__signature__ = signature.replace(parameters=fixed + named)
         call.__name__ = method.__name__
         return call
+
+
+def conversation_outputs(turns: list[chat.Turn], shown: int) -> dict[str, object]:
+    """The conversation's outputs (CONVERSATION and the turns) with turn `shown` picked."""
+    return {"history": chat.history(turns), "conversation": chat.messages(turns),
+            "turn": gr.Radio(choices=[chat.label(i) for i in range(len(turns))], value=chat.label(shown),
+                             interactive=True),
+            "turns": turns}
+
+
+def show_turn(turns: list[chat.Turn] | None, choice: str) -> tuple:
+    """Every view of the picked turn's run, from the stored conversation (no model call); TURN_OUTPUTS order."""
+    try:
+        outputs = chat.pick(turns or [], choice).outputs
+    except ValueError as err:
+        raise gr.Error(str(err), print_exception=False) from err
+    return tuple(outputs[name] for name in TURN_OUTPUTS)
 
 
 def inspect_head(data: views.ViewData, layer: int, head: int) -> tuple:

@@ -19,7 +19,9 @@ from hap.inputs import FORMATS, InputLimits
 from hap.knobs import KNOBS, Knob
 from hap.views import VIEW
 
-from .handler import CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, Handler, show_head, show_layer
+from .handler import (CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
+                      show_turn)
+from .edit import NO_EDIT
 from .settings import Settings, examples, knob_defaults
 
 MAIN_KNOBS = ("method", "retain", "flops_ratio")  # shown above the fold; the rest under "Advanced settings"
@@ -58,11 +60,12 @@ def control(knob: Knob, value: object) -> gr.components.Component:
     return gr.Number(minimum=knob.low, maximum=knob.high, precision=0 if knob.kind is int else None, **common)
 
 
-def unset_zeros(offset: int, names: tuple[str, ...]) -> str:
+def unset_zeros(offset: int, names: tuple[str, ...], reset: tuple[int, ...] = ()) -> str:
     """Page-side JavaScript run on the event's inputs (`offset` of them before the knobs `names`): 0 -> null for
-    UNSET."""
+    UNSET, and null at the positions `reset` (Run sends no history: a new conversation)."""
     positions = [offset + i for i, name in enumerate(names) if name in UNSET]
-    return f"(...v) => {{ for (const i of {positions}) {{ if (v[i] === 0) v[i] = null; }} return v; }}"
+    return (f"(...v) => {{ for (const i of {positions}) {{ if (v[i] === 0) v[i] = null; }} "
+            f"for (const i of {list(reset)}) v[i] = null; return v; }}")
 
 
 def model_defaults(model_name: str) -> list:
@@ -93,21 +96,44 @@ def plot(name: str) -> gr.Plot:
 
 def request_column(names: list[str]) -> tuple[list[gr.components.Component], dict, gr.Button]:
     """The left column: ([image, prompt, model], the knob controls by name, the Run button)."""
-    image = gr.Image(type="filepath", image_mode=None, label="Image", height=280)
+    image = gr.ImageEditor(type="filepath", label="Image (upload, then brush, erase or crop to edit it)", height=340,
+                           sources=("upload", "clipboard"), transforms=("crop",), elem_id="image-editor",
+                           brush=gr.Brush(colors=["#000000", "#ffffff", "#808080", "#ff0000", "#0000ff"],
+                                          default_color="#000000", color_mode="defaults"))
     prompt = gr.Textbox(label="Prompt", placeholder="what color is the triangle ?", lines=2)
     model = gr.Dropdown(names, value=names[0], label="Model (loaded on first use)")
     knobs = knob_controls(knob_defaults(names[0]))
-    return [image, prompt, model], knobs, gr.Button("Run", variant="primary", elem_id="run")
+    return [image, prompt, model], knobs, gr.Button("Run (new conversation)", variant="primary", elem_id="run")
 
 
 def answer_column() -> dict[str, gr.components.Component]:
     """The right column: the answer cards, the kept tokens and the explanation, by output name."""
     with gr.Row(equal_height=True):
         out = {k: gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}", container=True) for k in CARDS}
+    out.update(conversation_section())
     out["kept_masks"] = plot("kept_masks")
     with gr.Accordion("What am I looking at?", open=True):
         out["explanation"] = gr.Markdown(TEACHING, elem_id="explanation")
     return out
+
+
+def conversation_section() -> dict[str, gr.components.Component]:
+    """The conversation about the image (each turn with its kept tokens), the turn picker, the follow-up button and
+    the history `/analyze` takes (hidden: the page fills it), by output name; the button under "follow_up"."""
+    with gr.Group():
+        out = {"conversation": gr.Chatbot(label="Conversation (each answer is the chosen method's, with its kept "
+                                                "tokens)", height=220, elem_id="conversation"),
+               "turn": gr.Radio([], label="Show turn (every view below)", elem_id="turn", interactive=True),
+               "follow_up": gr.Button("Ask as a follow-up (same image, the conversation so far)", elem_id="follow-up"),
+               "history": gr.JSON([], visible=False, elem_id="history")}
+    return out
+
+
+def edit_section() -> dict[str, gr.components.Component]:
+    """The run on the edited image against the run on the original, by output name (EDIT)."""
+    gr.Markdown("## What the edit changed")
+    return {"edit_diff": gr.Markdown(NO_EDIT, elem_id="edit-diff"),
+            "edit_diff_plot": gr.Plot(label="Kept tokens after the edit", elem_id="plot-edit_diff")}
 
 
 def example_rows(names: list[str], request: list[gr.components.Component]) -> None:
@@ -183,22 +209,35 @@ def build_demo(
             with gr.Column(scale=2):
                 out = answer_column()
         example_rows(settings.models, request)
-        out.update(analysis_sections(), state=gr.State())
+        out.update(edit_section())
+        out.update(analysis_sections(), state=gr.State(), turns=gr.State())
         sweep, sweep_out = sweep_section()
         outputs = [out[name] for name in OUTPUTS]
         _, prompt, model = request
+        # The API's image is a file, as an upload (gradio_client: handle_file); the page sends the editor's value
+        # through twins of the same events. Neither button below is shown: they only carry the API names.
+        api_request, api = [gr.Image(type="filepath", image_mode=None, visible=False), prompt, model], gr.Button(
+            visible=False)
         # preprocess=False: the handler checks every raw value itself (gradio would decode the upload and
         # range-check controls with messages that do not name the field); files still arrive through
         # gradio's upload cache, which refuses paths outside it
-        lane = dict(inputs_kwargs=knobs, concurrency_limit=1, concurrency_id="model", preprocess=False,
-                    js=unset_zeros(len(request), tuple(knobs)))
+        conversation = {"history": out["history"], "turns": out["turns"]}
+        lane = dict(inputs_kwargs={**knobs, **conversation}, concurrency_limit=1, concurrency_id="model",
+                    preprocess=False, js=unset_zeros(len(request), tuple(knobs)))
+        new = {**lane, "js": unset_zeros(len(request), tuple(knobs), reset=(len(request) + len(knobs),))}
         analyze = handler.endpoint(handler.analyze, out, tuple(knobs))
-        run.click(analyze, request, outputs, api_name="analyze", **lane)
-        prompt.submit(analyze, request, outputs, api_visibility="private", **lane)
-        sweep.click(handler.endpoint(handler.sweep, sweep_out, SWEEP_KNOBS), request,
-                    [sweep_out[name] for name in SWEEP_OUTPUTS], api_name="sweep",
-                    **{**lane, "inputs_kwargs": {k: knobs[k] for k in SWEEP_KNOBS},
-                       "js": unset_zeros(len(request), SWEEP_KNOBS)})
+        api.click(analyze, api_request, outputs, api_name="analyze", **lane)
+        run.click(analyze, request, outputs, api_visibility="private", **new)
+        prompt.submit(analyze, request, outputs, api_visibility="private", **new)
+        out["follow_up"].click(analyze, request, outputs, api_visibility="private", **lane)
+        sweep_lane = {**lane, "inputs_kwargs": {k: knobs[k] for k in SWEEP_KNOBS},
+                      "js": unset_zeros(len(request), SWEEP_KNOBS)}
+        sweeper, sweep_outputs = handler.endpoint(handler.sweep, sweep_out, SWEEP_KNOBS), [
+            sweep_out[name] for name in SWEEP_OUTPUTS]
+        api.click(sweeper, api_request, sweep_outputs, api_name="sweep", **sweep_lane)
+        sweep.click(sweeper, request, sweep_outputs, api_visibility="private", **sweep_lane)
+        out["turn"].input(show_turn, [out["turns"], out["turn"]], [out[name] for name in TURN_OUTPUTS],
+                          api_visibility="private")
         stored = [out["state"], out["layer"], out["head"]]
         inspector = [out[name] for name in INSPECTOR]
         out["layer"].input(show_layer, stored, [out["head_maps"], *inspector], api_visibility="private",

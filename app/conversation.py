@@ -1,0 +1,88 @@
+"""A conversation about one image on the page: its turns, each with its kept tokens and the page's outputs of
+its run, so that picking a turn shows it in every view.
+
+`/analyze` takes the earlier turns as `history` (`[question, answer]` pairs; `hap.run` builds the chat prompt
+over them). The page keeps its own turns in a `gr.State`; a history that is not this page's conversation (an
+API caller's, or a new conversation) starts the turns afresh, the given ones marked as not run here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Turn:
+    """One question and the chosen method's answer; `kept` per group and `outputs` (by output name) of its run,
+    both empty for a turn given as history and not run on this page."""
+
+    question: str
+    answer: str
+    kept: list[list[int]] = field(default_factory=list)
+    num_visual: int = 0
+    outputs: dict = field(default_factory=dict)
+
+
+def continued(turns: Sequence[Turn] | None, history: Sequence[tuple[str, str]]) -> list[Turn]:
+    """The page's stored turns when `history` is exactly their questions and answers, else `history` as turns not
+    run here (a new conversation, or an API caller's own history)."""
+    stored = list(turns or [])
+    if [(t.question, t.answer) for t in stored] == [tuple(pair) for pair in history]:
+        return stored
+    return [Turn(q, a) for q, a in history]
+
+
+def label(index: int) -> str:
+    return f"turn {index + 1}"
+
+
+def pick(turns: Sequence[Turn], choice: str) -> Turn:
+    """The turn labelled `choice`; ValueError when it has no stored run."""
+    labels = [label(i) for i in range(len(turns))]
+    if choice not in labels:
+        raise ValueError(f"no {choice!r} in this conversation ({', '.join(labels) or 'no turns yet'})")
+    turn = turns[labels.index(choice)]
+    if not turn.outputs:
+        raise ValueError(f"{choice} was given as history, not run on this page: nothing to show")
+    return turn
+
+
+def kept_text(turn: Turn, previous: tuple[int, Turn] | None) -> str:
+    """The turn's kept tokens per group, and how they changed since the `previous` (index, turn) run here."""
+    if not turn.kept:
+        return "(given as history, not run here)"
+    text = "kept tokens: " + ", ".join(f"group {g} {len(k)}/{turn.num_visual}" for g, k in enumerate(turn.kept))
+    if previous is not None:
+        index, before = previous
+        changes = [f"group {g} +{len(set(k) - set(p))} −{len(set(p) - set(k))}"
+                   for g, (k, p) in enumerate(zip(turn.kept, before.kept))]
+        text += f"; since {label(index)}: " + ", ".join(changes)
+    return text
+
+
+def messages(turns: Sequence[Turn]) -> list[dict]:
+    """The conversation as chatbot messages: each question, then its answer with its kept tokens."""
+    out, previous = [], None
+    for i, turn in enumerate(turns):
+        out.append({"role": "user", "content": f"{label(i)}: {turn.question}"})
+        out.append({"role": "assistant", "content": f"**{turn.answer}**\n\n{kept_text(turn, previous)}"})
+        previous = (i, turn) if turn.kept else previous
+    return out
+
+
+def rows_note(earlier: int, rows: str) -> str:
+    """Markdown line for the explanation: which prompt rows scored a follow-up's cuts."""
+    if not earlier:
+        return ""
+    which = {"last": "the last prompt token (after this turn's question)",
+             "prompt": "this turn's prompt rows (its question and the template's tail)",
+             "question": "this turn's question rows"}[rows]
+    return (f"\n- Follow-up after {earlier} earlier turn{'s' if earlier > 1 else ''}: the prompt is the chat template "
+            f"over the whole conversation (the image in the first turn); the cuts were scored by {which}, never by "
+            "the earlier turns' tokens.")
+
+
+def history(turns: Sequence[Turn]) -> list[list[str]]:
+    """The turns as the `history` of the next follow-up."""
+    return [[t.question, t.answer] for t in turns]

@@ -1,0 +1,159 @@
+"""The image editor's value as the image the model sees, and what an edit changed in a run.
+
+The page's image input is gradio's ImageEditor (brush, eraser, crop). Its value (`{"background", "layers",
+"composite"}`, files in gradio's upload cache) becomes one image source for `hap.inputs.load_image`, the
+same checked path as an upload: the background as uploaded when nothing was drawn, erased or cropped (so a
+scene keeps the ground truth in its file), else the composite. `EditDiff` compares the run on the edited
+image with the run on the original: answers, head classes, kept tokens per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from hap import views
+from hap.inputs import FORMATS, InputLimits, load_image
+
+EDIT_TOLERANCE = 8  # largest per-channel difference of an unedited composite (a browser's own JPEG decoding)
+NO_EDIT = ("The image is as uploaded. Edit it (brush, eraser or crop in the editor) and run again: this section "
+           "then compares the run on the edited image with the run on the original.")
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One request's image: what `load_image` reads, the name to show, and the original when it was edited."""
+
+    source: str | Image.Image
+    name: str
+    original: str | None = None  # the background as uploaded, when the composite differs from it
+
+    @property
+    def edited(self) -> bool:
+        return self.original is not None
+
+
+def _path(file) -> str | None:
+    """The path of one of gradio's FileData dicts (None for none)."""
+    if isinstance(file, dict) and isinstance(file.get("path"), str) and file["path"]:
+        return file["path"]
+    return None
+
+
+def _name(file, path: str) -> str:
+    return Path(str(file.get("orig_name") or path)).name
+
+
+def is_editor_value(image) -> bool:
+    return isinstance(image, dict) and {"background", "composite"} <= set(image)
+
+
+def image_input(image, limits: InputLimits) -> ImageInput:
+    """The request's image: an upload (FileData), the editor's value or, in-process, a PIL image; ValueError
+    when there is none or it is not one of these. An edited composite is checked like an upload."""
+    if image is None:
+        raise ValueError("no image: upload one or click an example")
+    if isinstance(image, Image.Image):
+        return ImageInput(image, "image")
+    if is_editor_value(image):
+        background, composite = _path(image["background"]), _path(image["composite"])
+        if background is None and composite is None:
+            raise ValueError("no image: upload one or click an example")
+        if composite is None:
+            return ImageInput(background, _name(image["background"], background))
+        if background is None:
+            return ImageInput(composite, "drawing")
+        name = _name(image["background"], background)
+        if not differs(load(background, name, limits), load(composite, f"{name} (edited)", limits)):
+            return ImageInput(background, name)
+        return ImageInput(composite, f"{name} (edited)", background)
+    if _path(image) is not None:
+        return ImageInput(image["path"], _name(image, image["path"]))
+    raise ValueError(f"the image must be an uploaded file ({FORMATS}; gradio_client: handle_file(path))")
+
+
+def load(source, name: str, limits: InputLimits) -> Image.Image:
+    """The checked image as RGB (`hap.inputs.load_image`); ValueError naming the file."""
+    try:
+        return load_image(source, limits)
+    except ValueError as err:
+        raise ValueError(f"image {name!r}: {err}") from err
+
+
+def differs(a: Image.Image, b: Image.Image, tolerance: int = EDIT_TOLERANCE) -> bool:
+    """Whether `b` is an edit of `a`: another size (a crop) or a pixel changed by more than `tolerance`."""
+    if a.size != b.size:
+        return True
+    return int(np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max()) > tolerance
+
+
+@dataclass(frozen=True)
+class EditDiff:
+    """What an edit changed in one method's run: before = the original image, after = the edited one."""
+
+    answers: tuple[str, str]  # (before, after)
+    classes: list[tuple[int, int, str, str]]  # (layer, head, class before, class after) of the heads that changed
+    scored_heads: int  # heads classed in both runs
+    kept: list[tuple[set[int], set[int], set[int]]]  # per group: (kept in both, only before, only after)
+    after: views.ViewData  # the edited run, drawn under the diff
+
+    @classmethod
+    def of(cls, before: views.ViewData, after: views.ViewData, answers: tuple[str, str]) -> EditDiff:
+        pairs = [(layer, head, b, a) for layer, (row_b, row_a) in enumerate(zip(before.head_class, after.head_class))
+                 for head, (b, a) in enumerate(zip(row_b, row_a)) if b and a]
+        kept = []
+        for g_before, g_after in zip(before.groups, after.groups):
+            b, a = set(g_before.kept), set(g_after.kept)
+            kept.append((b & a, b - a, a - b))
+        return cls(answers, [p for p in pairs if p[2] != p[3]], len(pairs), kept, after)
+
+    def to_json(self) -> dict:
+        """The diff for API callers: answers, changed heads, and per group the kept tokens only before / after."""
+        return {"answer_original": self.answers[0], "answer_edited": self.answers[1],
+                "classes_changed": [list(c) for c in self.classes], "scored_heads": self.scored_heads,
+                "kept": [{"group": g.index, "both": len(both), "only_original": sorted(lost),
+                          "only_edited": sorted(gained)} for g, (both, lost, gained) in zip(self.after.groups, self.kept)]}
+
+    def text(self) -> str:
+        """Markdown: the answers, the heads whose class changed, the kept tokens that changed per group."""
+        before, after = self.answers
+        lines = [f"**The edit's effect on {self.after.method}.** Answer on the original: **{before}**; on the edited "
+                 f"image: **{after}**" + (" (unchanged)." if before == after else "."),
+                 f"- Head classes: {len(self.classes)} of the {self.scored_heads} heads scored in both runs changed"
+                 + (": " + ", ".join(f"layer {l} head {h} {b} → {a}" for l, h, b, a in self.classes[:12])
+                    + (", ..." if len(self.classes) > 12 else "") if self.classes else "") + "."]
+        for g, (both, lost, gained) in zip(self.after.groups, self.kept):
+            lines.append(f"- Group {g.index}: {len(both)} kept tokens in both runs, {len(lost)} kept only on the "
+                         f"original, {len(gained)} only on the edited image.")
+        lines.append("An edited scene has no saved ground truth: its answering patches are not outlined. A crop "
+                     "changes what each token covers, so compare tokens by grid position only.")
+        return "\n".join(lines)
+
+    def figure(self):
+        """Each group's kept tokens over the edited image (the rest dimmed), with the tokens kept only after the edit
+        marked + and those kept only before marked x."""
+        import plotly.graph_objects as go
+
+        data = self.after
+        grid_cols = data.grid[1]
+        panels = []
+        for g, (both, lost, gained) in zip(data.groups, self.kept):
+            present = np.zeros(data.shape[2], dtype=bool)
+            present[list(both | gained)] = True
+            panels.append(views.Panel(f"group {g.index}: +{len(gained)} / x{len(lost)}", data.image,
+                                      present=present.reshape(data.grid)))
+        fig = views.panels_plotly(views.Panels(panels, data.grid, cols=3, width=650),
+                                  "Kept tokens after the edit (+ only after, x only before)")
+        for i, (_, lost, gained) in enumerate(self.kept):
+            for tokens, symbol, color, label in ((gained, "cross", "#2ca02c", "kept only after the edit"),
+                                                 (lost, "x", "#d62728", "kept only before the edit")):
+                index = sorted(tokens)
+                fig.add_trace(go.Scatter(
+                    x=[t % grid_cols for t in index], y=[t // grid_cols for t in index], mode="markers",
+                    marker=dict(symbol=symbol, color=color, size=7), name=label, showlegend=i == 0,
+                    hovertemplate=f"token %{{customdata}}: {label}<extra></extra>", customdata=index,
+                ), i // 3 + 1, i % 3 + 1)
+        return fig

@@ -1,0 +1,82 @@
+"""The page's image editor (app/edit.py): its composite takes the checked path of an upload, an unedited value is
+the upload itself (ground truth kept), and a run on an edited image is compared with the run on the original."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from app_model import ROOT
+from PIL import Image
+
+from app.edit import EditDiff, image_input
+from hap import views
+from hap.inputs import InputLimits
+from hap.trace import Group
+
+SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
+PROMPT = "what color is the triangle ?"
+
+
+def file(path) -> dict:
+    return {"path": str(path), "orig_name": path.name, "meta": {"_type": "gradio.FileData"}}
+
+
+def editor(background, composite) -> dict:
+    return {"background": background and file(background), "layers": [], "composite": composite and file(composite)}
+
+
+def painted(tmp_path, name: str = "composite.png"):
+    """The scene with a black square painted over its top-left quarter, saved as the editor saves a composite."""
+    pixels = np.asarray(Image.open(SCENE).convert("RGBA")).copy()
+    pixels[: pixels.shape[0] // 2, : pixels.shape[1] // 2] = (0, 0, 0, 255)
+    Image.fromarray(pixels).save(tmp_path / name)
+    return tmp_path / name
+
+
+def test_an_unedited_value_is_the_upload_itself(tmp_path):
+    same = tmp_path / "composite.png"
+    Image.open(SCENE).convert("RGBA").save(same)  # the canvas re-encodes: no metadata, same pixels
+    picture = image_input(editor(SCENE, same), InputLimits())
+    assert (picture.source, picture.name, picture.edited) == (str(SCENE), SCENE.name, False)
+    assert image_input(file(SCENE), InputLimits()).source == str(SCENE)  # a plain upload, as the API sends it
+
+
+def test_an_edited_composite_is_checked_like_an_upload(tmp_path):
+    picture = image_input(editor(SCENE, painted(tmp_path)), InputLimits())
+    assert (picture.source, picture.original, picture.name) == (str(tmp_path / "composite.png"), str(SCENE),
+                                                              f"{SCENE.name} (edited)")
+    cropped = tmp_path / "cropped.png"
+    Image.open(SCENE).crop((0, 0, 100, 90)).save(cropped)
+    assert image_input(editor(SCENE, cropped), InputLimits()).edited  # a crop is an edit
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    with pytest.raises(ValueError, match=r"image 'scene_600000.png \(edited\)': not a readable image"):
+        image_input(editor(SCENE, tmp_path / "broken.png"), InputLimits())
+    with pytest.raises(ValueError, match="megapixels"):
+        image_input(editor(SCENE, painted(tmp_path)), InputLimits(max_pixels=100))
+    with pytest.raises(ValueError, match="no image: upload one"):
+        image_input(editor(None, None), InputLimits())
+
+
+def view(kept: list[list[int]], classes: list[list[str]]) -> views.ViewData:
+    grid, visual = (2, 2), 4
+    layers, heads = len(classes), len(classes[0])
+    empty = np.zeros((layers, heads, visual))
+    return views.ViewData(image=np.zeros((8, 8, 3), np.uint8), grid=grid, head_class=classes,
+                          stats=np.zeros((layers, heads, 4)), head_maps=empty, head_attention=empty,
+                          layer_maps=np.zeros((layers, visual)), group_maps=np.zeros((len(kept), visual)),
+                          group_uniform=np.zeros((len(kept), visual)),
+                          groups=[Group(i, (i, i + 1), [i], k, [], []) for i, k in enumerate(kept)])
+
+
+def test_the_edit_diff_names_changed_heads_and_kept_tokens():
+    before = view([[0, 1, 2], [0]], [["sink", "optimal"], ["", "dispersed"]])
+    after = view([[0, 2, 3], [3]], [["optimal", "optimal"], ["sink", "dispersed"]])
+    diff = EditDiff.of(before, after, ("purple", "black"))
+    assert diff.classes == [(0, 0, "sink", "optimal")] and diff.scored_heads == 3  # layer 1 head 0 unscored before
+    assert diff.kept == [({0, 2}, {1}, {3}), (set(), {0}, {3})]
+    assert diff.to_json()["kept"][0] == {"group": 0, "both": 2, "only_original": [1], "only_edited": [3]}
+    text = diff.text()
+    assert "**purple**" in text and "**black**" in text and "1 of the 3 heads" in text and "no saved ground truth" in text
+    figure = diff.figure()
+    marks = [t for t in figure.data if t.type == "scatter"]
+    assert [list(t.customdata) for t in marks] == [[3], [1], [3], [0]]
