@@ -77,7 +77,8 @@ def model_defaults(model_name: str) -> list:
 def intro(limits: InputLimits) -> str:
     return INTRO + (
         f"Images: {FORMATS}, up to {limits.max_bytes / 2**20:g} MB and {limits.max_pixels / 1e6:g} megapixels; "
-        f"prompts up to {limits.max_prompt_chars} characters. One request runs at a time; when the queue is "
+        f"prompts up to {limits.max_prompt_chars} characters; a conversation up to {limits.max_history_turns} earlier "
+        f"turns and {limits.max_conversation_chars} characters. One request runs at a time; when the queue is "
         "full, retry in a few seconds."
     )
 

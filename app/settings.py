@@ -10,6 +10,8 @@
     HAP_APP_MAX_MEGAPIXELS  largest width x height in megapixels (default 40), read from the image
                             header before any pixel is decoded (decompression bombs are refused unread)
     HAP_APP_MAX_PROMPT      longest prompt in characters (default 2000)
+    HAP_APP_MAX_TURNS       earlier turns a follow-up question may carry in `history` (default 8)
+    HAP_APP_MAX_CONVERSATION  characters of a conversation's questions and answers together (default 8000)
     HAP_APP_QUEUE_SIZE      requests that may wait for the one model lane (default 16); a request beyond
                             them is refused at once with gradio's busy message (gradio_client raises
                             QueueError "Queue is full! Please try again.", the page shows "This application
@@ -80,6 +82,9 @@ class Settings:
             max_bytes=int(_env_number(env, "HAP_APP_MAX_MB", 10, 0.001) * 2**20),
             max_pixels=int(_env_number(env, "HAP_APP_MAX_MEGAPIXELS", DEFAULT_LIMITS.max_pixels / 1e6, 1e-6) * 1e6),
             max_prompt_chars=int(_env_number(env, "HAP_APP_MAX_PROMPT", DEFAULT_LIMITS.max_prompt_chars, 1)),
+            max_history_turns=int(_env_number(env, "HAP_APP_MAX_TURNS", DEFAULT_LIMITS.max_history_turns, 0)),
+            max_conversation_chars=int(_env_number(env, "HAP_APP_MAX_CONVERSATION",
+                                                   DEFAULT_LIMITS.max_conversation_chars, 1)),
         )
         queue = _env_number(env, "HAP_APP_QUEUE_SIZE", QUEUE_SIZE, 1)
         if not queue.is_integer():

@@ -101,3 +101,12 @@ def test_an_edited_composite_is_analysed_like_the_same_pixels_uploaded(model_nam
     assert [(sorted(o - e), sorted(e - o)) for e, o in kept] == [(k["only_original"], k["only_edited"])
                                                                  for k in edit["kept"]]
     assert "What" not in edited["edit_diff"] and "Answer on the original" in edited["edit_diff"]
+
+
+def test_the_operator_sets_the_conversation_limits():
+    from app.settings import Settings
+
+    limits = Settings.from_env({"HAP_APP_MAX_TURNS": "2", "HAP_APP_MAX_CONVERSATION": "500"}).limits
+    assert (limits.max_history_turns, limits.max_conversation_chars) == (2, 500)
+    with pytest.raises(ValueError, match="HAP_APP_MAX_TURNS"):
+        Settings.from_env({"HAP_APP_MAX_TURNS": "many"})
