@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image
 
 from analysis.scenes import METADATA_KEY, N_PATCHES
+from hap.causal import paq_spearman, spearman  # noqa: F401 (spearman: re-exported for the analysis scripts)
 from hap.views import Truth, ViewData
 
 
@@ -40,22 +41,6 @@ def read_metadata(image: Image.Image) -> dict | None:
     except (ValueError, AttributeError):
         return None
     return meta
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-
-    def ranks(v: np.ndarray) -> np.ndarray:
-        order = np.argsort(v, kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v), dtype=float)
-        for value in np.unique(v):
-            tie = v == value
-            r[tie] = r[tie].mean()
-        return r
-
-    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
-    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def patch_mask(patches: list[int], n: int = N_PATCHES) -> np.ndarray:
@@ -120,9 +105,7 @@ def scene_truth(question: dict, data: ViewData) -> Truth:
     if grounding is not None:
         paq = data.stats[..., 0]
         grounding = np.where(np.isnan(paq), np.nan, grounding)
-        scored = np.isfinite(paq) & np.isfinite(grounding)
-        if scored.sum() > 1 and np.ptp(paq[scored]) > 0 and np.ptp(grounding[scored]) > 0:
-            rho = spearman(paq[scored], grounding[scored])
+        rho = paq_spearman(paq, grounding)
     return Truth(question["text"], target, grounding, rho, [kept_recall(g.kept, target) for g in data.groups])
 
 

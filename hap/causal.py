@@ -21,11 +21,12 @@ decoder taking its input embeddings) are on the one instance and always removed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from .inputs import DEFAULT_LIMITS, InputLimits, load_image
@@ -33,7 +34,9 @@ from .patch import attention_outputs, decoder_of
 from .run import build_inputs
 
 MODES = ("ablation", "attribution")
+SETTINGS = ("auto", *MODES, "off")  # what a caller asks for; "auto" = `default_mode`
 ABLATION_BATCH = 16  # ablated copies per forward
+ABLATION_BUDGET = 2e9  # heads x parameters up to which "auto" runs exact ablation (the shipped model: ~1.5e8)
 
 
 @dataclass
@@ -52,12 +55,14 @@ class Causal:
     seconds: float
 
 
-def prepare(model, processor, image, prompt: str, limits: InputLimits = DEFAULT_LIMITS) -> dict:
-    """The processor inputs of one image and prompt (chat template, checked image and prompt), on the model's
-    device; ValueError on bad input or a model still patched by `hap.patch` (its prefill would prune)."""
+def prepare(model, processor, image, prompt: str, limits: InputLimits = DEFAULT_LIMITS,
+            history: Sequence[tuple[str, str]] = ()) -> dict:
+    """The processor inputs of one image and prompt (chat template over `history`'s turns then the prompt, checked
+    image and prompt), on the model's device; ValueError on bad input or a model still patched by `hap.patch`
+    (its prefill would prune)."""
     if hasattr(model, "_hap"):
         raise ValueError("causal analysis needs the stock model: call hap.unpatch(model) first")
-    inputs, _, _ = build_inputs(processor, load_image(image, limits), prompt, limits)
+    inputs, _, _ = build_inputs(processor, load_image(image, limits), prompt, limits, history)
     device = next(model.parameters()).device
     inputs = inputs.to(device)
     if "pixel_values" in inputs:
@@ -81,17 +86,84 @@ def token_importance(model, processor, image, prompt: str) -> torch.Tensor:
     return gradients(model, prepare(model, processor, image, prompt))[3]
 
 
-def analyze(model, processor, image, prompt: str, mode: str = "attribution",
-            limits: InputLimits = DEFAULT_LIMITS) -> Causal:
-    """Head importance (`mode`) and token importance of one input, sharing the gradient pass."""
+def analyze(model, processor, image, prompt: str, mode: str = "attribution", limits: InputLimits = DEFAULT_LIMITS,
+            history: Sequence[tuple[str, str]] = ()) -> Causal:
+    """Head importance (`mode`) and token importance of one input (`history`: earlier turns, see `prepare`),
+    sharing the gradient pass."""
     check_mode(mode)
     t0 = time.perf_counter()
-    inputs = prepare(model, processor, image, prompt, limits)
+    inputs = prepare(model, processor, image, prompt, limits, history)
     answer, log_prob, heads, tokens = gradients(model, inputs)
     if mode == "ablation":
         answer, log_prob, heads = ablation(model, inputs)
     text = processor.decode([answer], skip_special_tokens=False)
     return Causal(mode, answer, text, log_prob, heads, tokens, time.perf_counter() - t0)
+
+
+def default_mode(model) -> str:
+    """"ablation" where one forward per head is cheap (heads x parameters <= ABLATION_BUDGET: the shipped model,
+    under 2 s on a CPU), else "attribution" (one forward and one backward whatever the number of heads)."""
+    L, H = head_layout(model)
+    parameters = sum(p.numel() for p in model.parameters())
+    return "ablation" if L * H * parameters <= ABLATION_BUDGET else "attribution"
+
+
+def resolve_setting(model, setting: str) -> str | None:
+    """The mode a setting of SETTINGS runs on `model` ("auto": `default_mode`), None for "off"."""
+    if setting not in SETTINGS:
+        raise ValueError(f"causal={setting!r}: choose one of {', '.join(SETTINGS)}")
+    return None if setting == "off" else default_mode(model) if setting == "auto" else setting
+
+
+def spearman(x, y) -> float:
+    """Spearman rank correlation of two equal-length arrays (average ranks for ties)."""
+
+    def ranks(v: np.ndarray) -> np.ndarray:
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):
+            tie = v == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def paq_spearman(paq, importance) -> float | None:
+    """Spearman(PAQ, head importance) over the scored heads (PAQ finite), both `[layers, heads]`; None when fewer
+    than two heads were scored or either side is constant."""
+    paq, importance = np.asarray(paq, float).ravel(), np.asarray(importance, float).ravel()
+    scored = np.isfinite(paq) & np.isfinite(importance)
+    if scored.sum() < 2 or np.ptp(paq[scored]) == 0 or np.ptp(importance[scored]) == 0:
+        return None
+    return spearman(paq[scored], importance[scored])
+
+
+def kept_importance(tokens, kept: list) -> list[float | None]:
+    """Per group: the share of the total positive token importance (`tokens [visual]`) that the group's kept
+    original visual indices hold; None when no token has positive importance."""
+    positive = np.clip(np.asarray(tokens, float), 0, None)
+    total = positive.sum()
+    return [float(positive[np.asarray(k, dtype=int)].sum() / total) if total > 0 else None for k in kept]
+
+
+def to_json(c: Causal, paq, kept: list) -> dict:
+    """The `causal` entry of the `/analyze` and CLI JSON: mode, answer token, head importance [layers][heads],
+    Spearman with PAQ `[layers, heads]` (NaN where not scored), token importance [visual], each group's kept share
+    (`kept`: per group, the kept original visual indices), the answer's text, log p and the seconds taken."""
+    return {
+        "mode": c.mode,
+        "answer_token": c.answer_token,
+        "answer_text": c.answer_text,
+        "log_prob": c.log_prob,
+        "head_importance": c.head_importance.tolist(),
+        "paq_spearman": paq_spearman(paq, c.head_importance),
+        "token_importance": c.token_importance.tolist(),
+        "kept_importance": kept_importance(c.token_importance, kept),
+        "seconds": c.seconds,
+    }
 
 
 def check_mode(mode: str) -> None:
