@@ -3,7 +3,7 @@ reaches, with its greedy answer and the probability it gives the unpruned answer
 
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
-token (retain K / L) and each group at least one (`hap.plan` on the model's shape). The answer comes from
+token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). The answer comes from
 `hap.run` (untraced); the probability of the unpruned answer is teacher-forced: the product of the pruned
 model's next-token probabilities of that answer's tokens, generated on the pruned cache.
 """
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import hap
+from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits, load_image
 from hap.patch.decoder import decoder_shape
 from hap.run import build_inputs
@@ -26,11 +27,10 @@ METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
 
 
 def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int) -> float:
-    """The smallest retain every method of METHODS reaches on `shape`: each one planned at the floor of the
-    first K full layers (K / L), where every group keeps its one token; the largest of their achieved retains."""
-    floor = min(max(config.resolved(shape.layers).first_layers / shape.layers, 1e-6), 1.0)  # K >= L: plan says why
-    plans = (hap.plan(replace(config, method=m, retain=floor, flops_ratio=None), shape, num_visual) for m in METHODS)
-    return max(p.retain for p in plans if p is not None)
+    """The smallest retain every method of METHODS reaches on `shape`: the largest of their floors (the first K
+    full layers keep every token, every later layer one; `hap.budget.smallest_retain`)."""
+    return max(floor_retain(replace(config, method=m, retain=None, flops_ratio=None), shape, num_visual)
+               for m in METHODS)
 
 
 def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, points: int = POINTS) -> list[float]:

@@ -201,6 +201,23 @@ def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: i
     policy = policy_for(config)
     if not policy.groups:
         return None
-    first_layers = 0 if policy.vision else config.first_layers
-    return solve_schedule(num_visual, shape, first_layers=first_layers, groups=policy.groups, decay=config.decay,
-                          retain=config.retain, flops_ratio=config.flops_ratio, text_tokens=text_tokens)
+    return solve_schedule(num_visual, shape, first_layers=_full_layers(config), groups=policy.groups,
+                          decay=config.decay, retain=config.retain, flops_ratio=config.flops_ratio,
+                          text_tokens=text_tokens)
+
+
+def smallest_retain(config: HAPConfig, shape: DecoderShape, num_visual: int) -> float:
+    """The smallest retain `plan` accepts for `config`'s method on `shape`: its first full layers keep all
+    `num_visual` tokens and every later layer one (1.0 for a method that does not prune)."""
+    config = config.resolved(shape.layers)
+    groups = policy_for(config).groups
+    if not groups:
+        return 1.0
+    full = _full_layers(config)
+    group_cuts(shape.layers, full, groups)  # refuses the layouts `plan` refuses, naming the knob
+    return (full * num_visual + shape.layers - full) / (shape.layers * num_visual)
+
+
+def _full_layers(config: HAPConfig) -> int:
+    """Decoder layers before the first cut: none for VisionZip (it cuts before the decoder), else first_layers."""
+    return 0 if policy_for(config).vision else config.first_layers

@@ -37,6 +37,13 @@ def test_head_grounding_and_recall():
     assert kept_recall(np.array([1]), patch_mask([], n=8)) is None
 
 
+def test_kept_recall_divides_by_the_answering_patches_not_the_kept_ones():
+    target = np.zeros(10, dtype=bool)
+    target[[0, 1, 2, 3]] = True
+    assert kept_recall(np.array([0, 1, 7]), target) == 0.5  # 2 of the 4 answering patches (not 2 of 3 kept)
+    assert kept_recall(np.arange(10), target) == 1.0
+
+
 def test_the_truth_is_for_the_saved_question_only(tmp_path):
     scene = make_scene(5)
     q = make_questions(scene, 5)[0]

@@ -28,6 +28,22 @@ def test_merge_dropped_folds_each_token_into_its_most_similar_kept_one():
             assert torch.allclose(merged[b, slot], (embeds[b, members] * w[:, None]).sum(0) / w.sum(), atol=1e-6)
 
 
+def test_merge_by_hand_on_two_clusters():
+    """A second, hand-computed check of the nearest-kept-token assignment and the size-weighted mean: tokens 1 and
+    4 lie along x with kept token 0, token 3 along y with kept token 2 (not the nearest by position)."""
+    embeds = torch.tensor([[[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [1.0, 0.05]]])
+    sizes = torch.tensor([[1.0, 1.0, 1.0, 1.0, 2.0]])
+    merged, total = merge_dropped(embeds, sizes, torch.tensor([[0, 2]]))
+    assert total.tolist() == [[4.0, 2.0]]
+    torch.testing.assert_close(merged, torch.tensor([[[0.975, 0.05], [0.05, 0.95]]]))
+
+
+def test_key_bias_by_hand():
+    """log(size) at each visual token's current position, 0 on every other key (a second check of the bias)."""
+    bias = key_bias(torch.tensor([[2.0, 1.0, 4.0]]), torch.tensor([[1, 3, 4]]), 6)
+    torch.testing.assert_close(bias, torch.tensor([[0.0, 2.0, 0.0, 0.0, 4.0, 0.0]]).clamp_min(1).log())
+
+
 def test_a_log_size_bias_on_a_key_equals_that_many_copies_of_it():
     """softmax over s copies of (k, v) = softmax with log s added to k's logit: what lets a merged token stand in."""
     torch.manual_seed(1)

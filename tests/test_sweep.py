@@ -51,3 +51,27 @@ def test_sweep_on_a_tiny_model_matches_direct_runs():
                                                                trace=False).answer
         assert out["methods"][method]["answer_prob"][3] == pytest.approx(answer_probability(model, inputs, cfg, ids))
     assert answer_probability(model, inputs, config, []) is None
+
+
+def test_every_probability_is_of_the_unpruned_answer(monkeypatch):
+    """A planted bug scored each pruned run's own answer: the probability must be the unpruned answer's, whatever
+    each pruned run answers (here every run answers something else)."""
+    import analysis.sweep as sweep_module
+
+    model, processor = tiny_llava(layers=4)
+    real_run, forced = hap.run, []
+
+    def run(model, processor, image, prompt, config, *args, **kwargs):
+        result = real_run(model, processor, image, prompt, config, *args, **kwargs)
+        result.answer = "red" if config.method == "none" else f"blue {config.method} {config.retain:.3f}"
+        return result
+
+    monkeypatch.setattr(hap, "run", run)
+    monkeypatch.setattr(sweep_module, "answer_probability",
+                        lambda model, inputs, config, answer_ids: forced.append(answer_ids) or 0.5)
+    monkeypatch.setattr(sweep_module, "POINTS", 2)
+    out = sweep(model, processor, Image.new("RGB", (64, 48), "teal"), "what color ?",
+                hap.HAPConfig(first_layers=0, groups=2), 2, DEFAULT_LIMITS)
+    red = processor.tokenizer("red", add_special_tokens=False).input_ids
+    assert len(forced) == 1 + len(METHODS) * len(out["retain"]) and all(ids == red for ids in forced)
+    assert out["methods"]["hap"]["answers"][0].startswith("blue hap")
