@@ -49,6 +49,7 @@ from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.knobs import KNOBS
 from hap.run import free_memory, run
 
+from . import causal as causal_section
 from . import conversation as chat
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
 from .settings import Settings, check_model, is_local, resolve
@@ -71,7 +72,7 @@ INSPECTOR = ("inspector", "inspector_stats")  # the head inspector: one head's m
 EDIT = ("edit_diff", "edit_diff_plot")  # the run on the edited image against the run on the original
 CONVERSATION = ("history", "conversation", "turn")  # the turns as the next history, as chat messages, the turn picker
 OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "summary", "ground_truth",
-           *INSPECTOR, *EDIT, *CONVERSATION, "state", "turns")
+           *causal_section.CAUSAL, *INSPECTOR, *EDIT, *CONVERSATION, "state", "turns")
 TURN_OUTPUTS = OUTPUTS[: OUTPUTS.index("history")] + ("state",)  # what picking a turn shows again
 SWEPT = ("method", "retain", "flops_ratio")  # knobs /sweep varies itself: not among its parameters
 SWEEP_OUTPUTS = ("sweep_plot", "sweep")
@@ -183,6 +184,13 @@ def _original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: In
 
 
 @gpu
+def _causal(image: Image.Image, prompt: str, setting: str | None, limits: InputLimits,
+            history: list[tuple[str, str]]):
+    """The GPU part of the "Is PAQ right?" section (`app.causal.analyze`; see `_compare` for ZeroGPU)."""
+    return causal_section.analyze(LOADED.model, LOADED.processor, image, prompt, setting, limits, history)
+
+
+@gpu
 def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress):
     """The GPU part of `/sweep` (see `_compare` for ZeroGPU)."""
     return sweep(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
@@ -237,9 +245,11 @@ class Handler:
 
     @user_errors
     def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True), *,
-                history: list | str | None = None, turns: list[chat.Turn] | None = None, **settings) -> dict[str, object]:
+                history: list | str | None = None, turns: list[chat.Turn] | None = None, causal: str | None = None,
+                **settings) -> dict[str, object]:
         """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`). `image` is an upload
-        or the page's editor value (`app.edit.image_input`); `history` the earlier `[question, answer]` turns about
+        or the page's editor value (`app.edit.image_input`); `causal` the "Is PAQ right?" setting (`hap.causal.SETTINGS`,
+        None: auto; the JSON gains "causal" unless off); `history` the earlier `[question, answer]` turns about
         the image (None or []: a first question), `turns` the page's stored conversation (`app.conversation`).
 
         Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer and head sliders, every view
@@ -248,7 +258,7 @@ class Handler:
         the head inspector, the edit's comparison, the conversation (its history, messages and turn picker), the
         state for re-drawing and the turns. Any failure is a gr.Error with the message.
         """
-        return self._analyze(image, prompt, model_name, settings, progress, history, turns)
+        return self._analyze(image, prompt, model_name, settings, progress, history, turns, causal)
 
     @user_errors
     def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
@@ -278,7 +288,8 @@ class Handler:
         model_name, config = check_model(model_name, self.settings), check_settings(settings)
         return image_input(image, limits), model_name, config, turns
 
-    def _analyze(self, image, prompt, model_name, settings: dict, progress, history, turns) -> dict[str, object]:
+    def _analyze(self, image, prompt, model_name, settings: dict, progress, history, turns,
+                 causal: str | None) -> dict[str, object]:
         picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
         limits = self.settings.limits
         img = load(picture.source, picture.name, limits)
@@ -298,6 +309,10 @@ class Handler:
         if question is not None:
             data = replace(data, truth=scene_truth(question, data))
             report["ground_truth"] = truth_json(data.truth)
+        progress(0.91, desc="causal head and token importance")
+        shown, causal_json = causal_section.outputs(_causal(img, prompt, causal, limits, history), data)
+        if causal_json is not None:
+            report["causal"] = causal_json
         edit = self.edit_diff(picture, prompt, config, history, data, comparison.pruned.answer, progress)
         if edit is not None:
             report["edit"] = edit.to_json()
@@ -309,6 +324,7 @@ class Handler:
             "explanation": explanation(comparison) + f"\n- Input: {conversion}." + chat.rows_note(len(history), config.rows),
             "summary": report,
             "ground_truth": truth_text(data.truth, why_not),
+            **shown,
             **dict(zip(INSPECTOR, inspect_head(data, data.layer, 0))),
             "edit_diff": NO_EDIT if edit is None else edit.text(),
             "edit_diff_plot": None if edit is None else edit.figure(),

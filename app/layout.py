@@ -19,6 +19,7 @@ from hap.inputs import FORMATS, InputLimits
 from hap.knobs import KNOBS, Knob
 from hap.views import VIEW
 
+from . import causal as causal_section
 from .handler import (CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
                       show_turn)
 from .edit import NO_EDIT
@@ -212,6 +213,8 @@ def build_demo(
         example_rows(settings.models, request)
         out.update(edit_section())
         out.update(analysis_sections(), state=gr.State(), turns=gr.State())
+        causal_setting, causal_out = causal_section.section()
+        out.update(causal_out)
         sweep, sweep_out = sweep_section()
         outputs = [out[name] for name in OUTPUTS]
         _, prompt, model = request
@@ -222,7 +225,7 @@ def build_demo(
         # preprocess=False: the handler checks every raw value itself (gradio would decode the upload and
         # range-check controls with messages that do not name the field); files still arrive through
         # gradio's upload cache, which refuses paths outside it
-        conversation = {"history": out["history"], "turns": out["turns"]}
+        conversation = {"history": out["history"], "turns": out["turns"], "causal": causal_setting}
         lane = dict(inputs_kwargs={**knobs, **conversation}, concurrency_limit=1, concurrency_id="model",
                     preprocess=False, js=unset_zeros(len(request), tuple(knobs)))
         new = {**lane, "js": unset_zeros(len(request), tuple(knobs), reset=(len(request) + len(knobs),))}

@@ -66,7 +66,7 @@ def test_every_knob_is_an_analyze_parameter_with_the_registry_default(client, mo
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/analyze"]
     params = {p["parameter_name"]: p for p in info["parameters"]}
-    assert list(params) == ["image", "prompt", "model_name", *(k.name for k in KNOBS), "history"]
+    assert list(params) == ["image", "prompt", "model_name", *(k.name for k in KNOBS), "history", "causal"]
     assert {k.name for k in KNOBS} <= set(params) and "seed" not in params
     defaults = knob_defaults(model_name)  # per-model rules applied to the 6-layer default model
     assert (defaults["first_layers"], defaults["retain"]) == (0, 0.25)
@@ -284,3 +284,25 @@ def test_an_offline_hub_id_fails_within_5_seconds(client, model_name, monkeypatc
                                             r"folder and the hub copy is unknown or unreachable \(offline\?\)"):
             analyze(client, UNREACHABLE)
         assert time.perf_counter() - start < 5, offline
+
+
+def test_causal_keys_on_a_photo_and_off(client, model_name):
+    """`/analyze` on an uploaded photo carries the causal analysis (binding keys), with numbers that match the run."""
+    from hap.causal import kept_importance, paq_spearman
+
+    photo = ROOT / "assets" / "examples" / "photos" / "coffee.jpg"
+    out = analyze(client, model_name, prompt="what color is the cup ?", image=photo)
+    report = out["summary"]
+    found = report["causal"]
+    assert {"mode", "answer_token", "head_importance", "paq_spearman", "token_importance",
+            "kept_importance"} <= set(found)
+    assert found["mode"] == "ablation"  # "auto" on a small model
+    paq = np.array([[np.nan if v is None else v for v in row] for row in report["paq"]])
+    assert np.array(found["head_importance"]).shape == paq.shape
+    assert found["paq_spearman"] == pytest.approx(paq_spearman(paq, found["head_importance"]))
+    assert len(found["token_importance"]) == report["num_visual"]
+    assert found["kept_importance"] == pytest.approx(
+        kept_importance(found["token_importance"], [g["kept"] for g in report["groups"]]))
+    assert "ablation" in out["causal_text"]
+    off = analyze(client, model_name, prompt="what color is the cup ?", image=photo, causal="off")
+    assert "causal" not in off["summary"] and "off" in off["causal_text"]
