@@ -13,7 +13,9 @@ Every knob of `hap.knobs` but the method and the budget is a flag, shared by eve
 (the HAP+ ones shape `hap` only, docs/method.md §10). Besides `hap.METHODS`, `--methods` takes
 `hap_paper` (`hap.HAPConfig.paper()` on the run's schedule: first_layers, groups, decay) and `oracle`
 (analysis only: the uniform scores with the question's answering patches ranked first at every cut
-through `hap.patched(..., priority=...)`; a question with no answering patch gets plain uniform).
+through `hap.patched(..., priority=...)`; a question with no answering patch gets plain uniform) and
+`oracle_causal` (the same with the tokens of highest causal token importance first, `hap.token_importance`: a
+ceiling that needs no scene metadata).
 The validation sweep of a HAP+ setting against the paper, e.g.
 
     python -m analysis.benchmark --model assets/tiny-llava --seeds 400000:400100 --retain 0.111 0.056 \
@@ -22,7 +24,10 @@ The validation sweep of a HAP+ setting against the paper, e.g.
 Outputs in --out: benchmark.json (binding keys: accuracy[method][retain], relative[method][retain],
 accuracy_by_type[method][retain][kind], kept_recall[method][retain], grounding_spearman, n_questions,
 norm_ratio: per decoder layer, the median over questions of max / median L2 norm of the visual tokens'
-input hidden states), benchmark.md (tables), accuracy.png, paq_grounding.png.
+input hidden states, causal_spearman: mean over questions of Spearman(PAQ, exact ablation importance) over the
+scored heads, causal_token_precision: mean over questions with answering patches of the share of answering
+patches among the |answering| tokens of highest causal token importance; hap.causal), benchmark.md (tables),
+accuracy.png, paq_grounding.png.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import numpy as np
 import torch
 
 import hap
+from hap import causal
 from hap.knobs import knob
 from hap.run import chat_prompt, template_tail
 from analysis.ground_truth import head_grounding, spearman
@@ -46,7 +52,7 @@ from analysis.scenes import N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.222, 0.111, 0.056)
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random")  # the default comparison
-CHOICES = (*(m for m in hap.METHODS if m != "none"), "hap_paper", "oracle")
+CHOICES = (*(m for m in hap.METHODS if m != "none"), "hap_paper", "oracle", "oracle_causal")
 KNOB_FLAGS = tuple(k.name for k in hap.KNOBS if k.name not in ("method", "retain", "flops_ratio"))  # every method's
 SCHEDULE = ("first_layers", "groups", "decay")  # the knobs `hap_paper` takes from the run
 
@@ -98,9 +104,13 @@ def norm_ratios(model, processor, batch) -> np.ndarray:
     return (norms.max(-1).values / norms.median(-1).values).numpy()
 
 
-def method_run(name: str, retain: float, base: dict, batch) -> tuple[hap.HAPConfig, torch.Tensor | None]:
+def method_run(name: str, retain: float, base: dict, batch,
+               tokens: torch.Tensor | None = None) -> tuple[hap.HAPConfig, torch.Tensor | None]:
     """(config, priority) of benchmark method `name`: a `hap.METHODS` entry, `hap_paper` (the paper's HAP on
-    the run's schedule) or `oracle` (uniform scores, the question's answering patches first)."""
+    the run's schedule), `oracle` (uniform scores, the question's answering patches first) or `oracle_causal`
+    (uniform scores, the highest causal token importance `tokens [batch, visual]` first)."""
+    if name == "oracle_causal":
+        return hap.HAPConfig(method="uniform", retain=retain, **base), tokens
     if name == "hap_paper":
         return hap.HAPConfig.paper(retain=retain, **{k: base[k] for k in SCHEDULE}), None
     if name == "oracle":
@@ -162,6 +172,8 @@ class Tally:
     heads_other: dict[str, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))  # the same from
     #                                                                             the other rows (`other_rows`)
     norms: list[np.ndarray] = field(default_factory=list)  # norm_ratios(...) [questions, layers] per batch
+    causal_rho: list[float] = field(default_factory=list)  # per question: Spearman(PAQ, ablation importance)
+    causal_precision: list[float] = field(default_factory=list)  # per question with a target: token precision
 
     def add(self, key: tuple[str, float], batch, answers: list[str], state) -> None:
         """One pruned run of `batch`: correctness of each answer, kept recall of each question with a target."""
@@ -184,12 +196,33 @@ def evaluate(model, processor, batches: list, base: dict, methods: list[str], re
         for k, v in grounding(state_other, batch).items():
             tally.heads_other[k].append(v)
         tally.norms.append(norm_ratios(model, processor, batch))
+        tokens = causal_truth(model, processor, batch, tally.heads["paq"][-1], tally)
         for retain in retains:
             for method in methods:
-                config, priority = method_run(method, retain, base, batch)
+                config, priority = method_run(method, retain, base, batch, tokens)
                 answers, state = run_batch(model, processor, batch, config, trace=False, priority=priority)
                 tally.add((method, retain), batch, answers, state)
     return tally
+
+
+def causal_truth(model, processor, batch, paq: np.ndarray, tally: Tally) -> torch.Tensor:
+    """Per question of `batch`: exact ablation importance against its PAQ `[questions, layers, heads]` and the
+    precision of its causal token importance at |answering| (into `tally`). Returns the token importance
+    `[questions, visual]` (the `oracle_causal` priority)."""
+    rows = []
+    for (scene, question), head_paq in zip(batch, paq):
+        inputs = causal.prepare(model, processor, scene.image, question.text)
+        importance = causal.ablation(model, inputs)[2]
+        tokens = causal.gradients(model, inputs)[3]
+        rho = causal.paq_spearman(head_paq, importance)
+        if rho is not None:
+            tally.causal_rho.append(rho)
+        target = question.target_mask
+        if target.any():
+            top = np.argsort(-tokens.numpy(), kind="stable")[: int(target.sum())]
+            tally.causal_precision.append(float(target[top].mean()))
+        rows.append(tokens)
+    return torch.stack(rows)
 
 
 def load_run(args: argparse.Namespace, names: tuple[str, ...]) -> tuple:
@@ -236,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
         "retained_tokens": {str(r): r * N_PATCHES for r in args.retain},
         "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in args.retain} for m in args.methods},
         "norm_ratio": np.median(np.concatenate(tally.norms), 0).tolist(),
+        "causal_spearman": float(np.mean(tally.causal_rho)) if tally.causal_rho else None,
+        "causal_token_precision": float(np.mean(tally.causal_precision)) if tally.causal_precision else None,
         "seconds": seconds,
     }
     report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()},
@@ -324,6 +359,9 @@ def markdown(r: dict) -> str:
         ),
         "Visual hidden-state norm, max / median per decoder layer (median over questions): "
         + ", ".join(f"{v:.1f}" for v in r["norm_ratio"]) + ".",
+        f"Causal truth (hap.causal): mean per-question Spearman(PAQ, exact ablation importance) "
+        f"{_cell(r['causal_spearman'])}; precision of causal token importance at |answering| "
+        f"{_cell(r['causal_token_precision'])}.",
     ]
     kinds = list(r["unpruned_by_type"])
     for retain in r["retained_tokens"]:

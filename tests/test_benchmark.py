@@ -27,7 +27,7 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
     something; every check below fails for some wrong report."""
     out = tmp_path / "bench"
     main(["--model", str(SHIPPED), "--seeds", "500000:500004", "--per-scene", "2", "--out", str(out),
-          "--methods", *METHODS, "oracle"])
+          "--methods", *METHODS, "oracle", "oracle_causal"])
     report = json.loads((out / "benchmark.json").read_text())
     text = json.loads((SHIPPED / "config.json").read_text())["text_config"]
     n = report["n_questions"]
@@ -48,6 +48,8 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
     for r in ("0.222", "0.111", "0.056"):  # the answering patches first: recall at least the uniform one's
         assert report["kept_recall"]["oracle"][r] >= report["kept_recall"]["uniform"][r]
     assert set(report["accuracy_by_type"]["oracle"]["0.111"]) == set(QTYPES)
+    assert -1.0 <= report["causal_spearman"] <= 1.0 and 0.0 <= report["causal_token_precision"] <= 1.0
+    assert report["accuracy"]["oracle_causal"]["1.0"] == report["unpruned_accuracy"]
     for name in ("benchmark.md", "accuracy.png", "paq_grounding.png"):
         assert (out / name).stat().st_size > 0
 
