@@ -33,3 +33,11 @@ def test_table_ratios_come_from_the_timings_and_the_flops():
     assert hap_row["speedup"] == 4.0 / 2.5 and random_row["speedup"] == 2.0
     assert hap_row["ideal"] == pytest.approx(layer_flops(13, shape) / layer_flops(8, shape))
     assert hap_row["overhead"] == pytest.approx(0.5 / 2.5) and hap_row["kept"] == 5
+
+
+def test_causal_speed_reports_the_gradient_pass_as_prefills():
+    from analysis.causal_speed import main as causal_speed
+
+    report = causal_speed(["--layers", "1", "--repeats", "1", "--text-tokens", "8"])
+    assert report["gradients_s"] > 0 and report["gradients_per_prefill"] == pytest.approx(
+        report["gradients_s"] / report["prefill_s"])
