@@ -128,7 +128,7 @@ class EditDiff:
         for g, (both, lost, gained) in zip(self.after.groups, self.kept):
             lines.append(f"- Group {g.index}: {len(both)} kept tokens in both runs, {len(lost)} kept only on the "
                          f"original, {len(gained)} only on the edited image.")
-        lines.append("An edited scene has no saved ground truth: its answering patches are not outlined. A crop "
+        lines.append("\nAn edited scene has no saved ground truth: its answering patches are not outlined. A crop "
                      "changes what each token covers, so compare tokens by grid position only.")
         return "\n".join(lines)
 

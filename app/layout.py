@@ -124,7 +124,7 @@ def conversation_section() -> dict[str, gr.components.Component]:
     the history `/analyze` takes (hidden: the page fills it), by output name; the button under "follow_up"."""
     with gr.Group():
         out = {"conversation": gr.Chatbot(label="Conversation (each answer is the chosen method's, with its kept "
-                                                "tokens)", height=220, elem_id="conversation"),
+                                                "tokens)", height=320, elem_id="conversation"),
                "turn": gr.Radio([], label="Show turn (every view below)", elem_id="turn", interactive=True),
                "follow_up": gr.Button("Ask as a follow-up (same image, the conversation so far)", elem_id="follow-up"),
                "history": gr.JSON([], visible=False, elem_id="history")}
