@@ -59,6 +59,14 @@ def head_grounding(dist: np.ndarray, target: np.ndarray) -> np.ndarray | None:
     return share / (target.sum() / target.size)
 
 
+def answering_cut(dist: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """`dist [layers, heads, V]` (NaN where a token was not in the layer's input, or the layer not captured) and bool
+    `target [V]` -> bool `[layers]`: the captured layers whose input held none of the answering patches (an
+    earlier cut removed them all), where grounding is unknown rather than 0."""
+    present = np.isfinite(np.asarray(dist, float)).any(axis=1)  # [layers, V]
+    return present.any(-1) & ~(present & target).any(-1)
+
+
 def kept_recall(kept: np.ndarray, target: np.ndarray) -> float | None:
     """Share of the answering patches among the kept original visual indices `kept [k]`; None
     with no answering patch."""
@@ -98,20 +106,23 @@ def question_for(meta: dict | None, prompt: str, visual: int) -> tuple[dict | No
 
 def scene_truth(question: dict, data: ViewData) -> Truth:
     """The truth of `question` about one run: its answering patches, every scored head's grounding on them
-    (NaN for heads not scored), the Spearman of grounding and PAQ over the scored heads, each group's recall."""
+    (NaN for heads not scored, and unknown: NaN, for the layers whose input no longer held any answering patch),
+    the Spearman of grounding and PAQ over the heads with a grounding, each group's recall."""
     target = patch_mask(question["answering_patches"], data.shape[2])
     grounding = head_grounding(data.head_attention, target)
-    rho = None
+    rho, cut = None, None
     if grounding is not None:
         paq = data.stats[..., 0]
-        grounding = np.where(np.isnan(paq), np.nan, grounding)
+        cut = answering_cut(data.head_attention, target)
+        grounding = np.where(np.isnan(paq) | cut[:, None], np.nan, grounding)
         rho = paq_spearman(paq, grounding)
-    return Truth(question["text"], target, grounding, rho, [kept_recall(g.kept, target) for g in data.groups])
+    return Truth(question["text"], target, grounding, rho, [kept_recall(g.kept, target) for g in data.groups], cut)
 
 
 def truth_json(truth: Truth) -> dict:
     """The `ground_truth` entry of the `/analyze` JSON: queried patch indices, head grounding [layers][heads]
-    (null where not scored, or with no answering patch), the Spearman with PAQ, each group's kept recall."""
+    (null where not scored, where the answering patches were cut before the layer, or with no answering patch), the
+    Spearman with PAQ, each group's kept recall."""
     grounding = None if truth.grounding is None else [
         [None if np.isnan(v) else float(v) for v in row] for row in truth.grounding]
     return {"queried": np.flatnonzero(truth.patches).tolist(), "head_grounding": grounding,

@@ -141,6 +141,11 @@ def truth_text(truth: Truth | None, why_not: str) -> str:
         lines.append(f"- Spearman rank correlation of PAQ and grounding over the scored heads: {rho}. Grounding is a "
                      "head's share of visual attention on the answering patches divided by their share of the area "
                      "(1: no preference).")
+        unknown = [] if truth.cut is None else np.flatnonzero(truth.cut).tolist()
+        if unknown:
+            lines.append(f"- Grounding unknown (grey) in layer{'s' * (len(unknown) > 1)} "
+                         f"{', '.join(map(str, unknown))}: an earlier cut removed every answering patch from their "
+                         "input, so there is nothing to measure (not 0).")
     lines += [f"- Group {g}: keeps {'-' if r is None else f'{r:.0%}'} of the answering patches."
               for g, r in enumerate(truth.kept_recall)]
     return "\n".join(lines)
@@ -154,7 +159,8 @@ def head_text(data: ViewData, head: int) -> str:
             "| statistic | value |", "|---|---|"]
     rows += [f"| {name} | {value:.3f} |" for name, value in zip(STATS, stats)]
     if data.truth is not None and data.truth.grounding is not None:
-        rows.append(f"| grounding | {data.truth.grounding[layer, head]:.3f} |")
+        why = data.truth.unknown(layer)
+        rows.append(f"| grounding | {f'unknown: {why}' if why else f'{data.truth.grounding[layer, head]:.3f}'} |")
     if np.isnan(stats).all():
         rows.append("\nThis layer's attention was not captured (no cut was scored with it): no statistics.")
     return "\n".join(rows)

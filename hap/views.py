@@ -55,6 +55,8 @@ PRUNED_BRIGHTNESS = 0.2  # pruned patches keep this fraction of their brightness
 VIEW_PIXELS = 336  # side of the image under the maps (LLaVA-1.5's input size)
 NO_CUTS = "nothing to show: this method made no cuts"
 NO_TRUTH = "no ground truth for this image"
+CUT_BEFORE = "answering patches were cut before layer {layer}"  # why a layer's grounding is unknown
+UNKNOWN_COLOR = "#9e9e9e"  # grounding unknown: grey, never 0
 OUTLINE_COLOR = "#00e5ff"  # the answering patches' outline on every map
 PNG_DPI = 120
 
@@ -98,6 +100,12 @@ class HeadGrid:
     values: np.ndarray  # [layers, heads]: class codes (index into CLASSES) or PAQ
     cuts: list[tuple[int, str]]  # (first layer of a group, its label)
     stats: np.ndarray | None = None  # [layers, heads, len(STATS)] shown on hover (class grid)
+    unknown: list[str] | None = None  # [layers] why the layer's values are unknown, drawn grey ("" where known)
+
+    def unknown_mask(self) -> np.ndarray:
+        """bool [layers, heads]: the cells of the layers whose values are unknown."""
+        rows = [bool(why) for why in self.unknown or [""] * self.values.shape[0]]
+        return np.repeat(np.array(rows, dtype=bool)[:, None], self.values.shape[1], axis=1)
 
 
 @dataclass
@@ -106,9 +114,15 @@ class Truth:
 
     question: str  # the question the truth is for
     patches: np.ndarray  # bool [V] the patches that answer it (outlined on every map; none for a text question)
-    grounding: np.ndarray | None  # [layers, heads] attention share on them / their area share (NaN: not scored)
-    spearman: float | None  # rank correlation of PAQ and grounding over the scored heads
+    grounding: np.ndarray | None  # [layers, heads] attention share on them / their area share (NaN: not scored
+    #                               or unknown)
+    spearman: float | None  # rank correlation of PAQ and grounding over the heads with a grounding
     kept_recall: list[float | None]  # [G] share of the answering patches each group runs on
+    cut: np.ndarray | None = None  # bool [layers]: the layer's input held no answering patch (grounding unknown)
+
+    def unknown(self, layer: int) -> str:
+        """Why `layer`'s grounding is unknown, or "" when it is known (or not scored)."""
+        return CUT_BEFORE.format(layer=layer) if self.cut is not None and self.cut[layer] else ""
 
 
 @dataclass
@@ -356,10 +370,13 @@ def mask_panels(data: ViewData) -> Panels:
 
 
 def grounding_grid(data: ViewData) -> HeadGrid:
-    """Grounding [layers, heads] on the answering patches (NaN everywhere without them)."""
+    """Grounding [layers, heads] on the answering patches (NaN everywhere without them), with the layers whose
+    input no longer held any of them marked unknown."""
     truth = data.truth
-    values = np.full(data.shape[:2], np.nan) if truth is None or truth.grounding is None else truth.grounding
-    return HeadGrid(np.asarray(values, dtype=float), data.cuts())
+    if truth is None or truth.grounding is None:
+        return HeadGrid(np.full(data.shape[:2], np.nan), data.cuts())
+    unknown = [truth.unknown(layer) for layer in range(data.shape[0])]
+    return HeadGrid(np.asarray(truth.grounding, dtype=float), data.cuts(), unknown=unknown)
 
 
 def head_panel(data: ViewData, head: int) -> Panels:
@@ -402,7 +419,8 @@ def paq_plotly(grid: HeadGrid, title: str) -> go.Figure:
 
 
 def grounding_plotly(grid: HeadGrid, title: str) -> go.Figure:
-    """Grounding per layer and head: above 1 (red) the head looks at the answering patches more than their area."""
+    """Grounding per layer and head: above 1 (red) the head looks at the answering patches more than their area;
+    grey where it is unknown, the reason on hover."""
     import plotly.graph_objects as go
 
     high = grounding_high(grid.values)
@@ -411,6 +429,14 @@ def grounding_plotly(grid: HeadGrid, title: str) -> go.Figure:
         z=grid.values, colorscale=scale, zmin=0.0, zmax=high, colorbar=dict(title="grounding"), hoverongaps=False,
         hovertemplate="layer %{y} head %{x}<br>grounding %{z:.2f}<extra></extra>",
     ))
+    unknown = grid.unknown_mask()
+    if unknown.any():
+        why = np.array(grid.unknown, dtype=object)[:, None].repeat(unknown.shape[1], 1)
+        fig.add_trace(go.Heatmap(
+            z=np.where(unknown, 0.0, np.nan), text=why, colorscale=[[0, UNKNOWN_COLOR], [1, UNKNOWN_COLOR]],
+            showscale=False, hoverongaps=False, name="unknown",
+            hovertemplate="layer %{y} head %{x}<br>grounding unknown: %{text}<extra></extra>",
+        ))
     return _layer_head_layout(fig, grid, title)
 
 
@@ -554,12 +580,19 @@ def paq_draw(grid: HeadGrid, title: str) -> Figure:
 
 
 def grounding_draw(grid: HeadGrid, title: str) -> Figure:
-    """Grounding per layer and head, diverging around 1, with a colour bar."""
-    from matplotlib.colors import TwoSlopeNorm
+    """Grounding per layer and head, diverging around 1, with a colour bar; grey where it is unknown."""
+    from matplotlib.colors import ListedColormap, TwoSlopeNorm
+    from matplotlib.patches import Patch
 
     fig, ax, image = _layer_head_draw(grid, title, cmap="RdBu_r",
                                       norm=TwoSlopeNorm(1.0, 0.0, grounding_high(grid.values)))
     fig.colorbar(image, ax=ax, label="grounding")
+    unknown = grid.unknown_mask()
+    if unknown.any():
+        ax.imshow(np.where(unknown, 0.0, np.nan), aspect="auto", interpolation="nearest",
+                  cmap=ListedColormap([UNKNOWN_COLOR]))
+        ax.legend(handles=[Patch(color=UNKNOWN_COLOR, label="unknown: answering patches cut before the layer")],
+                  loc="upper left", bbox_to_anchor=(0, -0.12), fontsize=7)
     return fig
 
 

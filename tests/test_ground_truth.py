@@ -5,8 +5,8 @@ from PIL import Image
 
 import hap
 from analysis.ground_truth import spearman
-from analysis.ground_truth import (file_metadata, head_grounding, kept_recall, patch_mask, question_for,
-                                   read_metadata, scene_truth, truth_json)
+from analysis.ground_truth import (answering_cut, file_metadata, head_grounding, kept_recall, patch_mask,
+                                   question_for, read_metadata, scene_truth, truth_json)
 from analysis.scenes import make_questions, make_scene, save_scene
 
 
@@ -86,3 +86,21 @@ def test_a_runs_truth_grounding_spearman_recall_and_json():
     text_only = scene_truth({"text": "q ?", "answering_patches": []}, view_data(paq, attention, [[0]]))
     assert text_only.grounding is None and text_only.spearman is None and text_only.kept_recall == [None]
     assert truth_json(text_only) == {"queried": [], "head_grounding": None, "spearman": None, "kept_recall": [None]}
+
+
+def test_grounding_is_unknown_not_0_where_the_answering_patches_were_cut_before_the_layer():
+    """Layer 2 is scored, but an earlier cut removed patches 0 and 1: its heads have nothing to look at there."""
+    attention = np.full((3, 2, 8), 1 / 8)
+    attention[0, 0] = [0.5, 0.5, 0, 0, 0, 0, 0, 0]
+    attention[2] = [np.nan, np.nan, 0.25, 0.25, 0.25, 0.25, 0, 0]  # patches 0, 1 gone from layer 2's input
+    paq = np.array([[0.9, 0.5], [0.1, 0.4], [0.3, 0.2]])  # every layer scored
+    target = patch_mask([0, 1], n=8)
+    assert head_grounding(attention, target)[2].tolist() == [0.0, 0.0]  # the bare ratio would read 0
+    assert answering_cut(attention, target).tolist() == [False, False, True]
+    truth = scene_truth({"text": "q ?", "answering_patches": [0, 1]}, view_data(paq, attention, [[2, 3], [2]]))
+    assert np.isnan(truth.grounding[2]).all() and truth.cut.tolist() == [False, False, True]
+    assert truth.unknown(2) == "answering patches were cut before layer 2" and truth.unknown(1) == ""
+    assert truth_json(truth)["head_grounding"][2] == [None, None]
+    assert truth.spearman == pytest.approx(spearman(np.array([0.9, 0.5, 0.1, 0.4]), np.array([4.0, 1, 1, 1])))
+    not_captured = np.full((1, 2, 8), np.nan)  # a layer without attention is not scored, not cut
+    assert answering_cut(not_captured, target).tolist() == [False]

@@ -228,6 +228,25 @@ def test_grounding_grid_beside_paq_with_the_spearman_or_why_not():
     assert "answered from the prompt alone" in V.VIEW["grounding"].figure(data(truth=text_only)).layout.title.text
 
 
+def test_grounding_is_grey_and_unknown_where_the_answering_patches_were_cut():
+    grounding = GROUNDING.copy()
+    grounding[3] = NAN  # layer 3's input held no answering patch
+    cut = V.Truth(TRUTH.question, TRUTH.patches, grounding, 0.5, [0.5, 0.0], np.array([False, False, False, True]))
+    fig = V.VIEW["grounding"].figure(data(truth=cut))
+    values, grey = heatmaps(fig)
+    assert np.isnan(np.asarray(values.z, dtype=float)[3]).all()  # no 0 is drawn there
+    grey_z = np.asarray(grey.z, dtype=float)
+    assert np.isfinite(grey_z[3]).all() and np.isnan(grey_z[:3]).all()
+    assert np.asarray(grey.text)[3, 0] == "answering patches were cut before layer 3" and "unknown" in grey.hovertemplate
+    assert len(heatmaps(V.VIEW["grounding"].figure(data(truth=TRUTH)))) == 1  # nothing cut: no grey layer
+    from analysis.report import head_text, truth_text
+
+    assert "| grounding | unknown: answering patches were cut before layer 3 |" in head_text(
+        data(truth=cut).at_layer(3), 0)
+    assert "Grounding unknown (grey) in layer 3" in truth_text(cut, "")
+    V.grounding_draw(V.grounding_grid(data(truth=cut)), "drawn")  # matplotlib draws the grey layer too
+
+
 def test_head_inspector_draws_one_head_of_the_layer():
     d = data(truth=TRUTH)
     panels = V.head_panel(d, 1)
