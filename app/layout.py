@@ -228,7 +228,8 @@ def build_demo(
         conversation = {"history": out["history"], "turns": out["turns"], "causal": causal_setting}
         lane = dict(inputs_kwargs={**knobs, **conversation}, concurrency_limit=1, concurrency_id="model",
                     preprocess=False, js=unset_zeros(len(request), tuple(knobs)))
-        new = {**lane, "js": unset_zeros(len(request), tuple(knobs), reset=(len(request) + len(knobs),))}
+        history_at = len(request) + list(lane["inputs_kwargs"]).index("history")  # Run: no history, a new conversation
+        new = {**lane, "js": unset_zeros(len(request), tuple(knobs), reset=(history_at,))}
         analyze = handler.endpoint(handler.analyze, out, tuple(knobs))
         api.click(analyze, api_request, outputs, api_name="analyze", **lane)
         run.click(analyze, request, outputs, api_visibility="private", **new)
