@@ -108,8 +108,7 @@ def _truth_line(found: causal.Causal, data: views.ViewData) -> str:
     """Geometric truth (the answering patches, each head's grounding on them) against causal truth."""
     patches = np.asarray(data.truth.patches, dtype=bool)
     k = int(patches.sum())
-    top = np.argsort(-found.token_importance.numpy(), kind="stable")[:k]
-    precision = patches[top].mean()
+    precision = causal.token_precision(found.token_importance.numpy(), patches)
     grounding = data.truth.grounding
     agree = None if grounding is None else causal.paq_spearman(grounding, found.head_importance)
     agree_text = "undefined" if agree is None else f"{agree:.2f}"

@@ -10,8 +10,8 @@ intervening on the stock (unpruned) model:
   head's output (attribution patching): one forward and one backward, whatever the number of heads.
 * `token_importance`: `|(x_v - mean_u x_u) . d log p / d x_v|` for each visual embedding x_v entering the
   decoder: the first-order change of log p when the token is replaced by the average visual token (gradient x
-  input against a mean baseline), chosen on validation scenes (docs/method.md §11); it comes with the
-  attribution's backward.
+  input against a mean baseline), chosen on validation scenes (docs/method.md §11, `analysis.token_methods`,
+  which compares it with the other scores of `TOKEN_SCORES`); it comes with the attribution's backward.
 
 The answer token is the unpruned model's greedy first answer token; positive head importance = the head helps
 it. The hooks (a pre-hook on each layer's `o_proj` multiplying per-head slices by gates, a pre-hook on the
@@ -37,6 +37,37 @@ MODES = ("ablation", "attribution")
 SETTINGS = ("auto", *MODES, "off")  # what a caller asks for; "auto" = `default_mode`
 ABLATION_BATCH = 16  # ablated copies per forward
 ABLATION_BUDGET = 2e9  # heads x parameters up to which "auto" runs exact ablation (the shipped model: ~1.5e8)
+
+
+def gradient_x_delta(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """|(x_v - mean_u x_u) . grad_v|: the first-order change of log p when each token is replaced by the mean
+    visual token (`x, grad [visual, D]` -> `[visual]`)."""
+    return (grad * (x - x.mean(0))).sum(-1).abs()
+
+
+def gradient_x_input(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """|x_v . grad_v|: the same against a zero token (`[visual, D]` -> `[visual]`)."""
+    return (grad * x).sum(-1).abs()
+
+
+def signed_gradient_x_input(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """x_v . grad_v, signed: tokens whose removal would lower log p first (`[visual, D]` -> `[visual]`)."""
+    return (grad * x).sum(-1)
+
+
+def gradient_norm(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """||grad_v||: sensitivity, whatever the token carries (`[visual, D]` -> `[visual]`)."""
+    return grad.norm(dim=-1)
+
+
+# Token scores from the visual embeddings x and the gradient of log p(answer) on them (one backward each).
+TOKEN_SCORES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "gradient_x_delta": gradient_x_delta,
+    "gradient_x_input": gradient_x_input,
+    "signed_gradient_x_input": signed_gradient_x_input,
+    "gradient_norm": gradient_norm,
+}
+TOKEN_SCORE = "gradient_x_delta"  # the one chosen on validation scenes (docs/method.md §11)
 
 
 @dataclass
@@ -80,10 +111,11 @@ def head_importance(model, processor, image, prompt: str, mode: str = "ablation"
     return gradients(model, inputs)[2]
 
 
-def token_importance(model, processor, image, prompt: str) -> torch.Tensor:
+def token_importance(model, processor, image, prompt: str, score: str = TOKEN_SCORE) -> torch.Tensor:
     """`[visual]` float CPU, in the original grid order: |first-order change| of log p(the unpruned greedy first
-    answer token) when each visual token's embedding entering the decoder is replaced by the mean visual one."""
-    return gradients(model, prepare(model, processor, image, prompt))[3]
+    answer token) when each visual token's embedding entering the decoder is replaced by the mean visual one
+    (`score`: another of `TOKEN_SCORES`, for comparison)."""
+    return gradients(model, prepare(model, processor, image, prompt), score)[3]
 
 
 def analyze(model, processor, image, prompt: str, mode: str = "attribution", limits: InputLimits = DEFAULT_LIMITS,
@@ -139,6 +171,14 @@ def paq_spearman(paq, importance) -> float | None:
     if scored.sum() < 2 or np.ptp(paq[scored]) == 0 or np.ptp(importance[scored]) == 0:
         return None
     return spearman(paq[scored], importance[scored])
+
+
+def token_precision(tokens, answering) -> float:
+    """Precision at |answering|: the share of answering patches (bool `answering [visual]`, at least one) among
+    the |answering| tokens of highest importance (`tokens [visual]`; ties: the lower index first)."""
+    answering = np.asarray(answering, dtype=bool)
+    top = np.argsort(-np.asarray(tokens, float), kind="stable")[: int(answering.sum())]
+    return float(answering[top].mean())
 
 
 def kept_importance(tokens, kept: list) -> list[float | None]:
@@ -203,10 +243,12 @@ def answer_log_probs(model, inputs: dict, gates: torch.Tensor) -> torch.Tensor:
     return logits.float().log_softmax(-1).cpu()
 
 
-def gradients(model, inputs: dict) -> tuple[int, float, torch.Tensor, torch.Tensor]:
+def gradients(model, inputs: dict, score: str = TOKEN_SCORE) -> tuple[int, float, torch.Tensor, torch.Tensor]:
     """(answer token, its log p, attribution `[layers, heads]`, token importance `[visual]`) of batch-1 `inputs`
-    from one forward and one backward: d log p / d gate of each head's output, and |gradient x (input - mean
-    visual input)| of each visual embedding entering the decoder."""
+    from one forward and one backward: d log p / d gate of each head's output, and `TOKEN_SCORES[score]` (by
+    default |gradient x (input - mean visual input)|) of the visual embeddings entering the decoder."""
+    if score not in TOKEN_SCORES:
+        raise ValueError(f"score={score!r}: choose one of {', '.join(TOKEN_SCORES)}")
     L, H = head_layout(model)
     device = next(model.parameters()).device
     gates = torch.ones(1, L, H, device=device, requires_grad=True)
@@ -221,8 +263,7 @@ def gradients(model, inputs: dict) -> tuple[int, float, torch.Tensor, torch.Tens
         answer = int(logp.argmax())
         d_gates, d_embeds = torch.autograd.grad(logp[answer], [gates, taken[0]])
     visual = inputs["input_ids"][0] == model.config.image_token_id
-    x = taken[0][0, visual].detach().float()
-    tokens = (d_embeds[0, visual].float() * (x - x.mean(0))).sum(-1).abs()
+    tokens = TOKEN_SCORES[score](taken[0][0, visual].detach().float(), d_embeds[0, visual].float())
     return answer, float(logp[answer].detach()), d_gates[0].float().cpu(), tokens.cpu()
 
 
