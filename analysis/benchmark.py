@@ -26,7 +26,8 @@ accuracy_by_type[method][retain][kind], kept_recall[method][retain], grounding_s
 norm_ratio: per decoder layer, the median over questions of max / median L2 norm of the visual tokens'
 input hidden states, causal_spearman: mean over questions of Spearman(PAQ, exact ablation importance) over the
 scored heads, causal_token_precision: mean over questions with answering patches of the share of answering
-patches among the |answering| tokens of highest causal token importance; hap.causal), benchmark.md (tables),
+patches among the |answering| tokens of highest causal token importance; hap.causal),
+causal_token_precision_by_type (the same per question kind, kinds with answering patches only), benchmark.md (tables),
 accuracy.png, paq_grounding.png.
 """
 
@@ -173,7 +174,8 @@ class Tally:
     #                                                                             the other rows (`other_rows`)
     norms: list[np.ndarray] = field(default_factory=list)  # norm_ratios(...) [questions, layers] per batch
     causal_rho: list[float] = field(default_factory=list)  # per question: Spearman(PAQ, ablation importance)
-    causal_precision: list[float] = field(default_factory=list)  # per question with a target: token precision
+    causal_precision: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # per kind, per
+    #                                                                  question with a target: token precision
 
     def add(self, key: tuple[str, float], batch, answers: list[str], state) -> None:
         """One pruned run of `batch`: correctness of each answer, kept recall of each question with a target."""
@@ -217,10 +219,8 @@ def causal_truth(model, processor, batch, paq: np.ndarray, tally: Tally) -> torc
         rho = causal.paq_spearman(head_paq, importance)
         if rho is not None:
             tally.causal_rho.append(rho)
-        target = question.target_mask
-        if target.any():
-            top = np.argsort(-tokens.numpy(), kind="stable")[: int(target.sum())]
-            tally.causal_precision.append(float(target[top].mean()))
+        if question.target_mask.any():
+            tally.causal_precision[question.qtype].append(causal.token_precision(tokens, question.target_mask))
         rows.append(tokens)
     return torch.stack(rows)
 
@@ -270,7 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
         "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in args.retain} for m in args.methods},
         "norm_ratio": np.median(np.concatenate(tally.norms), 0).tolist(),
         "causal_spearman": float(np.mean(tally.causal_rho)) if tally.causal_rho else None,
-        "causal_token_precision": float(np.mean(tally.causal_precision)) if tally.causal_precision else None,
+        "causal_token_precision": float(np.mean(sum(tally.causal_precision.values(), []))) if tally.causal_precision
+        else None,
+        "causal_token_precision_by_type": {t: float(np.mean(tally.causal_precision[t])) for t in QTYPES
+                                           if t in tally.causal_precision},
         "seconds": seconds,
     }
     report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()},
@@ -361,7 +364,8 @@ def markdown(r: dict) -> str:
         + ", ".join(f"{v:.1f}" for v in r["norm_ratio"]) + ".",
         f"Causal truth (hap.causal): mean per-question Spearman(PAQ, exact ablation importance) "
         f"{_cell(r['causal_spearman'])}; precision of causal token importance at |answering| "
-        f"{_cell(r['causal_token_precision'])}.",
+        f"{_cell(r['causal_token_precision'])} ("
+        + ", ".join(f"{k} {v:.3f}" for k, v in r["causal_token_precision_by_type"].items()) + ").",
     ]
     kinds = list(r["unpruned_by_type"])
     for retain in r["retained_tokens"]:

@@ -2,6 +2,7 @@
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import hap
 from analysis.benchmark import METHODS, RETAINS, main
 from analysis.ground_truth import spearman
-from analysis.scenes import QTYPES
+from analysis.scenes import QTYPES, heldout_items
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-llava"
 
@@ -49,6 +50,13 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
         assert report["kept_recall"]["oracle"][r] >= report["kept_recall"]["uniform"][r]
     assert set(report["accuracy_by_type"]["oracle"]["0.111"]) == set(QTYPES)
     assert -1.0 <= report["causal_spearman"] <= 1.0 and 0.0 <= report["causal_token_precision"] <= 1.0
+    # per kind: the kinds with answering patches, whose question-weighted mean is the overall precision
+    kinds = Counter(q.qtype for _, q in heldout_items(range(500_000, 500_004), 2) if q.target_mask.any())
+    by_type = report["causal_token_precision_by_type"]
+    assert set(by_type) == set(kinds) and all(0.0 <= v <= 1.0 for v in by_type.values())
+    assert report["causal_token_precision"] == pytest.approx(
+        sum(by_type[k] * n for k, n in kinds.items()) / sum(kinds.values()))
+    assert all(f"{k} {v:.3f}" in (out / "benchmark.md").read_text() for k, v in by_type.items())
     assert report["accuracy"]["oracle_causal"]["1.0"] == report["unpruned_accuracy"]
     for name in ("benchmark.md", "accuracy.png", "paq_grounding.png"):
         assert (out / name).stat().st_size > 0
