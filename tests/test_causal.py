@@ -115,6 +115,8 @@ def test_a_planted_decisive_visual_token_ranks_first():
         attn.o_proj.weight[:, :16] = 10 * torch.outer(unembed / unembed.norm(), torch.eye(16)[0])
     tokens = hap.token_importance(model, processor, image, PROMPT)
     assert int(tokens.argmax()) == planted
+    # the gradient norm measures sensitivity, not dependence: it misses the token (docs/method.md §11)
+    assert int(hap.token_importance(model, processor, image, PROMPT, score="gradient_norm").argmax()) != planted
     visual = (inputs["input_ids"][0] == model.config.image_token_id).nonzero()[:, 0]
 
     def mean_occluded(v: int):
