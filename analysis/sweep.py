@@ -4,8 +4,10 @@ reaches, with its greedy answer and the probability it gives the unpruned answer
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
 token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). The answer comes from
-`hap.run` (untraced); the probability of the unpruned answer is teacher-forced: the product of the pruned
-model's next-token probabilities of that answer's tokens, generated on the pruned cache.
+`hap.run` (untraced), cut at its end (`short_answer`: end of sequence, end of line, or `ANSWER_WORDS` words), the
+unpruned one included, since a pruned run may ramble on until the token limit. The probability of the
+unpruned answer is teacher-forced: the product of the pruned model's next-token probabilities of that (cut)
+answer's tokens, generated on the pruned cache.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ from hap.run import build_inputs
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
+ANSWER_WORDS = 3  # an answer is cut after this many words
+
+
+def short_answer(text: str, words: int = ANSWER_WORDS) -> str:
+    """`text` cut at the end of the answer: its first line, at most `words` words (generation already stopped at
+    the end of the sequence); "" for an empty answer."""
+    if words < 1:
+        raise ValueError(f"words={words} must be at least 1")
+    lines = text.strip().splitlines()
+    return " ".join(lines[0].split()[:words]) if lines else ""
 
 
 def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int) -> float:
@@ -64,24 +76,26 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     step = on_step or (lambda fraction, description: None)
     image = load_image(image, limits)
 
-    def answer(cfg: hap.HAPConfig) -> hap.Result:
-        return hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
-                       limits=limits)
+    def answer(cfg: hap.HAPConfig) -> tuple[str, int]:
+        """(the answer cut at its end, the visual tokens the model saw)."""
+        run = hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
+                      limits=limits)
+        return short_answer(run.answer), run.num_visual
 
     step(0.0, "unpruned reference answer")
-    reference = answer(reference_config(config))
-    answer_ids = processor.tokenizer(reference.answer, add_special_tokens=False).input_ids
+    reference, num_visual = answer(reference_config(config))
+    answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
     inputs, _, _ = build_inputs(processor, image, prompt, limits)
     inputs = inputs.to(next(model.parameters()).device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    retains = budgets(config, decoder_shape(model), reference.num_visual)
+    retains = budgets(config, decoder_shape(model), num_visual)
     stock = answer_probability(model, inputs, reference_config(config), answer_ids)
     out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in METHODS},
-           "unpruned": {"answer": reference.answer, "answer_prob": stock}}
+           "unpruned": {"answer": reference, "answer_prob": stock}}
     for i, method in enumerate(METHODS):
         step(i / len(METHODS), f"{method}: {len(retains)} budgets")
         for retain in retains:
             cfg = replace(config, method=method, retain=retain, flops_ratio=None)
-            out["methods"][method]["answers"].append(answer(cfg).answer)
+            out["methods"][method]["answers"].append(answer(cfg)[0])
             out["methods"][method]["answer_prob"].append(answer_probability(model, inputs, cfg, answer_ids))
     return out

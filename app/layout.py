@@ -36,7 +36,9 @@ SWEEP_KNOBS = tuple(k.name for k in KNOBS if k.name not in SWEPT)
 SWEEP_INTRO = (
     "Every pruning method at budgets from keeping everything down to the least this model allows (its first "
     "layers keep every token, each group at least one), with the other settings above. Top: the probability each "
-    "pruned model gives the unpruned answer; bottom: its own answer. Results are cached per input."
+    "pruned model gives the unpruned answer (each method its own dash and marker, set slightly apart where they "
+    "coincide); bottom: each method's answer at each budget, cut at its end, green where it is the unpruned one "
+    "and red where it differs. Results are cached per input."
 )
 
 INTRO = (

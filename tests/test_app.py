@@ -23,7 +23,7 @@ from hap.knobs import KNOBS
 
 UNREACHABLE = "hap-test/no-such-model"  # allow-listed, but neither a folder nor reachable offline
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
-PROMPT = "what color is the triangle ?"
+PROMPT = "what color is the square ?"  # the question saved with scene_600000 (assets/examples/scenes.json)
 SETTINGS = dict(method="hap", retain=0.2, groups=3, first_layers=0, decay=0.5, temperature=0.1, tau_sink=0.5,
                 tau_disp=0.9, sink_rho=10.0, rows="prompt")
 
@@ -261,7 +261,8 @@ def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, mode
                                                                trace=False).answer, method
     assert data["methods"]["hap"]["answer_prob"][0] == pytest.approx(data["unpruned"]["answer_prob"], abs=1e-4)
     traces = json.loads(figure["plot"])["data"]
-    assert [t["name"] for t in traces] == [m for m in data["methods"] for _ in range(2)]
+    assert [t.get("name") for t in traces] == [*data["methods"], None]  # a line per method, then the answer grid
+    assert traces[-1]["type"] == "heatmap" and traces[-1]["y"] == list(data["methods"])
     start = time.perf_counter()
     assert sweep(client, model_name)[1] == data  # cached: the same input is not run again
     assert time.perf_counter() - start < min(2.0, first / 3)

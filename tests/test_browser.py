@@ -101,3 +101,35 @@ def test_example_run_shows_every_panel(page_url, driver):
     driver.save_screenshot(str(ARTIFACTS / "app-full.png"))  # every panel
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
+
+
+def test_sweep_reads_at_a_glance(page_url, driver):
+    """The budget sweep of the issue's example ("how many red objects ?" on a shipped scene): a line per method in the
+    legend and the methods x budgets grid of short answers; saves the plot (test-artifacts/sweep.png, committed as
+    the README's docs/sweep.png)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from analysis.sweep import ANSWER_WORDS, METHODS
+
+    wait = WebDriverWait(driver, 240)
+    driver.set_window_size(1400, 1150)
+    driver.get(page_url)
+    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()
+    prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
+    wait.until(lambda d: prompt.get_attribute("value"))
+    prompt.clear()
+    prompt.send_keys("how many red objects ?")
+    driver.find_element(By.ID, "sweep").click()
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#plot-sweep .js-plotly-plot .main-svg")))
+    plot = driver.find_element(By.ID, "plot-sweep")
+    legend = plot.find_element(By.CSS_SELECTOR, ".legend").text
+    assert all(method in legend for method in METHODS), legend
+    cells = [t.text for t in plot.find_elements(By.CSS_SELECTOR, ".hm text, .heatmaplayer text")]
+    assert cells and all(0 < len(c.split()) <= ANSWER_WORDS for c in cells), cells
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.execute_script("arguments[0].scrollIntoView()", plot)
+    plot.screenshot(str(ARTIFACTS / "sweep.png"))
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors

@@ -7,7 +7,7 @@ from PIL import Image
 from tiny_models import tiny_llava
 
 import hap
-from analysis.sweep import METHODS, answer_probability, budgets, smallest_retain, sweep
+from analysis.sweep import METHODS, answer_probability, budgets, short_answer, smallest_retain, sweep
 from hap.inputs import DEFAULT_LIMITS
 from hap.run import build_inputs
 
@@ -35,6 +35,14 @@ def test_budgets_run_from_everything_down_to_the_smallest():
         budgets(hap.HAPConfig(first_layers=32), LLAVA, 576)
 
 
+def test_answers_are_cut_at_their_end():
+    assert short_answer("zero no no no no") == "zero no no" and short_answer("zero\nno no") == "zero"
+    assert short_answer("  red. ") == "red." and short_answer("") == short_answer("\n") == ""
+    assert short_answer("a b c d e", words=5) == "a b c d e"
+    with pytest.raises(ValueError, match=r"words=0 must be at least 1"):
+        short_answer("red", words=0)
+
+
 def test_sweep_on_a_tiny_model_matches_direct_runs():
     model, processor = tiny_llava(layers=4)
     image = Image.new("RGB", (64, 48), "teal")
@@ -42,13 +50,13 @@ def test_sweep_on_a_tiny_model_matches_direct_runs():
     out = sweep(model, processor, image, "what color ?", config, 3, DEFAULT_LIMITS)
     assert list(out["methods"]) == METHODS and len(out["retain"]) >= 6
     reference = hap.run(model, processor, image, "what color ?", hap.HAPConfig(method="none"), 3, trace=False)
-    assert out["unpruned"]["answer"] == reference.answer
-    ids = processor.tokenizer(reference.answer, add_special_tokens=False).input_ids
+    assert out["unpruned"]["answer"] == short_answer(reference.answer)
+    ids = processor.tokenizer(short_answer(reference.answer), add_special_tokens=False).input_ids
     inputs, _, _ = build_inputs(processor, image, "what color ?", DEFAULT_LIMITS)
     for method in ("hap", "fastv"):
         cfg = hap.HAPConfig(method=method, first_layers=0, groups=2, retain=out["retain"][3])
-        assert out["methods"][method]["answers"][3] == hap.run(model, processor, image, "what color ?", cfg, 3,
-                                                               trace=False).answer
+        assert out["methods"][method]["answers"][3] == short_answer(hap.run(model, processor, image, "what color ?",
+                                                                            cfg, 3, trace=False).answer)
         assert out["methods"][method]["answer_prob"][3] == pytest.approx(answer_probability(model, inputs, cfg, ids))
     assert answer_probability(model, inputs, config, []) is None
 

@@ -237,7 +237,8 @@ def test_grounding_is_grey_and_unknown_where_the_answering_patches_were_cut():
     assert np.isnan(np.asarray(values.z, dtype=float)[3]).all()  # no 0 is drawn there
     grey_z = np.asarray(grey.z, dtype=float)
     assert np.isfinite(grey_z[3]).all() and np.isnan(grey_z[:3]).all()
-    assert np.asarray(grey.text)[3, 0] == "answering patches were cut before layer 3" and "unknown" in grey.hovertemplate
+    assert np.asarray(grey.text)[3, 0] == "answering patches were cut before layer 3"
+    assert "unknown" in grey.hovertemplate
     assert len(heatmaps(V.VIEW["grounding"].figure(data(truth=TRUTH)))) == 1  # nothing cut: no grey layer
     from analysis.report import head_text, truth_text
 
@@ -257,11 +258,19 @@ def test_head_inspector_draws_one_head_of_the_layer():
         V.head_panel(d, 3)
 
 
-def test_sweep_plot_has_both_curves_per_method():
-    sweep = {"retain": [1.0, 0.5, 0.1], "methods": {
-        "hap": {"answers": ["red", "red", "blue"], "answer_prob": [0.9, 0.8, 0.2]},
-        "fastv": {"answers": ["red", "", "blue"], "answer_prob": [0.9, 0.1, 0.05]}}}
+def test_sweep_plot_has_a_distinct_line_per_method_and_an_answer_grid():
+    sweep = {"retain": [1.0, 0.5, 0.1], "unpruned": {"answer": "red", "answer_prob": 0.9}, "methods": {
+        "hap": {"answers": ["red", "Red.", "blue"], "answer_prob": [0.9, 0.8, 0.2]},
+        "fastv": {"answers": ["red", "", "blue"], "answer_prob": [0.9, 0.1, None]}}}
     fig = V.sweep_plotly(sweep, "sweep")
-    assert [(t.name, t.yaxis) for t in fig.data] == [("hap", "y"), ("hap", "y2"), ("fastv", "y"), ("fastv", "y2")]
-    assert list(fig.data[2].y) == [0.9, 0.1, 0.05] and list(fig.data[3].y) == ["red", "(empty)", "blue"]
-    assert fig.layout.xaxis2.type == "log" and fig.layout.title.text == "sweep"
+    lines, grid = fig.data[:2], fig.data[2]
+    assert [(t.name, t.type) for t in fig.data] == [("hap", "scatter"), ("fastv", "scatter"), (None, "heatmap")]
+    assert list(lines[1].y) == [0.9, 0.1, None] and list(lines[1].customdata) == [1.0, 0.5, 0.1]  # true budgets
+    assert lines[0].line.dash != lines[1].line.dash and lines[0].marker.symbol != lines[1].marker.symbol
+    assert all(a > b for a, b in zip(lines[1].x, lines[0].x))  # set apart: coinciding points stay visible
+    np.testing.assert_allclose(np.array(lines[0].x) / np.array(lines[1].x), lines[0].x[0] / lines[1].x[0])
+    assert np.asarray(grid.text).tolist() == [["red", "Red.", "blue"], ["red", "(empty)", "blue"]]
+    assert np.asarray(grid.z).tolist() == [[1, 1, 0], [1, 0, 0]]  # the unpruned answer, case and full stop aside
+    assert list(grid.y) == ["hap", "fastv"] and list(fig.layout.xaxis2.ticktext) == ["1", "0.5", "0.1"]
+    assert fig.layout.xaxis.type == "log" and fig.layout.title.text == "sweep"
+    assert V.same_answer(" Zero  blue!", "zero blue") and not V.same_answer("zero", "zero blue")
