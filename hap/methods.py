@@ -8,6 +8,7 @@ cut, and how heads are weighted:
     hap       G          config.rows           the previous segment (or its last layer) softmax(PAQ / T)  original
     uniform   G          config.rows           the whole previous segment uniform (T = inf)          original
     pdrop     G          last token            the next layer (lookahead) uniform                    renumbered
+    pdrop_ours G         last token            the segment's last layer   uniform                    original
     fastv     1 (at K)   last token            layer K-1                  uniform                    original
     random    G          -                     -                          seeded uniform choice      original
     visionzip 1, at 0    -                     - (the vision tower's [CLS] attention, `hap.visionzip`)  renumbered
@@ -16,7 +17,9 @@ cut, and how heads are weighted:
 `pdrop` and `visionzip` follow their official code (docs/method.md §7): PyramidDrop scores the cut entering
 layer l with layer l's own norm, q/k projections and RoPE applied to the tokens about to enter it, and both
 renumber positions 0..T'-1 after a drop (RoPE distances between the remaining tokens shrink); HAP and the
-other methods keep each token's original position.
+other methods keep each token's original position. `pdrop_ours` is our earlier PyramidDrop variant, reported as
+ours: FastV's rule at every cut of the pyramid (the last token's attention in the layer that just ran), original
+positions kept (on the shipped model it scored above the official rule, docs/method.md §7).
 
 HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`,
 `merge`, `first_cut`)
@@ -72,8 +75,8 @@ def policy_for(config: HAPConfig) -> Policy:
         return Policy(config.groups, config.rows, True, math.inf)
     if m == "pdrop":
         return Policy(config.groups, "last", False, math.inf, lookahead=True, renumber=True)
-    if m == "fastv":
-        return Policy(1, "last", False, math.inf)
+    if m in ("fastv", "pdrop_ours"):  # pdrop_ours: FastV's cut at every group boundary
+        return Policy(1 if m == "fastv" else config.groups, "last", False, math.inf)
     if m == "visionzip":
         return Policy(1, config.rows, False, math.inf, vision=True, renumber=True)
     return Policy(config.groups, config.rows, False, math.inf, random=True)

@@ -3,6 +3,7 @@ notes/baselines-official.md). Each test writes the official rule out independent
 eager attention) and compares it with `hap.patched` on a tiny LLaVA at two budgets."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,54 +22,86 @@ def _visual(model, inputs) -> torch.Tensor:
     return (inputs["input_ids"][0] == model.config.image_token_id).nonzero()[:, 0]
 
 
+def _last_row_scores(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, span: slice) -> torch.Tensor:
+    """The layer's input norm, q/k projections and RoPE on `hidden`; the last token's fp32 softmax attention, mean
+    over heads, over the image `span` -> [span length] (one sample; the last row sees every key, no mask)."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    q = attn.q_proj(x[:, -1:]).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(1, x.shape[1], -1, attn.head_dim).transpose(1, 2)
+    q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
+    _, k = apply_rotary_pos_emb(k, k, cos, sin)
+    k = repeat_kv(k, attn.num_key_value_groups)
+    probs = (q @ k.transpose(2, 3) / math.sqrt(attn.head_dim)).softmax(-1, dtype=torch.float32)
+    return probs.mean(1)[0, 0, span]
+
+
 @torch.no_grad()
-def _pdrop_reference(model, inputs, cuts: list[int], kept: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """PyramidDrop as its official loop runs (one sample): before layer `cuts[g]`, that layer's input norm, q/k
-    projections and RoPE on the tokens about to enter it; the last token's fp32 softmax attention, mean over heads,
-    over the image span; the top `kept[g]` image tokens stay in order; positions are renumbered 0..T'-1.
+def _pyramid_reference(model, inputs, cuts: list[int], kept: list[int], official: bool = True,
+                       renumber: bool | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A pyramid of cuts written out by hand (one sample). `official`: PyramidDrop as its official loop runs, before
+    layer `cuts[g]` that layer's `_last_row_scores` on the tokens about to enter it, positions renumbered 0..T'-1;
+    else our earlier variant (`pdrop_ours`): the scores of the layer that just ran (on its own input), original
+    positions kept. The top `kept[g]` image tokens stay in order. `renumber` overrides the positions' rule.
     Returns (original image indices kept at each cut, the last token's logits)."""
+    renumber = official if renumber is None else renumber
     lm = model.model.language_model
     hidden = model(**inputs, output_hidden_states=True).hidden_states[0]  # the decoder's input embeddings
     visual = _visual(model, inputs)
     start, image = int(visual[0]), torch.arange(len(visual))  # image span [start, start + len(image))
-    out = []
+    positions = torch.arange(hidden.shape[1])[None]
+    out, previous = [], None
     for i, layer in enumerate(lm.layers):
-        positions = torch.arange(hidden.shape[1])[None]
         cos, sin = lm.rotary_emb(hidden, positions)
         if i in cuts:
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x[:, -1:]).view(1, 1, -1, attn.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(1, x.shape[1], -1, attn.head_dim).transpose(1, 2)
-            q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
-            _, k = apply_rotary_pos_emb(k, k, cos, sin)
-            k = repeat_kv(k, attn.num_key_value_groups)
-            probs = (q @ k.transpose(2, 3) / math.sqrt(attn.head_dim)).softmax(-1, dtype=torch.float32)
-            score = probs.mean(1)[0, 0, start:start + len(image)]
+            span = slice(start, start + len(image))
+            score = _last_row_scores(layer, hidden, cos, sin, span) if official else previous
             top = score.topk(kept[cuts.index(i)]).indices.sort().values
             keep = torch.cat([torch.arange(start), start + top, torch.arange(start + len(image), hidden.shape[1])])
             hidden, image = hidden[:, keep], image[top]
             out.append(image)
-            positions = torch.arange(hidden.shape[1])[None]
+            positions = torch.arange(hidden.shape[1])[None] if renumber else positions[:, keep]
             cos, sin = lm.rotary_emb(hidden, positions)
+        previous = _last_row_scores(layer, hidden, cos, sin, slice(start, start + len(image)))
         hidden = layer(hidden, position_embeddings=(cos, sin), position_ids=positions)
     return out, model.lm_head(lm.norm(hidden))[:, -1]
 
 
-@pytest.mark.parametrize("retain", [0.3, 0.6])
 @torch.no_grad()
-def test_pdrop_keeps_what_the_official_rule_keeps(retain):
+def _pyramid_run(method: str, retain: float):
+    """`method` on a 4-layer tiny LLaVA (first_layers=1, three cuts), checked against `_pyramid_reference` (official
+    for `pdrop`): the same kept tokens at every cut and the same logits. Returns (model, inputs, the patch, logits)."""
     model, make_inputs = llava_case(layers=4)
     inputs = make_inputs([QUESTION], [3])
-    config = hap.HAPConfig(method="pdrop", retain=retain, first_layers=1, groups=3)
-    with hap.patched(model, config) as patch:
+    with hap.patched(model, hap.HAPConfig(method=method, retain=retain, first_layers=1, groups=3)) as patch:
         logits = model(**inputs).logits[:, -1]
     schedule = patch.state.schedule
-    expected, ref_logits = _pdrop_reference(model, inputs, schedule.cuts, schedule.kept)
+    expected, ref_logits = _pyramid_reference(model, inputs, schedule.cuts, schedule.kept, method == "pdrop")
     assert schedule.cuts == [1, 2, 3] and len(set(schedule.kept)) > 1
-    for cut, want in zip(patch.state.cuts, expected):
+    for cut, want in zip(patch.state.cuts, expected, strict=True):
         assert torch.equal(cut.kept[0], want)
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)  # renumbered positions downstream
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)  # the positions downstream too
+    return model, inputs, patch, logits
+
+
+@pytest.mark.parametrize("retain", [0.3, 0.6])
+def test_pdrop_keeps_what_the_official_rule_keeps(retain):
+    _pyramid_run("pdrop", retain)  # renumbered positions
+
+
+@pytest.mark.parametrize("retain", [0.3, 0.6])
+@torch.no_grad()
+def test_pdrop_ours_keeps_original_positions_and_differs_from_pdrop(retain):
+    """Our earlier PyramidDrop (`pdrop_ours`): each cut scored by the layer that just ran, original positions kept
+    (logits equal the hand-written loop at original positions, not at renumbered ones); its kept tokens differ from
+    the official rule's."""
+    model, inputs, ours, logits = _pyramid_run("pdrop_ours", retain)
+    schedule = ours.state.schedule
+    _, renumbered = _pyramid_reference(model, inputs, schedule.cuts, schedule.kept, official=False, renumber=True)
+    assert not torch.allclose(logits, renumbered, atol=1e-3)  # positions matter here: renumbering would show
+    with hap.patched(model, replace(ours.config, method="pdrop")) as official:
+        model(**inputs)
+    assert any(not torch.equal(a.kept[0], b.kept[0]) for a, b in zip(ours.state.cuts, official.state.cuts))
 
 
 def test_pdrop_scores_with_the_last_prompt_row_not_the_first():

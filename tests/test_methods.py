@@ -14,6 +14,7 @@ from hap.methods import Policy, cut_scores, head_weights, policy_for, rank_sinks
     "method, expected",
     [("hap", Policy(4, "last", False, 0.3, merge="proportional")), ("uniform", Policy(4, "last", True, math.inf)),
      ("pdrop", Policy(4, "last", False, math.inf, lookahead=True, renumber=True)), ("fastv", Policy(1, "last", False, math.inf)),
+     ("pdrop_ours", Policy(4, "last", False, math.inf)),
      ("random", Policy(4, "last", False, math.inf, random=True)), ("none", Policy(0, "last", True, math.inf))],
 )
 def test_each_method_is_a_policy(method, expected):
