@@ -147,16 +147,18 @@ def _probe(model, processor, items, per_item: list[dict], answer_ids: list[int])
     return {name: round(hits[name] / len(items), 3) for name in ("paq", "uniform", "oracle")}
 
 
-def table(records: list[dict], fractions: tuple[float, ...] = (0.3, 0.6, 1.0)) -> str:
-    """Markdown table of the logged diagnostics nearest to each fraction of stage-2 training time.
+def table(records: list[dict], fractions: tuple[float, ...] | None = (0.3, 0.6, 1.0)) -> str:
+    """Markdown table of the logged diagnostics nearest to each fraction of stage-2 training time
+    (each record once; ``fractions=None``: every record).
 
     `records`: the lines of a training run's diagnostics.jsonl (step, minutes, fraction, accuracy,
-    diagnostics)."""
-    rows = ["| training | step | accuracy (min kind) | max/median norm per layer | focused on one token "
-            "| classes norm / consensus (sink, dispersed, optimal) | Spearman(PAQ, grounding) "
-            "| probe @8: PAQ / uniform / oracle |", "|---" * 8 + "|"]
-    for f in fractions:
-        r = min(records, key=lambda r: abs(r["fraction"] - f))
+    diagnostics, and in newer runs the follow-up accuracy)."""
+    rows = ["| training | step | accuracy (min kind) | follow-up accuracy | max/median norm per layer "
+            "| focused on one token | classes norm / consensus (sink, dispersed, optimal) "
+            "| Spearman(PAQ, grounding) | probe @8: PAQ / uniform / oracle |", "|---" * 9 + "|"]
+    chosen = records if fractions is None else [min(records, key=lambda r: abs(r["fraction"] - f))
+                                                 for f in fractions]
+    for r in {r["step"]: r for r in chosen}.values():
         d, acc = r["diagnostics"], r["accuracy"]
         kinds = {k: v for k, v in acc.items() if k not in ("overall", "n")}
 
@@ -165,7 +167,8 @@ def table(records: list[dict], fractions: tuple[float, ...] = (0.3, 0.6, 1.0)) -
 
         rows.append(
             f"| {r['fraction']:.0%} ({r['minutes']:.0f} min) | {r['step']} | {acc['overall']:.3f} "
-            f"({min(kinds.values()):.2f}) | {' '.join(f'{x:.1f}' for x in d['norm_ratio_per_layer'])} "
+            f"({min(kinds.values()):.2f}) | {r.get('followup', float('nan')):.3f} "
+            f"| {' '.join(f'{x:.1f}' for x in d['norm_ratio_per_layer'])} "
             f"| {d['share_focused_on_one_token']:.2f} | {classes('norm')} / {classes('consensus')} "
             f"| {d.get('grounding_spearman', float('nan')):.2f} "
             f"| {d['probe']['paq']:.2f} / {d['probe']['uniform']:.2f} / {d['probe']['oracle']:.2f} |")
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log", help="a training run's diagnostics.jsonl")
+    parser.add_argument("--every", action="store_true", help="with --log: every logged checkpoint")
     parser.add_argument("--model", help="a saved model folder")
     parser.add_argument("--per-kind", type=int, default=30)
     parser.add_argument("--start", type=int, default=510_000, help="first held-out seed")
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     if args.log:
         with open(args.log) as f:
-            print(table([json.loads(line) for line in f if line.strip()]))
+            print(table([json.loads(line) for line in f if line.strip()], None if args.every else (0.3, 0.6, 1.0)))
     if args.model:
         from analysis.train_model import diagnostic_items
 
