@@ -33,6 +33,8 @@ import math
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -82,6 +84,7 @@ class Settings:
     s2_kinds: tuple[str, ...] = QTYPES + AUX_KINDS  # a kind listed twice is asked twice as often
     s2_relation_stage: float = 0.0  # fraction of stage-2 time on two-object scenes, relation and position only
     s2_followups: float = 0.25  # fraction of question blocks asked as the second turn of a conversation
+    s2_patch_weight: float = 0.0  # weight of the per-patch labels predicted from the projector's output
     s1_position: bool = False  # stage 1 also predicts each patch's row and column
     layout: str = "text-first"  # the prompt layout (analysis.tiny_vlm.LAYOUTS)
     vision_from: str | None = None  # a saved LLaVA whose vision tower replaces stage 1
@@ -346,6 +349,25 @@ class Packer:
                            rows_t, torch.tensor(targets), rows_t[torch.tensor(is_answer)])
 
 
+@contextmanager
+def projected_tokens(model: LlavaForConditionalGeneration) -> Iterator[list[torch.Tensor]]:
+    """Collects the projector's output ([B, 144, D]: the visual tokens the decoder reads) of the
+    forwards run inside the block."""
+    out: list[torch.Tensor] = []
+    handle = model.model.multi_modal_projector.register_forward_hook(lambda _m, _i, o: out.append(o))
+    try:
+        yield out
+    finally:
+        handle.remove()
+
+
+def patch_loss(head: "PatchHead", feats: torch.Tensor, scenes: list[Scene]) -> torch.Tensor:
+    """Sum of the per-patch cross-entropies of ``head`` on feats [B, 144, D] (only the labels the head
+    predicts: row/column with its position logits)."""
+    return sum(F.cross_entropy(out.flatten(0, 1), target.flatten())
+               for out, target in zip(head(feats), patch_labels(scenes)))
+
+
 def packed_loss(model: LlavaForConditionalGeneration, batch: PackedBatch) -> tuple[torch.Tensor, float]:
     """(mean cross-entropy over supervised rows, train accuracy on the answer words)."""
     hidden = model.model(input_ids=batch.input_ids, pixel_values=batch.pixel_values,
@@ -370,6 +392,10 @@ class Trainer:
         self.processor = build_processor(settings.layout)
         self.model = LlavaForConditionalGeneration(build_config(self.processor, **settings.model))
         self.head = PatchHead(self.model.config.vision_config.hidden_size, settings.s1_position)
+        # stage 2 (with s2_patch_weight): the same labels from the projected visual tokens, so that every
+        # patch attribute the tower learned stays readable by the decoder
+        self.token_head = PatchHead(self.model.config.text_config.hidden_size, position=True)
+        self.token_optimizer = torch.optim.AdamW(self.token_head.parameters(), lr=settings.s2_lr)
         self.packer = Packer(self.processor)
         self.state = State()
         self.optimizer = self._make_optimizer()
@@ -411,9 +437,12 @@ class Trainer:
         tmp.mkdir(parents=True)
         self.model.save_pretrained(tmp / "model")
         save_file(self.head.state_dict(), str(tmp / "head.safetensors"))
+        save_file(self.token_head.state_dict(), str(tmp / "token_head.safetensors"))
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(self.token_optimizer.state_dict(), tmp / "token_optimizer.pt")
         (tmp / "state.json").write_text(json.dumps(asdict(self.state)))
-        for name in ("model", "head.safetensors", "optimizer.pt", "state.json"):
+        for name in ("model", "head.safetensors", "token_head.safetensors", "optimizer.pt",
+                     "token_optimizer.pt", "state.json"):
             dest = self.run_dir / name
             if dest.is_dir():
                 shutil.rmtree(dest)
@@ -427,6 +456,9 @@ class Trainer:
         self.head.load_state_dict(load_file(str(self.run_dir / "head.safetensors")))
         self.optimizer = self._make_optimizer()
         self.optimizer.load_state_dict(torch.load(self.run_dir / "optimizer.pt", weights_only=True))
+        if (self.run_dir / "token_head.safetensors").exists():  # runs before s2_patch_weight lack it
+            self.token_head.load_state_dict(load_file(str(self.run_dir / "token_head.safetensors")))
+            self.token_optimizer.load_state_dict(torch.load(self.run_dir / "token_optimizer.pt", weights_only=True))
         print(f"resumed: {self.state}", flush=True)
 
     def _adopt(self, folder: Path, whole: bool) -> None:
@@ -469,9 +501,7 @@ class Trainer:
         while st.elapsed < budget and st.step < (cfg.s1_max_steps or math.inf):
             t0 = time.time()
             scenes = next_scenes(st, cfg.s1_batch)
-            logits = self.head(patch_features(self.model, pixel_values(self.processor, scenes)))
-            loss = sum(F.cross_entropy(out.flatten(0, 1), target.flatten())
-                       for out, target in zip(logits, patch_labels(scenes)))  # row/column only with their logits
+            loss = patch_loss(self.head, patch_features(self.model, pixel_values(self.processor, scenes)), scenes)
             self._set_lr(cfg.s1_lr, lr_factor(st.step, st.elapsed, cfg.s1_warmup, budget, 0.05))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -532,12 +562,19 @@ class Trainer:
                 scenes = next_scenes(st, cfg.s2_images, max_objects=MIN_OBJECTS if curriculum else None)
                 questions = [make_questions(s, s.seed, cfg.s2_questions, cfg.s2_kinds) for s in scenes]
             histories = [followup_histories(qs, cfg.s2_followups, rng) for qs in questions]
-            loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions, histories))
-            self._set_lr(cfg.s2_lr, lr_factor(st.step, st.elapsed, cfg.s2_warmup, budget, cfg.s2_final_lr))
+            with projected_tokens(self.model) as projected:
+                loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions, histories))
+            if cfg.s2_patch_weight:
+                loss = loss + cfg.s2_patch_weight * patch_loss(self.token_head, projected[0], scenes)
+            factor = lr_factor(st.step, st.elapsed, cfg.s2_warmup, budget, cfg.s2_final_lr)
+            self._set_lr(cfg.s2_lr, factor)
+            self.token_optimizer.param_groups[0]["lr"] = cfg.s2_lr * factor
             self.optimizer.zero_grad(set_to_none=True)
+            self.token_optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
+            self.token_optimizer.step()
             st.step += 1
             dt = time.time() - t0
             st.elapsed += dt
@@ -592,6 +629,11 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser.add_argument("--relation-stage", type=float,
                         help="fraction of stage-2 time first spent on two-object scenes, relation and position only")
     parser.add_argument("--followups", type=float, help="share of questions asked as a conversation's second turn")
+    parser.add_argument("--patch-weight", type=float,
+                        help="stage 2: weight of the per-patch labels (stage 1's, with row/column) predicted from the "
+                             "projector's output, so every attribute the tower learned stays readable by the decoder")
+    parser.add_argument("--kind-weight", nargs="*", default=[], metavar="KIND=N",
+                        help="ask these kinds N times as often (e.g. letter=3)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -602,12 +644,14 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     if args.stage2_minutes is not None:
         settings.s2_minutes = args.stage2_minutes
     for name, value in (("s2_frozen", args.frozen), ("s2_curriculum", args.curriculum), ("s2_lr", args.lr),
-                        ("s2_relation_stage", args.relation_stage), ("s2_followups", args.followups)):
+                        ("s2_relation_stage", args.relation_stage), ("s2_followups", args.followups),
+                        ("s2_patch_weight", args.patch_weight)):
         if value is not None:
             setattr(settings, name, value)
     settings.layout, settings.vision_from, settings.init_from = args.layout, args.vision_from, args.init_from
     settings.s1_position = args.position_targets
-    settings.s2_kinds = QTYPES + AUX_KINDS + ("relation",) * (args.relation_weight - 1)
+    weights = {"relation": args.relation_weight} | {k: int(n) for k, n in (w.split("=") for w in args.kind_weight)}
+    settings.s2_kinds = QTYPES + AUX_KINDS + tuple(k for k, n in weights.items() for _ in range(n - 1))
     if args.out is None and not args.smoke:
         parser.error("--out is required")
     out = args.out or Path(tempfile.mkdtemp(prefix="tiny-llava-smoke-"))

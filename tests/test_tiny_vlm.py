@@ -176,3 +176,26 @@ def test_shipped_model_answers_heldout_questions():
     result = evaluate(model, processor, heldout_items(range(700_000, 700_010), 3))
     assert result["n"]["overall"] == 30
     assert result["overall"] >= 0.9, result
+
+
+def test_projected_tokens_are_what_the_decoder_reads(processor):
+    """The stage-2 patch loss sees the projector's output for every image: [B, 144, text hidden], the
+    visual rows of the decoder's input embeddings; the hook is gone afterwards."""
+    from analysis.train_model import PatchHead, patch_loss, projected_tokens
+
+    model = tiny_model(processor)
+    scenes = [make_scene(TRAIN_SEED_START + i) for i in range(2)]
+    inputs = processor(images=[s.image for s in scenes], text=[chat_prompt(processor, "what color is the dot ?")] * 2,
+                       return_tensors="pt")
+    embeds = []
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda _m, args, kwargs: embeds.append(kwargs["inputs_embeds"]), with_kwargs=True)
+    with torch.no_grad(), projected_tokens(model) as projected:
+        model(**inputs)
+    hook.remove()
+    assert len(projected) == 1 and projected[0].shape == (2, 144, model.config.text_config.hidden_size)
+    visual = inputs["input_ids"] == model.config.image_token_id
+    torch.testing.assert_close(embeds[0][visual].reshape(2, 144, -1), projected[0])
+    assert not model.model.multi_modal_projector._forward_hooks
+    head = PatchHead(model.config.text_config.hidden_size, position=True)
+    assert patch_loss(head, projected[0], scenes).item() > 0
