@@ -401,12 +401,12 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self._probe_seeds = range(STAGE1_EVAL_START, STAGE1_EVAL_START + settings.s1_probe_scenes)
         self._diag_items = diagnostic_items(settings.diag_per_kind)
-        if resume and (run_dir / "state.json").exists():
+        resuming = resume and (run_dir / "state.json").exists()
+        (run_dir / "settings.json").write_text(json.dumps(asdict(settings), default=str, indent=1))  # as run
+        if resuming:
             self._load()
-        else:
-            (run_dir / "settings.json").write_text(json.dumps(asdict(settings), default=str, indent=1))
-            if settings.vision_from or settings.init_from:
-                self._adopt(Path(settings.init_from or settings.vision_from), whole=bool(settings.init_from))
+        elif settings.vision_from or settings.init_from:
+            self._adopt(Path(settings.init_from or settings.vision_from), whole=bool(settings.init_from))
         print(f"parameters: {sum(p.numel() for p in self.model.parameters()):,}", flush=True)
 
     # -- optimisation set-up

@@ -141,6 +141,8 @@ def test_resume_reads_the_runs_settings(tmp_path):
     loaded = load_settings(tmp_path / "run" / "settings.json", None, 9.0)
     assert loaded.s2_kinds == ("relation", "dot") and loaded.s2_relation_stage == 0.4
     assert loaded.s2_minutes == 9.0 and loaded.s1_minutes == settings.s1_minutes
+    Trainer(tmp_path / "out", tmp_path / "run", loaded, resume=True)  # the extended budget is recorded
+    assert load_settings(tmp_path / "run" / "settings.json", None, None).s2_minutes == 9.0
 
 
 def test_init_from_keeps_every_known_word(tmp_path, monkeypatch):
