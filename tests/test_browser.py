@@ -1,6 +1,7 @@
 """The page in headless Debian Chromium (Selenium, system browser and driver): run an example, see every panel
 (ground truth, head inspector, budget sweep included), and save screenshots: the top of the page
-(test-artifacts/app.png, committed as the README's docs/app.png) and the whole page (app-full.png)."""
+(test-artifacts/app.png, committed as the README's docs/app.png) and the whole page (app-full.png); the
+"Is PAQ right?" section on a scene and on a photograph (causal.png, causal_photo.png), checked against `/analyze`."""
 
 from __future__ import annotations
 
@@ -131,5 +132,89 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     ARTIFACTS.mkdir(exist_ok=True)
     driver.execute_script("arguments[0].scrollIntoView()", plot)
     plot.screenshot(str(ARTIFACTS / "sweep.png"))
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+# The "Is PAQ right?" section's screenshots (test-artifacts/causal*.png, committed as the README's docs/causal*.png):
+# the first shipped scene asked its own question, and a photograph uploaded into the editor
+CAUSAL_SHOTS = [("causal.png", None, "what color is the square ?"),
+                ("causal_photo.png", ROOT / "assets" / "examples" / "photos" / "coffee.jpg", "what color is the cup ?")]
+
+
+def causal_numbers(text: str) -> dict:
+    """The section's text: the answer token, its log p, the Spearman with PAQ, each group's kept share and the
+    three most important heads."""
+    import re
+
+    found = {"answer": re.search(r"first answer token is '([^']*)'", text).group(1),
+             "log_prob": float(re.search(r"\(log p (-?\d+\.\d+)\)", text).group(1)),
+             "shares": re.search(r"each group keeps: (.*)\.", text).group(1)}
+    rho = re.search(r"over the scored heads: (-?\d+\.\d+|undefined)", text).group(1)
+    found["rho"] = None if rho == "undefined" else float(rho)
+    found["heads"] = re.findall(r"(L\d+h\d+) \(", re.search(r"Most important heads: (.*)", text).group(1))
+    return found
+
+
+def test_causal_section_matches_the_json(page_url, driver):
+    """The "Is PAQ right?" section after Run shows the numbers of `/analyze`'s `causal` entry for the same input."""
+    import base64
+
+    import numpy as np
+    from gradio_client import Client, handle_file
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from app.handler import OUTPUTS
+
+    wait = WebDriverWait(driver, 240)
+    client = Client(page_url, verbose=False)
+    driver.set_window_size(1400, 1150)
+    for name, upload, question in CAUSAL_SHOTS:
+        driver.get(page_url)
+        if upload is None:
+            wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()  # the first scene example
+            prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
+            wait.until(lambda d: prompt.get_attribute("value") == question)
+            upload = ROOT / "assets" / "examples" / "scene_600000.png"
+        else:
+            wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#image-editor input[type=file]"))
+                       ).send_keys(str(upload))
+            wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#image-editor canvas")))
+            prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
+            prompt.clear()
+            prompt.send_keys(question)
+        driver.find_element(By.ID, "run").click()
+        wait.until(EC.text_to_be_present_in_element((By.ID, "causal-text"), "Causal truth"))
+        for plot in ("causal_heads", "causal_scatter", "causal_tokens"):
+            wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{plot} .js-plotly-plot .main-svg")))
+        width, height = Image.open(upload).size  # the editor sends an upload re-encoded as PNG (RGBA)
+        assert f"{width} x {height} pixels" in driver.find_element(By.ID, "explanation").text
+        shown = causal_numbers(driver.find_element(By.ID, "causal-text").text)
+        model = driver.find_element(By.CSS_SELECTOR, "input[aria-label^='Model (loaded']").get_attribute("value")
+        out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(upload)), prompt=question, model_name=model,
+                                               api_name="/analyze")))  # the page's defaults: the API's
+        entry = out["summary"]["causal"]
+        assert shown["answer"] == entry["answer_text"].strip(), (shown, entry["answer_text"])
+        assert shown["log_prob"] == pytest.approx(entry["log_prob"], abs=0.006), (shown, entry["log_prob"])
+        rho = entry["paq_spearman"]
+        assert shown["rho"] == (None if rho is None else pytest.approx(rho, abs=0.006)), (shown, rho)
+        shares = ", ".join(f"group {i} {'-' if s is None else f'{s:.0%}'}"
+                           for i, s in enumerate(entry["kept_importance"]))
+        assert shown["shares"] == shares, (shown, shares)
+        heads = np.asarray(entry["head_importance"])
+        top = [f"L{i // heads.shape[1]}h{i % heads.shape[1]}" for i in np.argsort(-heads.ravel())[:3]]
+        assert shown["heads"] == top, (shown, top)
+        heading = driver.find_element(By.XPATH, "//h2[contains(., 'Is PAQ right?')]")
+        bottom = driver.find_element(By.ID, "plot-causal_tokens")
+        top, end = (driver.execute_script("const r = arguments[0].getBoundingClientRect(); "
+                                          "return [r.top + window.scrollY, r.bottom + window.scrollY]", e)
+                    for e in (heading, bottom))
+        shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"captureBeyondViewport": True, "clip": {
+            "x": 0, "y": top[0] - 16, "width": 1400, "height": end[1] - top[0] + 32, "scale": 1}})
+        ARTIFACTS.mkdir(exist_ok=True)
+        (ARTIFACTS / name).write_bytes(base64.b64decode(shot["data"]))
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
