@@ -9,7 +9,7 @@ from test_browser import ARTIFACTS, driver, page_url  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.browser
 
-FOLLOW_UP = "what shape is it ?"
+FOLLOW_UP = "what color is the dot ?"  # a kind the shipped model answers as a second turn
 
 
 def show(driver, elem_id: str) -> None:
