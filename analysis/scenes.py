@@ -1,4 +1,4 @@
-"""Seeded synthetic scenes and one-word questions of seven kinds, each with the patches that answer it.
+"""Seeded synthetic scenes and one-word questions of nine kinds (two fine-grained), each with the patches that answer it.
 
 A scene is a 168x168 RGB image (patch 14 -> a 12x12 grid = 144 visual tokens; the LLaVA visual
 token order is row-major over that grid) with 3-6 non-overlapping coloured shapes (each carrying a
