@@ -63,8 +63,13 @@ def build_inputs(processor, image: Image.Image, prompt: str, limits: InputLimits
     """Chat-template the cleaned conversation (`history`'s turns, then the prompt) with one image slot in the first
     turn and run the processor; `history` is checked by `hap.inputs.check_history`."""
     prompt, history, notes = conversation(processor, prompt, history, limits)
+    return *encode(processor, image, prompt, history), notes
+
+
+def encode(processor, image: Image.Image, prompt: str, history: Sequence[tuple[str, str]]) -> tuple[dict, str]:
+    """(processor inputs, prompt text) of an already cleaned conversation."""
     text = chat_prompt(processor, prompt, history)
-    return processor(images=image, text=text, return_tensors="pt"), text, notes
+    return processor(images=image, text=text, return_tensors="pt"), text
 
 
 def conversation(processor, prompt: str, history, limits: InputLimits) -> tuple[str, list[tuple[str, str]], list[str]]:
@@ -113,7 +118,7 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
          limits: InputLimits, history: Sequence[tuple[str, str]]) -> Result:
     t0 = time.perf_counter()
     prompt, history, notes = conversation(processor, prompt, history, limits)
-    inputs, text, _ = build_inputs(processor, load_image(image, limits), prompt, limits, history)
+    inputs, text = encode(processor, load_image(image, limits), prompt, history)
     device = next(model.parameters()).device
     inputs = inputs.to(device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
