@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .edit import kept_changes
+
 
 @dataclass
 class Turn:
@@ -55,8 +57,8 @@ def kept_text(turn: Turn, previous: tuple[int, Turn] | None) -> str:
     text = "kept tokens: " + ", ".join(f"group {g} {len(k)}/{turn.num_visual}" for g, k in enumerate(turn.kept))
     if previous is not None:
         index, before = previous
-        changes = [f"group {g} +{len(set(k) - set(p))} −{len(set(p) - set(k))}"
-                   for g, (k, p) in enumerate(zip(turn.kept, before.kept))]
+        changes = [f"group {g} +{len(gained)} −{len(lost)}"
+                   for g, (_, lost, gained) in enumerate(kept_changes(before.kept, turn.kept))]
         text += f"; since {label(index)}: " + ", ".join(changes)
     return text
 

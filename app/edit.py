@@ -9,6 +9,7 @@ image with the run on the original: answers, head classes, kept tokens per group
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,12 @@ def load(source, name: str, limits: InputLimits) -> Image.Image:
         raise ValueError(f"image {name!r}: {err}") from err
 
 
+def kept_changes(before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]
+                 ) -> list[tuple[set[int], set[int], set[int]]]:
+    """Per group, the kept tokens of two runs compared: (kept in both, only before, only after)."""
+    return [(set(b) & set(a), set(b) - set(a), set(a) - set(b)) for b, a in zip(before, after)]
+
+
 def differs(a: Image.Image, b: Image.Image, tolerance: int = EDIT_TOLERANCE) -> bool:
     """Whether `b` is an edit of `a`: another size (a crop) or a pixel changed by more than `tolerance`."""
     if a.size != b.size:
@@ -104,10 +111,7 @@ class EditDiff:
     def of(cls, before: views.ViewData, after: views.ViewData, answers: tuple[str, str]) -> EditDiff:
         pairs = [(layer, head, b, a) for layer, (row_b, row_a) in enumerate(zip(before.head_class, after.head_class))
                  for head, (b, a) in enumerate(zip(row_b, row_a)) if b and a]
-        kept = []
-        for g_before, g_after in zip(before.groups, after.groups):
-            b, a = set(g_before.kept), set(g_after.kept)
-            kept.append((b & a, b - a, a - b))
+        kept = kept_changes([g.kept for g in before.groups], [g.kept for g in after.groups])
         return cls(answers, [p for p in pairs if p[2] != p[3]], len(pairs), kept, after)
 
     def to_json(self) -> dict:
