@@ -15,7 +15,9 @@ Stage 2: answer-only training of the whole ``LlavaForConditionalGeneration`` wit
 shared-prefix packing: one sequence = ``<s> user : <image>x144`` followed by K question
 blocks ``<question> assistant : <answer>``; a 4D mask lets each block see only the prefix and
 itself, and each block gets the position ids of a single-question prompt. The loss is on the
-answer word (predicted from the last prompt token) and on ``</s>`` (predicted from the answer).
+answer word (predicted from the last prompt token) and on ``</s>`` (predicted from the answer);
+with ``--text-loss W`` also, at weight W, on every other text token of a block (the question and
+the template words), as a language model is trained.
 Curriculum: first part of the time on 2-object scenes. Question kinds are drawn in the
 proportions of ``Settings.s2_kinds`` (balanced; ``--relation-weight 2`` asks relations twice as often). The vision tower is frozen first, then
 trained at 0.1x lr. Time-based warmup + cosine schedule for each stage.
@@ -85,6 +87,8 @@ class Settings:
     s2_relation_stage: float = 0.0  # fraction of stage-2 time on two-object scenes, relation and position only
     s2_followups: float = 0.25  # fraction of question blocks asked as the second turn of a conversation
     s2_patch_weight: float = 0.0  # weight of the per-patch labels predicted from the projector's output
+    s2_text_weight: float = 0.0  # weight of the next-token loss on every text token of a block (0: answer only)
+    s2_letter_stage: float = 0.0  # fraction of stage-2 time on one-object scenes, letter and position only
     s1_position: bool = False  # stage 1 also predicts each patch's row and column
     layout: str = "text-first"  # the prompt layout (analysis.tiny_vlm.LAYOUTS)
     vision_from: str | None = None  # a saved LLaVA whose vision tower replaces stage 1
@@ -149,6 +153,7 @@ def pixel_values(processor: LlavaProcessor, scenes: list[Scene]) -> torch.Tensor
 
 
 RELATION_STAGE_KINDS = ("relation", "position")
+LETTER_STAGE_KINDS = ("letter", "position")
 
 
 def followup_histories(questions: list[Question], share: float, rng: np.random.Generator) -> list[tuple]:
@@ -267,7 +272,9 @@ class PackedBatch:
     input_ids, position_ids: [B, T]; attention_mask: float [B, 1, T, T] (0 = attend,
     dtype-min = masked); pixel_values: [B, 3, H, W]; loss_rows: [N] flat indices into B*T
     whose next-token prediction is supervised; loss_targets: [N]; answer_rows: [K_total]
-    the subset of loss_rows predicting the answer word (for train accuracy).
+    the subset of loss_rows predicting the answer word (for train accuracy); text_rows,
+    text_targets: [M] every other text token of a block predicting the next one (empty unless the
+    packer was built with ``text_rows``).
     """
 
     input_ids: torch.Tensor
@@ -277,13 +284,16 @@ class PackedBatch:
     loss_rows: torch.Tensor
     loss_targets: torch.Tensor
     answer_rows: torch.Tensor
+    text_rows: torch.Tensor
+    text_targets: torch.Tensor
 
 
 class Packer:
     """Builds packed batches; prompt pieces come from the real chat template + tokenizer."""
 
-    def __init__(self, processor: LlavaProcessor, n_image_tokens: int = N_PATCHES):
+    def __init__(self, processor: LlavaProcessor, n_image_tokens: int = N_PATCHES, text_rows: bool = False):
         self.processor = processor
+        self.text_rows = text_rows
         self.tok = processor.tokenizer
         self.image_id = self.tok.image_token_id
         self.n_image_tokens = n_image_tokens
@@ -306,13 +316,14 @@ class Packer:
 
     def pack(self, scenes: list[Scene], questions: list[list],
              histories: list[list[tuple]] | None = None) -> tuple[list[list[int]], ...]:
-        """Token ids, positions, block ids (0 prefix, j>0 block, -1 pad) and loss pairs;
-        ``histories[b][j]`` holds the earlier turns of question j of image b (default none)."""
+        """Token ids, positions, block ids (0 prefix, j>0 block, -1 pad) and loss triples (row, target,
+        role: "answer", "eos" or, with ``text_rows``, "text"); ``histories[b][j]`` holds the earlier turns
+        of question j of image b (default none)."""
         eos = self.tok.eos_token_id
         seqs, poss, blks, losses = [], [], [], []
         for b, qs in enumerate(questions):
             ids, pos, blk = list(self.prefix), list(range(len(self.prefix))), [0] * len(self.prefix)
-            loss = []  # (row, target, is_answer)
+            loss = []  # (row, target, role)
             for j, q in enumerate(qs, start=1):
                 history = histories[b][j - 1] if histories else ()
                 body = self.block(q.text, history) + [self.tok.convert_tokens_to_ids(q.answer)]
@@ -320,7 +331,9 @@ class Packer:
                 ids += body
                 pos += range(len(self.prefix), len(self.prefix) + len(body))
                 blk += [j] * len(body)
-                loss += [(start + len(body) - 2, body[-1], True), (start + len(body) - 1, eos, False)]
+                if self.text_rows:  # each block token before the answer's predecessor predicts the next one
+                    loss += [(start + i, body[i + 1], "text") for i in range(len(body) - 2)]
+                loss += [(start + len(body) - 2, body[-1], "answer"), (start + len(body) - 1, eos, "eos")]
             seqs.append(ids), poss.append(pos), blks.append(blk), losses.append(loss)
         return seqs, poss, blks, losses
 
@@ -331,22 +344,26 @@ class Packer:
         input_ids = torch.full((B, T), self.tok.pad_token_id, dtype=torch.long)
         position_ids = torch.zeros((B, T), dtype=torch.long)
         block = torch.full((B, T), -1, dtype=torch.long)
-        rows, targets, is_answer = [], [], []
+        rows, targets, is_answer, text = [], [], [], []
         for b in range(B):
             n = len(seqs[b])
             input_ids[b, :n] = torch.tensor(seqs[b])
             position_ids[b, :n] = torch.tensor(poss[b])
             block[b, :n] = torch.tensor(blks[b])
-            for row, target, ans in losses[b]:
-                rows.append(b * T + row), targets.append(target), is_answer.append(ans)
+            for row, target, role in losses[b]:
+                if role == "text":
+                    text.append((b * T + row, target))
+                else:
+                    rows.append(b * T + row), targets.append(target), is_answer.append(role == "answer")
         q_blk, k_blk = block[:, :, None], block[:, None, :]
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         allowed = causal & (q_blk >= 0) & ((k_blk == 0) | (k_blk == q_blk))
         allowed |= torch.eye(T, dtype=torch.bool)  # padding rows attend to themselves
         mask = torch.zeros((B, 1, T, T)).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
-        rows_t = torch.tensor(rows)
+        rows_t, text_t = torch.tensor(rows), torch.tensor(text, dtype=torch.long).reshape(-1, 2)
         return PackedBatch(input_ids, position_ids, mask, pixel_values(self.processor, scenes),
-                           rows_t, torch.tensor(targets), rows_t[torch.tensor(is_answer)])
+                           rows_t, torch.tensor(targets), rows_t[torch.tensor(is_answer)],
+                           text_t[:, 0], text_t[:, 1])
 
 
 @contextmanager
@@ -368,8 +385,10 @@ def patch_loss(head: "PatchHead", feats: torch.Tensor, scenes: list[Scene]) -> t
                for out, target in zip(head(feats), patch_labels(scenes)))
 
 
-def packed_loss(model: LlavaForConditionalGeneration, batch: PackedBatch) -> tuple[torch.Tensor, float]:
-    """(mean cross-entropy over supervised rows, train accuracy on the answer words)."""
+def packed_loss(model: LlavaForConditionalGeneration, batch: PackedBatch,
+                text_weight: float = 0.0) -> tuple[torch.Tensor, float]:
+    """(mean cross-entropy over the answer and end rows, plus ``text_weight`` x the mean over the other
+    text rows when there are any; train accuracy on the answer words)."""
     hidden = model.model(input_ids=batch.input_ids, pixel_values=batch.pixel_values,
                          attention_mask=batch.attention_mask,
                          position_ids=batch.position_ids).last_hidden_state
@@ -378,6 +397,8 @@ def packed_loss(model: LlavaForConditionalGeneration, batch: PackedBatch) -> tup
     loss = F.cross_entropy(logits, batch.loss_targets)
     is_answer = torch.isin(batch.loss_rows, batch.answer_rows)
     acc = (logits[is_answer].argmax(-1) == batch.loss_targets[is_answer]).float().mean().item()
+    if text_weight and len(batch.text_rows):
+        loss = loss + text_weight * F.cross_entropy(model.lm_head(flat[batch.text_rows]), batch.text_targets)
     return loss, acc
 
 
@@ -396,7 +417,7 @@ class Trainer:
         # patch attribute the tower learned stays readable by the decoder
         self.token_head = PatchHead(self.model.config.text_config.hidden_size, position=True)
         self.token_optimizer = torch.optim.AdamW(self.token_head.parameters(), lr=settings.s2_lr)
-        self.packer = Packer(self.processor)
+        self.packer = Packer(self.processor, text_rows=settings.s2_text_weight > 0)
         self.state = State()
         self.optimizer = self._make_optimizer()
         self._probe_seeds = range(STAGE1_EVAL_START, STAGE1_EVAL_START + settings.s1_probe_scenes)
@@ -553,17 +574,21 @@ class Trainer:
             t0 = time.time()
             frozen = st.elapsed < cfg.s2_frozen * budget
             vision.requires_grad_(not frozen)
-            relational = st.elapsed < cfg.s2_relation_stage * budget
-            curriculum = not relational and st.elapsed < (cfg.s2_relation_stage + cfg.s2_curriculum) * budget
-            if relational:
-                scenes = next_scenes(st, cfg.s2_images, n_objects=2)
-                questions = [make_questions(s, s.seed, cfg.s2_questions, RELATION_STAGE_KINDS) for s in scenes]
+            lettered = st.elapsed < cfg.s2_letter_stage * budget
+            relational = not lettered and st.elapsed < (cfg.s2_letter_stage + cfg.s2_relation_stage) * budget
+            curriculum = not (lettered or relational) and st.elapsed < (
+                cfg.s2_letter_stage + cfg.s2_relation_stage + cfg.s2_curriculum) * budget
+            if lettered or relational:
+                scenes = next_scenes(st, cfg.s2_images, n_objects=1 if lettered else 2)
+                kinds = LETTER_STAGE_KINDS if lettered else RELATION_STAGE_KINDS
+                questions = [make_questions(s, s.seed, cfg.s2_questions, kinds) for s in scenes]
             else:
                 scenes = next_scenes(st, cfg.s2_images, max_objects=MIN_OBJECTS if curriculum else None)
                 questions = [make_questions(s, s.seed, cfg.s2_questions, cfg.s2_kinds) for s in scenes]
             histories = [followup_histories(qs, cfg.s2_followups, rng) for qs in questions]
             with projected_tokens(self.model) as projected:
-                loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions, histories))
+                loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions, histories),
+                                        cfg.s2_text_weight)
             if cfg.s2_patch_weight:
                 loss = loss + cfg.s2_patch_weight * patch_loss(self.token_head, projected[0], scenes)
             factor = lr_factor(st.step, st.elapsed, cfg.s2_warmup, budget, cfg.s2_final_lr)
@@ -579,7 +604,8 @@ class Trainer:
             dt = time.time() - t0
             st.elapsed += dt
             if st.step % cfg.log_every == 0:
-                phase = ("relations " if relational else "curriculum " if curriculum else "") + (
+                phase = ("letters " if lettered else "relations " if relational else
+                         "curriculum " if curriculum else "") + (
                     "frozen" if frozen else "unfrozen")
                 print(f"[s2] step {st.step} loss {loss.item():.4f} train_acc {acc:.3f} {dt:.2f}s/step "
                       f"t={st.elapsed / 60:.1f}min ({phase})", flush=True)
@@ -628,6 +654,11 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser.add_argument("--relation-weight", type=int, default=1, help="relations asked this many times as often")
     parser.add_argument("--relation-stage", type=float,
                         help="fraction of stage-2 time first spent on two-object scenes, relation and position only")
+    parser.add_argument("--letter-stage", type=float,
+                        help="fraction of stage-2 time first spent on one-object scenes, letter and position only")
+    parser.add_argument("--text-loss", type=float,
+                        help="weight of a next-token loss on every text token of a question block (default 0: "
+                             "the answer word and </s> only)")
     parser.add_argument("--followups", type=float, help="share of questions asked as a conversation's second turn")
     parser.add_argument("--patch-weight", type=float,
                         help="stage 2: weight of the per-patch labels (stage 1's, with row/column) predicted from the "
@@ -645,7 +676,8 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
         settings.s2_minutes = args.stage2_minutes
     for name, value in (("s2_frozen", args.frozen), ("s2_curriculum", args.curriculum), ("s2_lr", args.lr),
                         ("s2_relation_stage", args.relation_stage), ("s2_followups", args.followups),
-                        ("s2_patch_weight", args.patch_weight)):
+                        ("s2_patch_weight", args.patch_weight), ("s2_letter_stage", args.letter_stage),
+                        ("s2_text_weight", args.text_loss)):
         if value is not None:
             setattr(settings, name, value)
     settings.layout, settings.vision_from, settings.init_from = args.layout, args.vision_from, args.init_from

@@ -108,6 +108,33 @@ def test_packing_matches_single_prompts(processor, followups):
                 row += 2
 
 
+@pytest.mark.parametrize("layout", ["text-first", "image-first"])
+def test_text_rows_predict_every_next_token_of_a_block(layout):
+    """With ``text_rows`` every block token before the answer's predecessor predicts the next one at its
+    own position: the targets, read back, spell the block (question and template words) after its first
+    token; the answer and </s> rows are the same as without them."""
+    from analysis.train_model import Packer, packed_loss
+
+    processor = build_processor(layout)
+    scenes = [make_scene(TRAIN_SEED_START + i) for i in range(2)]
+    questions = [make_questions(s, s.seed, 2) for s in scenes]
+    plain = Packer(processor).batch(scenes, questions)
+    full = Packer(processor, text_rows=True).batch(scenes, questions)
+    assert len(plain.text_rows) == 0
+    assert torch.equal(plain.loss_rows, full.loss_rows) and torch.equal(plain.loss_targets, full.loss_targets)
+    ids = full.input_ids.flatten()
+    assert torch.equal(ids[full.text_rows + 1], full.text_targets)  # next token of the same block
+    packer = Packer(processor)
+    blocks = [packer.block(q.text) for qs in questions for q in qs]
+    assert len(full.text_rows) == sum(len(b) - 1 for b in blocks)  # every block token but the last
+    model = tiny_model(processor)
+    with torch.no_grad():
+        answer_only, _ = packed_loss(model, plain)
+        same, _ = packed_loss(model, full, text_weight=0.0)
+        with_text, _ = packed_loss(model, full, text_weight=1.0)
+    assert same == answer_only and with_text > answer_only
+
+
 def test_smoke_training_saves_and_reloads(tmp_path):
     from analysis.train_model import main
 
