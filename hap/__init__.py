@@ -17,6 +17,7 @@ from .patch import patched
 from .patch import remove as unpatch
 from .run import run
 from .trace import Group, Maps, Result
+from .utility import HeadUtility, head_utility
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -24,6 +25,7 @@ __all__ = [
     "DecoderShape",
     "Group",
     "HAPConfig",
+    "HeadUtility",
     "InputLimits",
     "KNOBS",
     "Knob",
@@ -32,6 +34,7 @@ __all__ = [
     "Result",
     "Schedule",
     "head_importance",
+    "head_utility",
     "knob",
     "load_model",
     "patch",

@@ -75,12 +75,18 @@ class PruneState:
     ) -> "PruneState":
         """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None;
         priority [batch, N] or None: an analysis hook, values that rank the visual tokens (by original
-        index) before the method's scores at every cut (e.g. 1 on the patches that answer the question);
+        index) before the method's scores at every cut (e.g. 1 on the patches that answer the question); with a
+        batch-1 input, a priority of V > 1 rows fans the input out into V variants: the layers before the first cut
+        run once (batch 1), the cut gives each variant its own kept tokens and later layers run the V as a batch
+        (a prefill only: its cache mixes batch sizes; `hap.utility`);
         tail: tokens of the chat template after the question (e.g. " ASSISTANT:"), left out by rows="question";
         lead: tokens between the image and the question (a follow-up's earlier turns), left out by every rows choice.
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
         config = config.resolved(shape.layers)
+        if priority is not None and visual_mask.shape[0] == 1 < priority.shape[0]:  # variants of one input
+            visual_mask = visual_mask.expand(priority.shape[0], -1)
+            attention_mask = None if attention_mask is None else attention_mask.expand(priority.shape[0], -1)
         B, T = visual_mask.shape
         counts = visual_mask.sum(-1)
         if not bool((counts == counts[0]).all()):
@@ -165,7 +171,8 @@ class PruneState:
         device = self.visual_pos.device  # the layer may sit on another device (a model split over GPUs)
         vp = self.visual_pos.to(rows.device)
         attn = rows.gather(3, vp[:, None, None, :].expand(*rows.shape[:3], -1)).to(device)  # [B, H, P, N_cur]
-        vis_hidden = hidden.gather(1, vp.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1]))
+        vis_hidden = hidden.expand(vp.shape[0], -1, -1).gather(1, vp.to(hidden.device)[..., None].expand(
+            -1, -1, hidden.shape[-1]))  # a fanned-out prefill's layers before its first cut run at batch 1
         c = self.config
         sink = detect_sinks(c.sink_detector, vis_hidden, attn, self.row_valid, c.sink_rho, c.consensus_share,
                             c.consensus_quorum)

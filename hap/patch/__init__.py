@@ -46,7 +46,8 @@ def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor 
     """Patch `model` in place; a plain `model.generate(**inputs)` then prunes. Returns the patch state.
 
     `priority [batch, visual]` (analysis only, e.g. an oracle): at every cut the visual tokens are ranked by
-    it first (by original visual index, row-major), by the method's scores among equal priorities.
+    it first (by original visual index, row-major), by the method's scores among equal priorities; with a batch-1
+    input, V > 1 rows run V variants of it, sharing the layers before the first cut (a prefill only, `hap.utility`).
     `tail`: tokens of the chat template after the question (`hap.run.template_tail(processor)`), needed by
     rows="question". `lead`: tokens between the image and the question (`hap.run.question_lead(processor, history)`),
     the earlier turns of a follow-up, which no prompt row is taken from."""
