@@ -148,6 +148,13 @@ class PruneState:
         start = cached + dropped
         return torch.arange(start, start + new, device=self.seq_index.device)[None]
 
+    def decode_shift(self, layer: int) -> int:
+        """Tokens taken off a decode step's positions in the group from cut `layer`: under a renumbering policy
+        (`pdrop`, `visionzip`) the prompt tokens dropped up to that cut, so the step follows the group's renumbered
+        prompt 0..T_group-1 (the official PyramidDrop lowers its decode positions so; VisionZip's decoder only sees
+        the shorter sequence); 0 where kept tokens keep their original positions."""
+        return self.prompt_len - self.segment_index[layer].shape[1] if self.policy.renumber else 0
+
     def bias_at(self, layer: int) -> torch.Tensor | None:
         """float [batch, T_group] the proportional-attention bias per key of the group holding `layer` (its latest
         cut at or before `layer`; docs/method.md §10), or None where no merge happened."""

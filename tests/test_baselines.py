@@ -36,27 +36,23 @@ def _last_row_scores(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.
     return probs.mean(1)[0, 0, span]
 
 
-@torch.no_grad()
-def _pyramid_reference(model, inputs, cuts: list[int], kept: list[int], official: bool = True,
-                       renumber: bool | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A pyramid of cuts written out by hand (one sample). `official`: PyramidDrop as its official loop runs, before
-    layer `cuts[g]` that layer's `_last_row_scores` on the tokens about to enter it, positions renumbered 0..T'-1;
-    else our earlier variant (`pdrop_ours`): the scores of the layer that just ran (on its own input), original
-    positions kept. The top `kept[g]` image tokens stay in order. `renumber` overrides the positions' rule.
-    Returns (original image indices kept at each cut, the last token's logits)."""
-    renumber = official if renumber is None else renumber
+STEPS = 3  # generated tokens compared with the reference (the prefill's logits, then two decode steps)
+
+
+def _pyramid_pass(model, hidden: torch.Tensor, start: int, n_image: int, cuts: list[int], renumber: bool,
+                  pick) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One cache-free pass of the decoder over `hidden` [1, T, D] (an image span [start, start + n_image)), the image
+    tokens cut before each layer of `cuts` to `pick(g, layer, hidden, cos, sin, span, previous)` (ascending indices
+    into the current span; `previous`: the last token's scores of the layer that just ran); positions renumbered
+    0..T'-1 after a cut when `renumber`, else the originals kept. Returns (original image indices kept at each cut,
+    the last token's logits)."""
     lm = model.model.language_model
-    hidden = model(**inputs, output_hidden_states=True).hidden_states[0]  # the decoder's input embeddings
-    visual = _visual(model, inputs)
-    start, image = int(visual[0]), torch.arange(len(visual))  # image span [start, start + len(image))
-    positions = torch.arange(hidden.shape[1])[None]
+    image, positions = torch.arange(n_image), torch.arange(hidden.shape[1])[None]
     out, previous = [], None
     for i, layer in enumerate(lm.layers):
         cos, sin = lm.rotary_emb(hidden, positions)
         if i in cuts:
-            span = slice(start, start + len(image))
-            score = _last_row_scores(layer, hidden, cos, sin, span) if official else previous
-            top = score.topk(kept[cuts.index(i)]).indices.sort().values
+            top = pick(cuts.index(i), layer, hidden, cos, sin, slice(start, start + len(image)), previous)
             keep = torch.cat([torch.arange(start), start + top, torch.arange(start + len(image), hidden.shape[1])])
             hidden, image = hidden[:, keep], image[top]
             out.append(image)
@@ -67,21 +63,75 @@ def _pyramid_reference(model, inputs, cuts: list[int], kept: list[int], official
     return out, model.lm_head(lm.norm(hidden))[:, -1]
 
 
+def _greedy(embed, first: torch.Tensor, step, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding written out without a cache: `first` [1, vocab] the prefill's logits, `step(tokens)` the
+    last token's logits of the prompt followed by the generated `tokens` (their embeddings by `embed`). Returns
+    (tokens long [steps], logits [steps, vocab])."""
+    logits, tokens = [first], []
+    for _ in range(steps - 1):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(step(embed(torch.tensor([tokens]))))
+    tokens.append(int(logits[-1].argmax()))
+    return torch.tensor(tokens), torch.cat(logits)
+
+
+@torch.no_grad()
+def _pyramid_reference(model, inputs, cuts: list[int], kept: list[int], official: bool = True,
+                       renumber: bool | None = None, steps: int = 1) -> tuple[list[torch.Tensor], torch.Tensor,
+                                                                               torch.Tensor]:
+    """A pyramid of cuts written out by hand (one sample). `official`: PyramidDrop as its official loop runs, before
+    layer `cuts[g]` that layer's `_last_row_scores` on the tokens about to enter it, positions renumbered 0..T'-1;
+    else our earlier variant (`pdrop_ours`): the scores of the layer that just ran (on its own input), original
+    positions kept. The top `kept[g]` image tokens stay in order. `renumber` overrides the positions' rule.
+    Decoding keeps the prefill's cuts: each generated token follows the group's own sequence (with renumbering, the
+    position after the group's renumbered prompt: the official code lowers the decode positions by the tokens
+    dropped). Returns (original image indices kept at each cut, generated tokens [steps], their logits [steps,
+    vocab])."""
+    renumber = official if renumber is None else renumber
+    prompt = model(**inputs, output_hidden_states=True).hidden_states[0]  # the decoder's input embeddings
+    visual = _visual(model, inputs)
+    start, n_image = int(visual[0]), len(visual)
+    tops: list[torch.Tensor] = []
+
+    def rank(g, layer, hidden, cos, sin, span, previous):
+        score = _last_row_scores(layer, hidden, cos, sin, span) if official else previous
+        tops.append(score.topk(kept[g]).indices.sort().values)
+        return tops[-1]
+
+    def decode(generated: torch.Tensor) -> torch.Tensor:  # the prefill's cuts, the generated tokens appended
+        return _pyramid_pass(model, torch.cat([prompt, generated], 1), start, n_image, cuts, renumber,
+                             lambda g, *_: tops[g])[1]
+
+    out, first = _pyramid_pass(model, prompt, start, n_image, cuts, renumber, rank)
+    return out, *_greedy(model.get_input_embeddings(), first, decode, steps)
+
+
+def _generated(model, inputs, config: hap.HAPConfig, steps: int = STEPS):
+    """`hap.patched` greedy generation: (the patch, tokens long [steps], each step's logits [steps, vocab])."""
+    with hap.patched(model, config) as patch:
+        out = model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return patch, out.sequences[0, inputs["input_ids"].shape[1]:], torch.cat(out.logits)
+
+
 @torch.no_grad()
 def _pyramid_run(method: str, retain: float):
     """`method` on a 4-layer tiny LLaVA (first_layers=1, three cuts), checked against `_pyramid_reference` (official
-    for `pdrop`): the same kept tokens at every cut and the same logits. Returns (model, inputs, the patch, logits)."""
+    for `pdrop`): the same kept tokens at every cut, the same prefill logits and the same decode steps. Returns
+    (model, inputs, the patch, the prefill's logits)."""
     model, make_inputs = llava_case(layers=4)
     inputs = make_inputs([QUESTION], [3])
-    with hap.patched(model, hap.HAPConfig(method=method, retain=retain, first_layers=1, groups=3)) as patch:
-        logits = model(**inputs).logits[:, -1]
+    patch, tokens, logits = _generated(model, inputs, hap.HAPConfig(method=method, retain=retain, first_layers=1,
+                                                                    groups=3))
     schedule = patch.state.schedule
-    expected, ref_logits = _pyramid_reference(model, inputs, schedule.cuts, schedule.kept, method == "pdrop")
+    expected, ref_tokens, ref_logits = _pyramid_reference(model, inputs, schedule.cuts, schedule.kept,
+                                                          method == "pdrop", steps=STEPS)
     assert schedule.cuts == [1, 2, 3] and len(set(schedule.kept)) > 1
     for cut, want in zip(patch.state.cuts, expected, strict=True):
         assert torch.equal(cut.kept[0], want)
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)  # the positions downstream too
-    return model, inputs, patch, logits
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)  # the positions downstream, decode too
+    assert torch.equal(tokens, ref_tokens)
+    return model, inputs, patch, logits[:1]
 
 
 @pytest.mark.parametrize("retain", [0.3, 0.6])
@@ -97,7 +147,7 @@ def test_pdrop_ours_keeps_original_positions_and_differs_from_pdrop(retain):
     the official rule's."""
     model, inputs, ours, logits = _pyramid_run("pdrop_ours", retain)
     schedule = ours.state.schedule
-    _, renumbered = _pyramid_reference(model, inputs, schedule.cuts, schedule.kept, official=False, renumber=True)
+    _, _, renumbered = _pyramid_reference(model, inputs, schedule.cuts, schedule.kept, official=False, renumber=True)
     assert not torch.allclose(logits, renumbered, atol=1e-3)  # positions matter here: renumbering would show
     with hap.patched(model, replace(ours.config, method="pdrop")) as official:
         model(**inputs)
@@ -138,12 +188,14 @@ def test_fastv_keeps_what_the_official_rule_keeps(retain):
 
 
 @torch.no_grad()
-def _visionzip_reference(model, inputs, k: int, dominant: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _visionzip_reference(model, inputs, k: int, dominant: int,
+                         steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """VisionZip as its official code runs (one sample): the tower's eager attention and hidden states; [CLS] plus
     the top `dominant - 1` patches by [CLS] attention summed over heads, in order; of the R others, targets
     arange(0, R, max(1, R // c))[:c]; each other token joins its most similar target (keys averaged over heads,
     normalised); contextual = target + mean of members; [dominant, contextual] projected and handed to the decoder
-    as one block at consecutive positions. Returns (the patch indices kept, the last token's logits)."""
+    as one block at consecutive positions; the decoder sees the shorter sequence, so each generated token follows it.
+    Returns (the patch indices kept, the generated tokens [steps], their logits [steps, vocab])."""
     tower = model.model.vision_tower
     tower.set_attn_implementation("eager")
     vision = tower(inputs["pixel_values"], output_attentions=True, output_hidden_states=True)
@@ -169,7 +221,12 @@ def _visionzip_reference(model, inputs, k: int, dominant: int) -> tuple[torch.Te
     visual = _visual(model, inputs)
     sequence = torch.cat([embeds[:, :visual[0]], block, embeds[:, visual[-1] + 1:]], 1)
     lm = model.model.language_model
-    return kept, model.lm_head(lm(inputs_embeds=sequence).last_hidden_state)[:, -1]
+
+    def last(embeds: torch.Tensor) -> torch.Tensor:
+        return model.lm_head(lm(inputs_embeds=embeds, use_cache=False).last_hidden_state)[:, -1]
+
+    first = last(sequence)
+    return kept, *_greedy(model.get_input_embeddings(), first, lambda new: last(torch.cat([sequence, new], 1)), steps)
 
 
 @pytest.mark.parametrize("retain", [0.1, 0.25])
@@ -177,10 +234,10 @@ def _visionzip_reference(model, inputs, k: int, dominant: int) -> tuple[torch.Te
 def test_visionzip_keeps_and_merges_what_the_official_rule_does(retain):
     model, make_inputs = llava_case(layers=4)
     inputs = make_inputs([QUESTION], [5])
-    with hap.patched(model, hap.HAPConfig(method="visionzip", retain=retain)) as patch:
-        logits = model(**inputs).logits[:, -1]
+    patch, tokens, logits = _generated(model, inputs, hap.HAPConfig(method="visionzip", retain=retain))
     k = patch.state.schedule.kept[0]
     dominant = split_budget(k)[0]
-    kept, ref_logits = _visionzip_reference(model, inputs, k, dominant)
+    kept, ref_tokens, ref_logits = _visionzip_reference(model, inputs, k, dominant)
     assert torch.equal(patch.state.cuts[0].kept[0], kept)  # dominant patches ascending, then the targets
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)  # values, order and positions
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)  # values, order and positions, decode too
+    assert torch.equal(tokens, ref_tokens)

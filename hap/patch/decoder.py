@@ -9,12 +9,16 @@ decoder layers keep their attention implementation (SDPA, eager, ...). The hooks
 of one `Patch` object, one per step of a forward:
 
 - `model_pre_hook`: finds the visual tokens (`input_ids == image_token_id`) and plans the prefill
-  (`PruneState.start`); on a decode step it keeps the step's 2-D mask.
+  (`PruneState.start`); on a decode step it keeps the step's 2-D mask and position ids.
 - `layer_prefill`: recomputes the prompt rows of the layers whose maps are needed (from the layer's
   own norm, q/k projections and RoPE); at a cut, gathers the kept tokens of the hidden states, the
-  RoPE (cos, sin), the position ids (originals: no RoPE shift) and rebuilds the mask for the shorter
-  sequence, then hands those to every later layer, so each later layer writes a shorter KV cache.
-- `layer_decode`: layers after a cut get a mask sized to their own cache.
+  RoPE (cos, sin), the position ids and rebuilds the mask for the shorter sequence, then hands those to
+  every later layer, so each later layer writes a shorter KV cache. Kept tokens keep their original
+  positions (no RoPE shift), except under a policy that renumbers (`pdrop`, `visionzip`, as their official
+  code does): positions 0..T'-1 after each cut.
+- `layer_decode`: layers after a cut get a mask sized to their own cache; under a renumbering policy also the
+  step's positions lowered by the prompt tokens dropped so far, so a generated token follows its group's
+  renumbered prompt (unpruned positions otherwise).
 - `query_done`: a captured layer's prompt-row queries, taken from its own q projection (not recomputed).
 - `layer_done`: the capture, once the layer cached its keys, reads them there.
 - `decoder_done`: the prefill's wall time.
@@ -85,6 +89,8 @@ class Patch:
         self.state: PruneState | None = None  # the last prefill's pruning state
         self.mode: str | None = None  # "prefill", "decode" or None (not pruning this forward)
         self.step_mask: torch.Tensor | None = None  # the decode step's 2-D mask as generate passes it
+        self.step_positions: torch.Tensor | None = None  # the decode step's position ids, as on an unpruned cache
+        self.rotary_embedding = decoder_of(model).rotary_emb  # positions -> (cos, sin), for renumbered decode steps
         self.overrides: dict = {}  # layer kwargs a cut changed, handed to every later layer
         self.pending: tuple | None = None  # (layer, hidden, rows) of a capture waiting for the layer to run
         self.pending_q: torch.Tensor | None = None  # [B, P, heads * head_dim] its rows of the layer's q projection
@@ -134,6 +140,7 @@ class Patch:
                 new = (input_ids if input_ids is not None else kwargs["inputs_embeds"]).shape[1]  # on the pruned cache
                 positions = self.state.decode_positions(self.cache.get_seq_length(0), new)
                 kwargs["position_ids"] = self.decode_positions(module, positions)
+            self.step_positions = kwargs["position_ids"]
         else:
             self.mode = None
         return args, kwargs
@@ -168,13 +175,18 @@ class Patch:
         return hidden
 
     def layer_decode(self, index: int, hidden: torch.Tensor, kwargs: dict) -> None:
-        """Decode step at layer `index`: a layer entering a cut gets a mask sized to its group's cache."""
+        """Decode step at layer `index`: a layer entering a cut gets a mask sized to its group's cache and, under a
+        renumbering policy, the step's positions less the prompt tokens dropped so far (`PruneState.decode_shift`)."""
         if self.state.cut_index(index) is None:
             return
         step_mask = self.state.decode_attention_mask(index, self.step_mask)
-        kwargs["attention_mask"] = _mask(self.text_config, hidden, step_mask, kwargs, index,
-                                         self.state.key_bias.get(index))
-        self.overrides = {"attention_mask": kwargs["attention_mask"]}
+        self.overrides = {"attention_mask": _mask(self.text_config, hidden, step_mask, kwargs, index,
+                                                  self.state.key_bias.get(index))}
+        shift = self.state.decode_shift(index)
+        if shift:
+            positions = self.step_positions.to(hidden.device) - shift
+            self.overrides.update(position_ids=positions, position_embeddings=self.rotary_embedding(hidden, positions))
+        kwargs.update(self.overrides)
 
     def row_rotary(self, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of the prompt rows `rows` [B, P], gathered once for the layers sharing one rotary embedding."""
