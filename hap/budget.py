@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .config import HAPConfig
 from .methods import policy_for
+from .visionzip import MIN_TOKENS as VISIONZIP_MIN
 
 FLOPS_CONVENTION = "MACs per layer: 2nd^2 + 2n*d*d_kv + 2n^2d + 3ndm (= 4nd^2+2n^2d+3ndm without GQA)"
 
@@ -196,26 +197,48 @@ def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: i
     `text_tokens` text tokens; None when the method does not prune. The one planner of the pruner, the
     lmms-eval plugin and the speed script: model-dependent defaults resolve here (`HAPConfig.resolved`),
     FastV gets its single cut at K, VisionZip its single cut before layer 0 (k = floor(retain x N) in every
-    layer), and an unreachable budget raises ValueError naming the knobs."""
+    layer, at least VISIONZIP_MIN), and an unreachable budget raises ValueError naming the knobs."""
     config = config.resolved(shape.layers)
     policy = policy_for(config)
     if not policy.groups:
         return None
-    return solve_schedule(num_visual, shape, first_layers=_full_layers(config), groups=policy.groups,
-                          decay=config.decay, retain=config.retain, flops_ratio=config.flops_ratio,
-                          text_tokens=text_tokens)
+    schedule = solve_schedule(num_visual, shape, first_layers=_full_layers(config), groups=policy.groups,
+                              decay=config.decay, retain=config.retain, flops_ratio=config.flops_ratio,
+                              text_tokens=text_tokens)
+    if policy.vision:
+        _check_visionzip(config, shape, schedule, text_tokens)
+    return schedule
+
+
+def _check_visionzip(config: HAPConfig, shape: DecoderShape, schedule: Schedule, text_tokens: int) -> None:
+    """ValueError naming the budget knob when VisionZip's schedule keeps fewer than VISIONZIP_MIN tokens ([CLS] alone,
+    no image token), with the smallest value of that knob that keeps enough."""
+    if schedule.kept[0] >= VISIONZIP_MIN:
+        return
+    n = schedule.num_visual
+    if config.retain is not None:
+        name, target, floor = "retain", config.retain, VISIONZIP_MIN / n
+    else:
+        name, target = "flops_ratio", config.flops_ratio
+        floor = (prefill_flops([VISIONZIP_MIN] * shape.layers, text_tokens, shape)
+                 / prefill_flops([n] * shape.layers, text_tokens, shape))
+    raise ValueError(f"{name}={target:g} keeps {schedule.kept[0]} of {n} visual tokens, which under method='visionzip' "
+                     f"is its [CLS] slot alone, no image token; visionzip needs at least {VISIONZIP_MIN} ([CLS] and "
+                     f"one image token): raise {name} to at least {floor:.4f}")
 
 
 def smallest_retain(config: HAPConfig, shape: DecoderShape, num_visual: int) -> float:
     """The smallest retain `plan` accepts for `config`'s method on `shape`: its first full layers keep all
-    `num_visual` tokens and every later layer one (1.0 for a method that does not prune)."""
+    `num_visual` tokens and every later layer one (VisionZip: VISIONZIP_MIN in every layer; 1.0 for a method that
+    does not prune)."""
     config = config.resolved(shape.layers)
-    groups = policy_for(config).groups
-    if not groups:
+    policy = policy_for(config)
+    if not policy.groups:
         return 1.0
     full = _full_layers(config)
-    group_cuts(shape.layers, full, groups)  # refuses the layouts `plan` refuses, naming the knob
-    return (full * num_visual + shape.layers - full) / (shape.layers * num_visual)
+    group_cuts(shape.layers, full, policy.groups)  # refuses the layouts `plan` refuses, naming the knob
+    least = VISIONZIP_MIN if policy.vision else 1
+    return (full * num_visual + (shape.layers - full) * least) / (shape.layers * num_visual)
 
 
 def _full_layers(config: HAPConfig) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 DOMINANT_SHARE = 54 / 64  # the published 54 dominant ([CLS] included) + 10 contextual split of 64 tokens
+MIN_TOKENS = 2  # [CLS] and one image token: [CLS] alone would leave the decoder no patch of the image
 
 
 @dataclass
@@ -35,13 +36,11 @@ class VisionCues:
 
 
 def split_budget(k: int, dominant_share: float = DOMINANT_SHARE) -> tuple[int, int]:
-    """(dominant, contextual) slots for a budget of `k` tokens, [CLS] counted among the dominant ones; at least one
-    dominant slot, and a contextual one only when k >= 2."""
-    if k < 1:
-        raise ValueError(f"a VisionZip budget needs at least one token; got k={k}")
-    dominant = min(k, max(1, round(k * dominant_share)))
-    if dominant == k and k >= 2:
-        dominant = k - 1
+    """(dominant, contextual) slots for a budget of `k` >= MIN_TOKENS tokens, [CLS] counted among the dominant ones:
+    at least one dominant slot and one contextual one."""
+    if k < MIN_TOKENS:
+        raise ValueError(f"a VisionZip budget needs at least {MIN_TOKENS} tokens ([CLS] and one image token); got k={k}")
+    dominant = min(k - 1, max(1, round(k * dominant_share)))
     return dominant, k - dominant
 
 

@@ -9,10 +9,10 @@ from hap.visionzip import contextual_targets, contextual_tokens, dominant_tokens
 def test_split_budget():
     assert split_budget(64) == (54, 10)
     assert split_budget(8) == (7, 1)
-    assert split_budget(1) == (1, 0)
-    assert split_budget(2) == (1, 1)
-    with pytest.raises(ValueError, match="at least one token"):
-        split_budget(0)
+    assert split_budget(2) == (1, 1)  # [CLS] and one contextual token
+    for k in (0, 1):  # [CLS] alone is no image
+        with pytest.raises(ValueError, match=r"at least 2 tokens \(\[CLS\] and one image token\)"):
+            split_budget(k)
 
 
 def test_dominant_tokens_are_the_most_attended_ascending():
@@ -79,3 +79,24 @@ def test_visionzip_on_a_tower_without_cls_is_refused(arch):
     with pytest.raises(ValueError, match=r"has no \[CLS\] token"):
         hap.patch(model, hap.HAPConfig(method="visionzip", retain=0.2))
     assert not hasattr(model, "_hap")
+
+
+def test_visionzip_refuses_a_budget_of_one_token_by_name_and_keeps_one_image_token_at_two():
+    """retain=1/144 would keep [CLS] alone (a traced run crashed on no visual token); it is refused naming the knob
+    and its smallest value, which the sweep's floor follows, and that smallest value keeps one image token."""
+    from hap.budget import plan, smallest_retain
+    from hap.patch.decoder import decoder_shape
+    from tiny_models import noise_image, tiny_llava
+
+    model, processor = tiny_llava(layers=4)
+    shape, ask = decoder_shape(model), dict(image=noise_image(), prompt="what color is the circle ?", max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"retain=0.00694444 keeps 1 of 144 visual tokens, which under "
+                                         r"method='visionzip' is its \[CLS\] slot alone.*raise retain to at least "
+                                         r"0\.0139"):
+        hap.run(model, processor, config=hap.HAPConfig(method="visionzip", retain=1 / 144), **ask)
+    with pytest.raises(ValueError, match=r"flops_ratio=0.05 keeps 1 of 144 .*raise flops_ratio to at least 0\.0529"):
+        plan(hap.HAPConfig(method="visionzip", flops_ratio=0.05), shape, 144, text_tokens=10)  # 1 token: 0.0483
+    floor = smallest_retain(hap.HAPConfig(method="visionzip"), shape, 144)
+    assert floor == 2 / 144
+    result = hap.run(model, processor, config=hap.HAPConfig(method="visionzip", retain=floor), **ask)  # traced
+    assert [len(g.kept) for g in result.groups] == [1] and result.visual_per_layer == [2] * 4
