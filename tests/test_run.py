@@ -73,6 +73,16 @@ def test_uniform_weights_are_flat_and_none_prunes_nothing(saved):
     assert n.groups == [] and n.retained_tokens == 144 and n.flops_ratio == 1.0
 
 
+def test_the_unpruned_run_times_its_prefill_like_every_run(saved):
+    """method="none" untraced (the page's "Unpruned" card) times its prefill apart from its decode steps."""
+    folder, image = saved
+    model, processor = hap.load_model(str(folder), device="cpu")
+    for config in (hap.HAPConfig(method="none"), hap.HAPConfig(retain=0.2, first_layers=0)):
+        t = hap.run(model, processor, image, "what color is it ?", config, max_new_tokens=4, trace=False).timings
+        assert 0 < t["prefill_s"] < t["generate_s"], (config.method, t)
+        assert t["decode_s"] == pytest.approx(t["generate_s"] - t["prefill_s"])
+
+
 def test_cli_prints_and_writes_json(saved, tmp_path, capsys):
     folder, image = saved
     out = tmp_path / "out.json"

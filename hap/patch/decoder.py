@@ -97,7 +97,7 @@ class Patch:
         self.rotary: tuple = (None, None)  # (the layers' cos, its rows' (cos, sin)): the same within a segment
         self.cache = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
         self.vision_cues: tuple | None = None  # vision-side cues captured before the next prefill (VisionZip)
-        self.prefill_started = 0.0
+        self.prefill_started = 0.0  # perf_counter when this forward's prefill started; 0.0 in a decode step
         self.prefill_seconds = 0.0
 
     def attach(self, model) -> None:
@@ -115,9 +115,11 @@ class Patch:
         decode step on the pruned prefill's cache keeps its 2-D mask; anything else runs stock."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self.overrides = {}
+        fresh = input_ids is not None and bool((input_ids == self.image_token).any())  # a prompt with the image
+        self.prefill_started = time.perf_counter() if fresh else 0.0  # timed whether it prunes or not
         if self.config.method == "none" and not self.trace:
             self.mode = None
-        elif input_ids is not None and bool((input_ids == self.image_token).any()):
+        elif fresh:
             cache = kwargs.get("cache")
             if cache is not None and not isinstance(cache, DynamicCache):
                 raise ValueError(
@@ -126,7 +128,6 @@ class Patch:
                 )
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("HAP prunes a fresh prefill: an image cannot be added to an existing KV cache")
-            self.prefill_started = time.perf_counter()
             self.state = PruneState.start(
                 self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace,
                 self.priority, self.tail, self.lead,
@@ -220,8 +221,8 @@ class Patch:
         self.state.scoring_seconds += time.perf_counter() - t0
 
     def decoder_done(self, module, args, kwargs, output) -> None:
-        """After the decoder: the prefill's wall time."""
-        if self.mode == "prefill":
+        """After the decoder: the prefill's wall time (a stock prefill's too: method="none")."""
+        if self.prefill_started:
             self.prefill_seconds = time.perf_counter() - self.prefill_started
 
 
