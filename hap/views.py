@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -59,6 +60,9 @@ CUT_BEFORE = "answering patches were cut before layer {layer}"  # why a layer's 
 UNKNOWN_COLOR = "#9e9e9e"  # grounding unknown: grey, never 0
 OUTLINE_COLOR = "#00e5ff"  # the answering patches' outline on every map
 PNG_DPI = 120
+TITLE_CHAR_PX = 6.5  # a subplot title character's width at font size 11, rounded up: the wrapping budget
+TITLE_LINE_PX = 15  # a subplot title line's height
+COLORBAR_PX = 100  # the width the small multiples' colour bar takes from the panels
 
 
 # --- plain data ------------------------------------------------------------------------------------
@@ -364,7 +368,7 @@ def mask_panels(data: ViewData) -> Panels:
     for g in data.groups:
         present = np.zeros(visual, dtype=bool)
         present[list(g.kept)] = True
-        title = f"{_span(g)}: {len(g.kept)}/{visual} kept" + (", the rest merged into them" if data.merged else "")
+        title = f"{_span(g)}:\n{len(g.kept)}/{visual} kept" + (",\nthe rest merged into them" if data.merged else "")
         panels.append(Panel(title, data.image, present=present.reshape(data.grid), outline=data.outline()))
     return Panels(panels, data.grid, cols=3, width=650)
 
@@ -473,8 +477,11 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
         return _no_cuts_plotly(title)
     cols = min(multiples.cols, len(panels))
     rows_n = math.ceil(len(panels) / cols)
-    fig = make_subplots(rows_n, cols, subplot_titles=[p.title.replace("\n", "<br>") for p in panels],
-                        horizontal_spacing=0.02, vertical_spacing=0.16 / rows_n)
+    titles = [wrap_title(p.title, int((multiples.width - COLORBAR_PX) / cols / TITLE_CHAR_PX)) for p in panels]
+    lines = max(t.count("<br>") + 1 for t in titles)
+    height = 40 + lines * TITLE_LINE_PX + rows_n * (20 + lines * TITLE_LINE_PX + multiples.width // max(cols, 3))
+    fig = make_subplots(rows_n, cols, subplot_titles=titles, horizontal_spacing=0.02,
+                        vertical_spacing=(10 + lines * TITLE_LINE_PX) / height)
     uris: dict[bytes, str] = {}  # one encoded image per set of dimmed tokens
     for i, panel in enumerate(panels):
         key = b"" if panel.present is None else panel.present.tobytes()
@@ -491,11 +498,16 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
     fig.update_xaxes(visible=False, range=[-0.5, grid_cols - 0.5], constrain="domain")
     fig.update_yaxes(visible=False, range=[grid_rows - 0.5, -0.5], constrain="domain")
     fig.update_annotations(font_size=11)
-    fig.update_layout(title=title, height=70 + rows_n * (50 + multiples.width // max(cols, 3)),
-                      margin=dict(l=10, r=10, t=90, b=10),
+    fig.update_layout(title=title, height=height, margin=dict(l=10, r=10, t=60 + lines * TITLE_LINE_PX, b=10),
                       coloraxis=dict(colorscale=[[at, f"rgba({r},{g},{b},{a})"] for at, (r, g, b, a) in MAP_STOPS],
                                      cmin=0, cmax=1, colorbar=dict(title="score /<br>highest", len=0.6)))
     return fig
+
+
+def wrap_title(title: str, chars: int) -> str:
+    """A subplot title broken at spaces so that no line is longer than `chars` (at least 12; a longer word stays
+    whole), its own line breaks ("\n") kept, lines joined by "<br>": it then fits its panel, at the edges too."""
+    return "<br>".join(part for line in title.split("\n") for part in textwrap.wrap(line, max(chars, 12)) or [""])
 
 
 def _no_cuts_plotly(title: str, text: str = NO_CUTS) -> go.Figure:

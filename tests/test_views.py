@@ -118,11 +118,26 @@ def test_kept_masks_name_each_token_kept_or_pruned():
         [["pruned", "pruned", "kept"], ["pruned", "pruned", "pruned"]],
     ]
     assert fig.layout.title.text == "Kept visual tokens (hap)"
-    assert [a.text for a in fig.layout.annotations] == ["group 0 (layers 1-2): 3/6 kept",
-                                                        "group 1 (layers 3-3): 1/6 kept"]
+    assert [a.text for a in fig.layout.annotations] == ["group 0 (layers 1-2):<br>3/6 kept",
+                                                        "group 1 (layers 3-3):<br>1/6 kept"]
     merged = V.VIEW["kept_masks"].figure(data(merged=True))  # HAP+: the dimmed tokens live on in the kept ones
-    assert [a.text for a in merged.layout.annotations] == ["group 0 (layers 1-2): 3/6 kept, the rest merged into them",
-                                                           "group 1 (layers 3-3): 1/6 kept, the rest merged into them"]
+    assert [a.text for a in merged.layout.annotations] == [
+        "group 0 (layers 1-2):<br>3/6 kept,<br>the rest merged into them",
+        "group 1 (layers 3-3):<br>1/6 kept,<br>the rest merged into them"]
+
+
+@pytest.mark.parametrize("width, cols", [(1000, 4), (650, 3), (480, 3)])
+def test_panel_titles_fit_their_column(width, cols):
+    """Every line of every small multiple's title is at most its column's width (at TITLE_CHAR_PX a character,
+    an upper bound at the titles' font size): a centred title then stays within its panel, at the figure's edges
+    too (the token-importance and kept-token panels were cut at both ends)."""
+    long = "token importance (outlined: the answering patches), and the rest merged into them"
+    panels = V.Panels([V.Panel(long, np.zeros((6, 6, 3), np.uint8)) for _ in range(cols)], (2, 3), cols, width)
+    fig = V.panels_plotly(panels, "title")
+    column = (width - V.COLORBAR_PX) / cols
+    lines = [line for a in fig.layout.annotations for line in a.text.split("<br>")]
+    assert len(lines) > cols and max(len(line) for line in lines) * V.TITLE_CHAR_PX <= column
+    assert fig.layout.margin.t >= 60 + V.TITLE_LINE_PX * max(a.text.count("<br>") + 1 for a in fig.layout.annotations)
 
 
 def test_masks_dim_exactly_the_pruned_patches():
