@@ -1,21 +1,25 @@
-"""The page's "Is PAQ right?" section: causal head and token importance (hap.causal) beside PAQ, for every input.
+"""The page's "Is PAQ right?" section: causal head and token importance (hap.causal) and head utility (hap.utility)
+beside PAQ, for every input.
 
 `section()` lays it out, `analyze(...)` runs it on the loaded model (the setting `causal`: auto, ablation,
-attribution or off) and `outputs(...)` gives its outputs by name (CAUSAL) and the `causal` JSON entry.
+attribution or off) and `outputs(...)` gives its outputs by name (CAUSAL) and the `causal` and `head_utility` JSON
+entries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import gradio as gr
 import numpy as np
 from PIL import Image
 
-from hap import causal, causal_views, views
+from hap import HAPConfig, causal, causal_views, utility, views
 from hap.inputs import InputLimits
 
-CAUSAL = ("causal_text", "causal_heads", "causal_scatter", "causal_tokens")
+CAUSAL = ("causal_text", "causal_heads", "causal_scatter", "causal_tokens", "utility_text", "utility_heads",
+          "utility_scatter", "utility_layers")
 OFF = "**Is PAQ right?** Causal analysis is off (setting `causal`); set it to auto to see which heads and tokens " \
       "the answer depends on."
 INTRO = (
@@ -24,6 +28,22 @@ INTRO = (
     "answered by intervening: zero the head's output (or, first-order, take the gradient of a gate on it) and watch "
     "the log-probability of the unpruned model's first answer token."
 )
+UTILITY_INTRO = (
+    "### Head utility: would another weighting have kept the answer?\n"
+    "PAQ exists to weight the heads whose maps pick the right tokens. Head utility asks each head directly: one cut "
+    "entering the next layer keeps only the tokens that head's map scores highest (ceil(N / 9) of them, nothing "
+    "merged), and its utility is the probability the pruned model still gives the unpruned answer token. The plain "
+    "average and the PAQ weighting of the same layer's heads, cut the same way, are the reference lines."
+)
+
+
+@dataclass
+class Found:
+    """What the section measured on one input."""
+
+    causal: causal.Causal
+    utility: utility.HeadUtility
+    all_layers: bool  # head utility scored every layer (else the layers before the run's cuts: a large model)
 
 
 def section(default: str = "auto") -> tuple[gr.Radio, dict[str, gr.components.Component]]:
@@ -36,20 +56,43 @@ def section(default: str = "auto") -> tuple[gr.Radio, dict[str, gr.components.Co
         out["causal_heads"] = gr.Plot(label="Causal head importance", elem_id="plot-causal_heads")
         out["causal_scatter"] = gr.Plot(label="PAQ vs importance", elem_id="plot-causal_scatter")
     out["causal_tokens"] = gr.Plot(label="Token importance and each group's kept tokens", elem_id="plot-causal_tokens")
+    gr.Markdown(UTILITY_INTRO)
+    out["utility_text"] = gr.Markdown("(no run yet)", elem_id="utility-text")
+    with gr.Row():
+        out["utility_heads"] = gr.Plot(label="Head utility", elem_id="plot-utility_heads")
+        out["utility_scatter"] = gr.Plot(label="PAQ vs utility", elem_id="plot-utility_scatter")
+    out["utility_layers"] = gr.Plot(label="Each head, the uniform average and the PAQ weighting at each cut",
+                                    elem_id="plot-utility_layers")
     return setting, out
 
 
 def analyze(model, processor, image: Image.Image, prompt: str, setting: str | None, limits: InputLimits,
-            history: Sequence[tuple[str, str]] = ()) -> causal.Causal | None:
-    """The causal analysis the setting asks for (None: "auto"), or None when it is off; ValueError on a bad one."""
+            history: Sequence[tuple[str, str]] = (), config: HAPConfig | None = None,
+            cuts: Sequence[int] = ()) -> Found | None:
+    """The causal analysis the setting asks for (None: "auto") and head utility from `config`'s rows (its PAQ knobs
+    weight the reference), or None when it is off; ValueError on a bad setting. `cuts`: the run's cut layers, where
+    head utility is scored on a model too large for every layer (`hap.utility.auto_layers`)."""
     mode = causal.resolve_setting(model, setting or "auto")
-    return None if mode is None else causal.analyze(model, processor, image, prompt, mode, limits, history)
+    if mode is None:
+        return None
+    config = config or HAPConfig()
+    layers = utility.auto_layers(model, cuts)
+    return Found(causal.analyze(model, processor, image, prompt, mode, limits, history),
+                 utility.utility(model, processor, image, prompt, rows=config.rows, history=history, layers=layers,
+                                 config=config, limits=limits), layers is None)
 
 
-def outputs(found: causal.Causal | None, data: views.ViewData) -> tuple[dict[str, object], dict | None]:
-    """(the section's outputs by name, the `causal` JSON entry or None when off)."""
+def outputs(found: Found | None, data: views.ViewData) -> tuple[dict[str, object], dict[str, dict]]:
+    """(the section's outputs by name, its JSON entries: `causal` and `head_utility`, none when off)."""
     if found is None:
-        return {"causal_text": OFF, "causal_heads": None, "causal_scatter": None, "causal_tokens": None}, None
+        return {**dict.fromkeys(CAUSAL), "causal_text": OFF, "utility_text": ""}, {}
+    shown, report = causal_outputs(found.causal, data)
+    entry = utility.to_json(found.utility)
+    return {**shown, **utility_outputs(found, entry, data)}, {"causal": report, "head_utility": entry}
+
+
+def causal_outputs(found: causal.Causal, data: views.ViewData) -> tuple[dict[str, object], dict]:
+    """(the causal part's outputs by name, the `causal` JSON entry)."""
     paq = data.stats[..., 0]
     report = causal.to_json(found, paq, [g.kept for g in data.groups])
     how = f"{found.mode}, {found.seconds:.2f} s"
@@ -115,3 +158,45 @@ def _truth_line(found: causal.Causal, data: views.ViewData) -> str:
     return (f"- **Geometric vs causal truth** (this scene's own question): of the {k} most important tokens, "
             f"{precision:.0%} are answering patches (chance {k / patches.size:.0%}); Spearman(grounding, "
             f"importance) over the scored heads {agree_text}.")
+
+
+def utility_outputs(found: Found, entry: dict, data: views.ViewData) -> dict[str, object]:
+    """The head-utility part's outputs by name, from `entry` (`hap.utility.to_json`)."""
+    u = found.utility
+    answer = u.answer_text.strip()
+    return {
+        "utility_text": utility_text(found, entry, data.shape[2]),
+        "utility_heads": causal_views.utility_plotly(causal_views.importance_grid(data, u.values),
+                                                     f"Head utility for {answer!r}: keep {u.keep} by one head"),
+        "utility_scatter": causal_views.scatter_plotly(u.paq, u.values, entry["spearman"], "PAQ vs head utility",
+                                                       "head utility"),
+        "utility_layers": causal_views.references_plotly(u.values, u.uniform, u.paq_weighted, u.paq, u.answer_prob,
+                                                         "Would another weighting have kept the answer?"),
+    }
+
+
+def utility_text(found: Found, entry: dict, num_visual: int) -> str:
+    """Markdown: how often the best head, the uniform average and the PAQ weighting keep the answer, and
+    Spearman(PAQ, utility)."""
+    u = found.utility
+    scored = u.scored
+    rho = entry["spearman"]
+    rho_text = "undefined (too few heads scored)" if rho is None else f"{rho:.2f}"
+    kept = entry["answer_kept"]
+    where = "every layer but the last" if found.all_layers else \
+        f"layers {', '.join(map(str, scored))} (before this run's cuts: a large model)"
+    verdict = "" if rho is None else (
+        "PAQ ranks heads much as their utility does." if rho >= 0.5 else
+        "PAQ agrees only loosely with utility." if rho > 0.2 else
+        "PAQ does not predict which heads' maps keep the answer here.")
+    return "\n".join([
+        f"**Head utility** ({u.seconds:.2f} s, rows={u.rows}, scored at {where}): one cut keeps {u.keep} of "
+        f"{num_visual} visual tokens; the unpruned first answer token {u.answer_text.strip()!r} has p "
+        f"{u.answer_prob:.2f} unpruned.",
+        f"- Cuts that keep the answer (it stays the most likely token), of {kept['cuts']}: the best single head "
+        f"{kept['best_head']}, the uniform average {kept['uniform']}, the PAQ weighting {kept['paq_weighted']}.",
+        f"- Mean p(answer) after the cut: the best head {float(u.values[scored].amax(1).mean()):.2f}, the uniform "
+        f"average {float(u.uniform[scored].mean()):.2f}, the PAQ weighting {float(u.paq_weighted[scored].mean()):.2f}.",
+        f"- Spearman(PAQ, utility) over the scored heads (PAQ of the unpruned run, every token present): "
+        f"**{rho_text}**. {verdict}",
+    ])

@@ -185,9 +185,10 @@ def _original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: In
 
 @gpu
 def _causal(image: Image.Image, prompt: str, setting: str | None, limits: InputLimits,
-            history: list[tuple[str, str]]):
+            history: list[tuple[str, str]], config: hap.HAPConfig, cuts: list[int]):
     """The GPU part of the "Is PAQ right?" section (`app.causal.analyze`; see `_compare` for ZeroGPU)."""
-    return causal_section.analyze(LOADED.model, LOADED.processor, image, prompt, setting, limits, history)
+    return causal_section.analyze(LOADED.model, LOADED.processor, image, prompt, setting, limits, history, config,
+                                  cuts)
 
 
 @gpu
@@ -249,8 +250,9 @@ class Handler:
                 **settings) -> dict[str, object]:
         """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`). `image` is an upload
         or the page's editor value (`app.edit.image_input`); `causal` the "Is PAQ right?" setting (`hap.causal.SETTINGS`,
-        None: auto; the JSON gains "causal" unless off); `history` the earlier `[question, answer]` turns about
-        the image (None or []: a first question), `turns` the page's stored conversation (`app.conversation`).
+        None: auto; the JSON gains "causal" and "head_utility" unless off); `history` the earlier `[question, answer]`
+        turns about the image (None or []: a first question), `turns` the page's stored conversation
+        (`app.conversation`).
 
         Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer and head sliders, every view
         of `hap.views.VIEWS`, the explanation, the JSON summary (with "input": the upload and its conversion,
@@ -309,10 +311,10 @@ class Handler:
         if question is not None:
             data = replace(data, truth=scene_truth(question, data))
             report["ground_truth"] = truth_json(data.truth)
-        progress(0.91, desc="causal head and token importance")
-        shown, causal_json = causal_section.outputs(_causal(img, prompt, causal, limits, history), data)
-        if causal_json is not None:
-            report["causal"] = causal_json
+        progress(0.91, desc="causal head and token importance, head utility")
+        cuts = [g.layers[0] for g in data.groups]
+        shown, entries = causal_section.outputs(_causal(img, prompt, causal, limits, history, config, cuts), data)
+        report.update(entries)  # "causal" and "head_utility", unless off
         edit = self.edit_diff(picture, prompt, config, history, data, comparison.pruned.answer, progress)
         if edit is not None:
             report["edit"] = edit.to_json()

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import causal
+from . import causal, utility
 from .config import HAPConfig
 from .inputs import check_history
 from .knobs import KNOBS, SEED
@@ -36,9 +36,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--json", type=Path, help="write the whole result as JSON here")
     r.add_argument("--figures", type=Path, help="write every view as a PNG into this folder")
     r.add_argument("--causal", nargs="?", const="auto", default="off", choices=causal.SETTINGS,
-                   help="also measure which heads and visual tokens the unpruned answer depends on (hap.causal); "
-                        "--causal alone: exact ablation on small models, attribution on large ones; the --json "
-                        "result gains 'causal'")
+                   help="also measure which heads and visual tokens the unpruned answer depends on (hap.causal) "
+                        "and each head's utility as a token scorer (hap.utility; every layer on small models, the "
+                        "layers before the run's cuts on large ones); --causal alone: exact ablation on small "
+                        "models, attribution on large ones; the --json result gains 'causal' and 'head_utility'")
     return p
 
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         mode = causal.resolve_setting(model, args.causal)
         found = None if mode is None else causal.analyze(model, processor, args.image, args.prompt, mode,
                                                          history=history)
+        useful = None if mode is None else utility.utility(
+            model, processor, args.image, args.prompt, rows=config.rows, history=history,
+            layers=utility.auto_layers(model, [g.layers[0] for g in result.groups]), config=config)
     except (ValueError, ModelLoadError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -85,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         report["causal"] = causal.to_json(found, result.paq, [g.kept for g in result.groups])
         print(f"causal ({found.mode}, {found.seconds:.2f} s): answer token {found.answer_text!r}, "
               f"Spearman(PAQ, head importance) {report['causal']['paq_spearman']}")
+        report["head_utility"] = entry = utility.to_json(useful)
+        kept = entry["answer_kept"]
+        print(f"head utility ({useful.seconds:.2f} s, keep {useful.keep}, layers {useful.scored}): cuts keeping the "
+              f"answer, best head {kept['best_head']} / uniform {kept['uniform']} / PAQ weighting "
+              f"{kept['paq_weighted']} of {kept['cuts']}; Spearman(PAQ, utility) {entry['spearman']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

@@ -1,5 +1,6 @@
-"""The figures of "Is PAQ right?" (docs/method.md §11): causal head importance on the layer x head grid, PAQ against
-it, and token importance over the image with each group's kept tokens outlined. Plain arrays in, plotly out
+"""The figures of "Is PAQ right?" (docs/method.md §11, §12): causal head importance on the layer x head grid, PAQ
+against it, token importance over the image with each group's kept tokens outlined, and head utility (each head's
+map as the token scorer of one cut) with the uniform and PAQ-weighted references. Plain arrays in, plotly out
 (imported when a figure is built)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .causal import kept_importance
-from .views import HeadGrid, Panel, Panels, ViewData, _layer_head_layout, panels_plotly
+from .views import HeadGrid, Panel, Panels, ViewData, _layer_head_layout, _tick, panels_plotly
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -33,22 +34,68 @@ def importance_plotly(grid: HeadGrid, title: str) -> go.Figure:
     return _layer_head_layout(fig, grid, title)
 
 
-def scatter_plotly(paq, importance, rho: float | None, title: str) -> go.Figure:
-    """PAQ against head importance, one point per scored head (`[layers, heads]` each; NaN PAQ: not scored)."""
+def utility_plotly(grid: HeadGrid, title: str) -> go.Figure:
+    """Head utility per layer and head: p(answer) after the cut entering the next layer that keeps the head's top
+    tokens; blank where not scored (the last layer, the layers left out)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(go.Heatmap(
+        z=grid.values, colorscale="Greens", zmin=0.0, zmax=1.0, colorbar=dict(title="p(answer)"), hoverongaps=False,
+        hovertemplate="layer %{y} head %{x}<br>p(answer) %{z:.3f} after a cut entering layer %{y} + 1<br>that keeps "
+                      "this head's top tokens<extra></extra>",
+    ))
+    return _layer_head_layout(fig, grid, title)
+
+
+def scatter_plotly(paq, importance, rho: float | None, title: str, measure: str = "causal importance") -> go.Figure:
+    """PAQ against a per-head `measure` (head importance, head utility), one point per head where both are finite
+    (`[layers, heads]` each; NaN: not scored)."""
     import plotly.graph_objects as go
 
     paq, importance = np.asarray(paq, dtype=float), np.asarray(importance, dtype=float)
     layers, heads = np.indices(paq.shape)
-    scored = np.isfinite(paq)
+    scored = np.isfinite(paq) & np.isfinite(importance)
     fig = go.Figure(go.Scatter(
         x=paq[scored], y=importance[scored], mode="markers", customdata=np.stack([layers[scored], heads[scored]], -1),
         marker=dict(color=layers[scored], colorscale="Viridis", size=8, colorbar=dict(title="layer")),
-        hovertemplate="layer %{customdata[0]} head %{customdata[1]}<br>PAQ %{x:.3f}<br>importance %{y:.3g}"
+        hovertemplate=f"layer %{{customdata[0]}} head %{{customdata[1]}}<br>PAQ %{{x:.3f}}<br>{measure} %{{y:.3g}}"
                       "<extra></extra>",
     ))
     rho_text = "undefined" if rho is None else f"{rho:.2f}"
-    fig.update_layout(title=f"{title}: Spearman {rho_text}", xaxis_title="PAQ", yaxis_title="causal importance",
+    fig.update_layout(title=f"{title}: Spearman {rho_text}", xaxis_title="PAQ", yaxis_title=measure,
                       height=360, margin=dict(l=50, r=20, t=50, b=40))
+    return fig
+
+
+def references_plotly(values, uniform, paq_weighted, paq, unpruned: float, title: str) -> go.Figure:
+    """Per scored layer: every head's utility (a dot coloured by its PAQ), the best head, the uniform average's and
+    the PAQ weighting's utility at the same cut, and p(answer) unpruned (`values, paq [layers, heads]`, `uniform,
+    paq_weighted [layers]`, NaN where not scored)."""
+    import plotly.graph_objects as go
+
+    values, paq = np.asarray(values, dtype=float), np.asarray(paq, dtype=float)
+    scored = np.flatnonzero(np.isfinite(np.asarray(uniform, dtype=float)))
+    layers, heads = np.indices(values.shape)
+    dots = np.isfinite(values)
+    fig = go.Figure(go.Scatter(
+        x=layers[dots], y=values[dots], mode="markers", name="one head",
+        customdata=np.stack([heads[dots], paq[dots]], -1),
+        marker=dict(color=paq[dots], colorscale="Viridis", size=7, opacity=0.8, colorbar=dict(title="PAQ", len=0.6)),
+        hovertemplate="layer %{x} head %{customdata[0]}<br>PAQ %{customdata[1]:.3f}<br>p(answer) %{y:.3f}"
+                      "<extra></extra>",
+    ))
+    lines = (("best head", np.nanmax(np.where(dots, values, -np.inf), 1), "dot"),
+             ("uniform average", np.asarray(uniform, dtype=float), "dash"),
+             ("PAQ weighting", np.asarray(paq_weighted, dtype=float), "solid"))
+    for name, line, dash in lines:
+        fig.add_trace(go.Scatter(x=scored, y=line[scored], mode="lines+markers", name=name, line=dict(dash=dash),
+                                 hovertemplate=f"{name}, layer %{{x}}: p(answer) %{{y:.3f}}<extra></extra>"))
+    fig.add_hline(y=unpruned, line=dict(color="grey", dash="dot"), annotation_text="unpruned",
+                  annotation_position="top left")
+    fig.update_xaxes(dtick=_tick(values.shape[0]))
+    fig.update_layout(title=title, xaxis_title="layer whose maps score the cut (entering the next layer)",
+                      yaxis_title="p(answer) after the cut", yaxis_range=[0, 1.05], height=380,
+                      margin=dict(l=50, r=20, t=50, b=40), legend=dict(orientation="h", y=-0.25))
     return fig
 
 
@@ -56,15 +103,15 @@ def token_panels(data: ViewData, tokens) -> Panels:
     """Token importance over the image: first with the answering patches outlined (a scene asked its own question),
     then once per group with its kept tokens outlined and the share of importance they hold in the title."""
     scores = data.on_grid(tokens)
-    first = "token importance" + ("" if data.truth is None else " (outlined: the answering patches)")
+    first = "token importance" + ("" if data.truth is None else "\n(outlined: answering patches)")
     panels = [Panel(first, data.image, scores, None, data.outline())]
     shares = kept_importance(tokens, [g.kept for g in data.groups])
     for group, share in zip(data.groups, shares):
         kept = np.zeros(scores.size, dtype=bool)
         kept[np.asarray(group.kept, dtype=int)] = True
         held = "-" if share is None else f"{share:.0%}"
-        title = (f"group {group.index} (layers {group.layers[0]}-{group.layers[1] - 1}): "
-                 f"{len(group.kept)} kept hold {held}")
+        title = f"group {group.index} (layers {group.layers[0]}-{group.layers[1] - 1}):\n{len(group.kept)} kept hold " \
+                f"{held}"
         panels.append(Panel(title, data.image, scores, None, kept.reshape(data.grid)))
     return Panels(panels, data.grid, cols=4, width=1000)
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .causal import head_layout, paq_spearman, prepare
+from .budget import DecoderShape, layer_flops
+from .causal import default_mode, head_layout, paq_spearman, prepare
 from .config import HAPConfig
 from .fusion import select_top
 from .inputs import DEFAULT_LIMITS, InputLimits
@@ -66,6 +67,13 @@ class HeadUtility:
         """The layers whose heads were scored."""
         return [int(l) for l in torch.isfinite(self.uniform).nonzero().flatten()]
 
+    def answer_kept(self) -> dict[str, int]:
+        """Of the scored cuts, how many keep the answer the most likely token when the tokens are chosen by the best
+        single head, the uniform average, the PAQ weighting."""
+        s = self.scored
+        return {"best_head": int(self.keeps[s].any(1).sum()), "uniform": int(self.uniform_keeps[s].sum()),
+                "paq_weighted": int(self.paq_keeps[s].sum())}
+
 
 def default_keep(num_visual: int) -> int:
     """The tokens a utility cut keeps by default: ceil(N / 9) (16 of 144, 64 of 576)."""
@@ -96,6 +104,16 @@ def scored_layers(layers: Iterable[int] | None, num_layers: int) -> list[int]:
     return [int(l) for l in chosen if l < num_layers - 1]
 
 
+def auto_layers(model, cuts: Iterable[int] = ()) -> list[int] | None:
+    """The layers to score by default: every one (None) where exact ablation is cheap (`hap.causal.default_mode`),
+    else the layers just before `cuts` (a run's cut layers; the middle layer without one), a few of them being
+    affordable on a large model where all are not."""
+    if default_mode(model) == "ablation":
+        return None
+    before = sorted({c - 1 for c in cuts if c > 0})
+    return before or [head_layout(model)[0] // 2 - 1]
+
+
 def utility(model, processor, image, prompt: str, keep: int | None = None, rows: str = "last",
             history: Sequence[tuple[str, str]] = (), layers: Iterable[int] | None = None,
             config: HAPConfig | None = None, batch_size: int = UTILITY_BATCH,
@@ -105,13 +123,24 @@ def utility(model, processor, image, prompt: str, keep: int | None = None, rows:
     knobs of the reference weighting (temperature, sink detector; default `HAPConfig()`), its rows replaced by
     `rows`. ValueError on bad input, a keep outside [1, N] or a patched model."""
     t0 = time.perf_counter()
-    config = replace(config or HAPConfig(), method="none", rows=rows)
     prompt, history, _ = conversation(processor, prompt, history, limits)
     inputs = prepare(model, processor, image, prompt, limits, history)
+    found = measure(model, inputs, keep, rows, layers, config, batch_size, template_tail(processor),
+                    question_lead(processor, history))
+    return replace(found, answer_text=processor.decode([found.answer_token], skip_special_tokens=False),
+                   seconds=time.perf_counter() - t0)
+
+
+def measure(model, inputs: dict, keep: int | None = None, rows: str = "last", layers: Iterable[int] | None = None,
+            config: HAPConfig | None = None, batch_size: int = UTILITY_BATCH, tail: int = 0,
+            lead: int = 0) -> HeadUtility:
+    """`utility` of batch-1 processor `inputs` on the model's device (`tail`, `lead`: see `hap.patch.apply`); the
+    answer's text is left empty."""
+    t0 = time.perf_counter()
+    config = replace(config or HAPConfig(), method="none", rows=rows)
     L, H = head_layout(model)
     chosen = scored_layers(layers, L)
-    with patched(model, config, trace=True, tail=template_tail(processor), lead=question_lead(processor, history)
-                 ) as patch, torch.inference_mode():
+    with patched(model, config, trace=True, tail=tail, lead=lead) as patch, torch.inference_mode():
         probs = model(**inputs, logits_to_keep=1, use_cache=False).logits[0, -1].float().softmax(-1)
     answer, traced, N = int(probs.argmax()), patch.state.tracer.layers, patch.state.num_visual
     keep = default_keep(N) if keep is None else keep
@@ -126,8 +155,19 @@ def utility(model, processor, image, prompt: str, keep: int | None = None, rows:
     for l, t in traced.items():
         paq[l] = t.paq[0]
     return HeadUtility(p[:, :H], kept[:, :H], p[:, H], kept[:, H], p[:, H + 1], kept[:, H + 1], paq, int(keep), rows,
-                       answer, processor.decode([answer], skip_special_tokens=False), float(probs[answer]),
-                       time.perf_counter() - t0)
+                       answer, "", float(probs[answer].cpu()), time.perf_counter() - t0)
+
+
+def cost(shape: DecoderShape, num_visual: int, text_tokens: int, heads: int, keep: int | None = None,
+         layers: Iterable[int] | None = None) -> float:
+    """FLOPs of `measure` in unpruned prefills (`hap.budget` accounting) on a decoder of `shape` and `heads` heads:
+    the traced unpruned forward, then per scored layer l the layers 0..l once and layers l+1.. on keep + text tokens
+    for H + 2 variants (the attention capture and the output head left out)."""
+    keep = default_keep(num_visual) if keep is None else keep
+    L = shape.layers
+    full, cut = layer_flops(num_visual + text_tokens, shape), layer_flops(keep + text_tokens, shape)
+    per_layer = [(l + 1) * full + (heads + 2) * (L - l - 1) * cut for l in scored_layers(layers, L)]
+    return 1.0 + sum(per_layer) / (L * full)
 
 
 @torch.inference_mode()
@@ -168,6 +208,7 @@ def to_json(u: HeadUtility) -> dict:
         "uniform": plain(u.uniform),
         "paq_weighted": plain(u.paq_weighted),
         "best_head": plain(u.values.amax(1)),  # NaN propagates: null on the layers not scored
+        "answer_kept": {**u.answer_kept(), "cuts": len(u.scored)},
         "rows": u.rows,
         "answer_token": u.answer_token,
         "answer_text": u.answer_text,

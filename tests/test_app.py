@@ -287,8 +287,9 @@ def test_an_offline_hub_id_fails_within_5_seconds(client, model_name, monkeypatc
         assert time.perf_counter() - start < 5, offline
 
 
-def test_causal_keys_on_a_photo_and_off(client, model_name):
-    """`/analyze` on an uploaded photo carries the causal analysis (binding keys), with numbers that match the run."""
+def test_causal_keys_on_a_photo_and_off(client, model_name, loaded):
+    """`/analyze` on an uploaded photo carries the causal analysis and head utility (binding keys), with numbers that
+    match the run and the library."""
     from hap.causal import kept_importance, paq_spearman
 
     photo = ROOT / "assets" / "examples" / "photos" / "coffee.jpg"
@@ -305,5 +306,15 @@ def test_causal_keys_on_a_photo_and_off(client, model_name):
     assert found["kept_importance"] == pytest.approx(
         kept_importance(found["token_importance"], [g["kept"] for g in report["groups"]]))
     assert "ablation" in out["causal_text"]
+    found = report["head_utility"]  # binding keys; every layer but the last scored on a small model
+    values = np.array([[np.nan if v is None else v for v in row] for row in found["values"]])
+    assert values.shape == paq.shape and np.isnan(values[-1]).all() and np.isfinite(values[:-1]).all()
+    assert found["keep"] == -(-report["num_visual"] // 9)
+    assert found["uniform"][-1] is None and found["paq_weighted"][-1] is None and None not in found["uniform"][:-1]
+    assert found["spearman"] == pytest.approx(paq_spearman(found["paq"], values))
+    model, processor = loaded
+    library = hap.head_utility(model, processor, photo, "what color is the cup ?", rows=SETTINGS["rows"])
+    np.testing.assert_allclose(values, library.numpy(), atol=1e-5)
+    assert "Head utility" in out["utility_text"]
     off = analyze(client, model_name, prompt="what color is the cup ?", image=photo, causal="off")
-    assert "causal" not in off["summary"] and "off" in off["causal_text"]
+    assert "causal" not in off["summary"] and "head_utility" not in off["summary"] and "off" in off["causal_text"]

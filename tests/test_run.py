@@ -106,6 +106,21 @@ def test_cli_prints_and_writes_json(saved, tmp_path, capsys):
     assert all((tmp_path / "figures" / f"{name}.png").stat().st_size > 2000 for name in pngs)
 
 
+def test_cli_causal_writes_head_utility(saved, tmp_path, capsys):
+    folder, image = saved
+    out = tmp_path / "causal.json"
+    code = main(["run", "--model", str(folder), "--image", str(image), "--prompt", "what color is it ?", "--causal",
+                 "--max-new-tokens", "2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    found = json.loads(out.read_text())["head_utility"]
+    assert code == 0 and "head utility" in printed and f"Spearman(PAQ, utility) {found['spearman']}" in printed
+    assert {"values", "keep", "spearman", "uniform", "paq_weighted"} <= set(found) and found["keep"] == 16
+    model, processor = hap.load_model(str(folder), device="cpu")
+    direct = hap.head_utility(model, processor, image, "what color is it ?", rows=hap.HAPConfig().rows)
+    values = torch.tensor([[math.nan if v is None else v for v in row] for row in found["values"]])
+    torch.testing.assert_close(values, direct, atol=1e-5, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [(["--model", "/no/such/model"], "cannot load"), (["--retain", "0"], "retain=0.0"),

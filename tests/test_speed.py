@@ -35,9 +35,15 @@ def test_table_ratios_come_from_the_timings_and_the_flops():
     assert hap_row["overhead"] == pytest.approx(0.5 / 2.5) and hap_row["kept"] == 5
 
 
-def test_causal_speed_reports_the_gradient_pass_as_prefills():
+def test_causal_speed_reports_the_gradient_pass_and_head_utility_as_prefills():
     from analysis.causal_speed import main as causal_speed
+    from hap.budget import DecoderShape
+    from hap.utility import cost
 
-    report = causal_speed(["--layers", "1", "--repeats", "1", "--text-tokens", "8"])
+    report = causal_speed(["--layers", "2", "--repeats", "1", "--text-tokens", "8"])
     assert report["gradients_s"] > 0 and report["gradients_per_prefill"] == pytest.approx(
         report["gradients_s"] / report["prefill_s"])
+    assert report["utility_layers"] == 1 and report["utility_per_prefill"] == pytest.approx(
+        report["utility_s"] / report["prefill_s"])
+    predicted = cost(DecoderShape.mha(2, 1024, 2816), 576, 8, 16)  # the "mid" width, 16 heads, keep 64
+    assert report["utility_flops_prefills"] == pytest.approx(predicted) and 2 < predicted < 3

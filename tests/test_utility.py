@@ -130,5 +130,7 @@ def test_json_entry():
     assert entry["uniform"][0] is None and entry["uniform"][1] == pytest.approx(float(u.uniform[1]))
     assert entry["paq_weighted"][1] == pytest.approx(float(u.paq_weighted[1]))
     assert entry["best_head"][1] == pytest.approx(max(u.values[1].tolist()))
+    assert entry["answer_kept"] == {"best_head": int(u.keeps[1].any()), "uniform": int(u.uniform_keeps[1]),
+                                    "paq_weighted": int(u.paq_keeps[1]), "cuts": 1}
     assert entry["spearman"] == pytest.approx(hap.causal.paq_spearman(u.paq, u.values))
     assert np.isfinite(entry["paq"][0]).all()  # PAQ of every layer; the utility of the scored ones
