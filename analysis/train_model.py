@@ -663,6 +663,9 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser.add_argument("--patch-weight", type=float,
                         help="stage 2: weight of the per-patch labels (stage 1's, with row/column) predicted from the "
                              "projector's output, so every attribute the tower learned stays readable by the decoder")
+    parser.add_argument("--decoder", nargs="*", default=[], metavar="FIELD=N",
+                        help="decoder shape overrides of the model dict (text_layers, text_heads, text_hidden, "
+                             "text_mlp), e.g. text_heads=16 for more heads than the task needs")
     parser.add_argument("--kind-weight", nargs="*", default=[], metavar="KIND=N",
                         help="ask these kinds N times as often (e.g. letter=3)")
     args = parser.parse_args(argv)
@@ -680,6 +683,10 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
                         ("s2_text_weight", args.text_loss)):
         if value is not None:
             setattr(settings, name, value)
+    for field, n in (d.split("=") for d in args.decoder):
+        if field not in ("text_layers", "text_heads", "text_hidden", "text_mlp"):
+            parser.error(f"--decoder {field}: choose text_layers, text_heads, text_hidden or text_mlp")
+        settings.model = settings.model | {field: int(n)}
     settings.layout, settings.vision_from, settings.init_from = args.layout, args.vision_from, args.init_from
     settings.s1_position = args.position_targets
     weights = {"relation": args.relation_weight} | {k: int(n) for k, n in (w.split("=") for w in args.kind_weight)}
