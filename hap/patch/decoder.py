@@ -16,9 +16,9 @@ of one `Patch` object, one per step of a forward:
   every later layer, so each later layer writes a shorter KV cache. Kept tokens keep their original
   positions (no RoPE shift), except under a policy that renumbers (`pdrop`, `visionzip`, as their official
   code does): positions 0..T'-1 after each cut.
-- `layer_decode`: layers after a cut get a mask sized to their own cache; under a renumbering policy also the
+- `layer_decode`: layers after a cut get a mask sized to their own cache; under `pdrop` and `visionzip` also the
   step's positions lowered by the prompt tokens dropped so far, so a generated token follows its group's
-  renumbered prompt (unpruned positions otherwise).
+  renumbered prompt (elsewhere the unpruned positions).
 - `query_done`: a captured layer's prompt-row queries, taken from its own q projection (not recomputed).
 - `layer_done`: the capture, once the layer cached its keys, reads them there.
 - `decoder_done`: the prefill's wall time.
@@ -176,8 +176,9 @@ class Patch:
         return hidden
 
     def layer_decode(self, index: int, hidden: torch.Tensor, kwargs: dict) -> None:
-        """Decode step at layer `index`: a layer entering a cut gets a mask sized to its group's cache and, under a
-        renumbering policy, the step's positions less the prompt tokens dropped so far (`PruneState.decode_shift`)."""
+        """Decode step at layer `index`: a layer entering a cut gets a mask sized to its group's cache and, where
+        positions were renumbered, the step's positions less the prompt tokens dropped so far
+        (`PruneState.decode_shift`)."""
         if self.state.cut_index(index) is None:
             return
         step_mask = self.state.decode_attention_mask(index, self.step_mask)

@@ -1,0 +1,56 @@
+"""What the docs state about the benchmark and the execution is what the code and `results/benchmark` hold (a stale
+figure is a wrong claim): the held-out questions per kind, the PyramidDrop comparison of docs/method.md §7, and which
+methods renumber positions (docs/method.md §9, the hook machinery's docstring)."""
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import hap
+from analysis.scenes import heldout_items
+from hap.knobs import KNOBS
+from hap.methods import policy_for
+from hap.patch import decoder
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+METHOD = (ROOT / "docs" / "method.md").read_text()
+BENCHMARK = json.loads((ROOT / "results" / "benchmark" / "benchmark.json").read_text())
+METHODS = next(k for k in KNOBS if k.name == "method").choices
+
+
+def _section(text: str, start: str, end: str) -> str:
+    begin = text.index(start)
+    return text[begin:text.index(end, begin + len(start))]
+
+
+def test_the_readme_states_the_held_out_questions_per_kind():
+    start, stop = (int(s) for s in BENCHMARK["seeds"].split(":"))
+    per_scene = BENCHMARK["n_questions"] // (stop - start)
+    counts = Counter(q.qtype for _, q in heldout_items(range(start, stop), per_scene))
+    stated = re.search(r"(\d+) held-out questions, (\d+) to (\d+) per kind", README)
+    assert stated, "the README's benchmark paragraph states the questions per kind as 'N to M per kind'"
+    assert int(stated[1]) == BENCHMARK["n_questions"] == sum(counts.values())
+    assert (int(stated[2]), int(stated[3])) == (min(counts.values()), max(counts.values()))
+
+
+def test_the_pyramiddrop_comparison_in_the_method_notes_is_the_benchmarks():
+    """Every three-decimal figure of docs/method.md's `pdrop_ours` paragraph is pdrop_ours' or pdrop's accuracy or
+    relative accuracy at the retain it names, in results/benchmark."""
+    paragraph = _section(METHOD, "- `pdrop_ours`:", "\n\n")
+    retain = re.search(r"at retain\s+(0\.\d+)", paragraph)[1]
+    figures = {f"{BENCHMARK[k][m][retain]:.3f}" for m in ("pdrop_ours", "pdrop") for k in ("accuracy", "relative")}
+    stated = set(re.findall(r"\b0\.\d{3}\b", paragraph)) - {retain}
+    assert stated and stated <= figures, (stated, figures)
+    assert {f"{BENCHMARK['accuracy'][m][retain]:.3f}" for m in ("pdrop_ours", "pdrop")} <= stated
+
+
+def test_the_execution_docs_name_the_methods_that_renumber_positions():
+    renumbering = {m for m in METHODS if policy_for(hap.HAPConfig(method=m)).renumber}
+    assert renumbering == {"pdrop", "visionzip"}
+    for name, text in (("docs/method.md §9", _section(METHOD, "## §9", "## §10")), ("decoder.py", decoder.__doc__)):
+        sentences = [s for s in re.split(r"(?<=[.;])\s", " ".join(text.split())) if "renumber" in s]
+        assert sentences, f"{name} does not say which methods renumber positions"
+        for sentence in sentences:
+            assert set(re.findall(r"`(\w+)`", sentence)) & set(METHODS) == renumbering, (name, sentence)
