@@ -1,10 +1,10 @@
 """The image editor's value as the image the model sees, and what an edit changed in a run.
 
 The page's image input is gradio's ImageEditor (brush, eraser, crop). Its value (`{"background", "layers",
-"composite"}`, files in gradio's upload cache) becomes one image source for `hap.inputs.load_image`, the
-same checked path as an upload: the background as uploaded when nothing was drawn, erased or cropped (so a
-scene keeps the ground truth in its file), else the composite. `EditDiff` compares the run on the edited
-image with the run on the original: answers, head classes, kept tokens per group.
+"composite"}`, files in gradio's upload cache, each path checked by `app.uploads.allowed_path`) becomes one image
+source for `hap.inputs.load_image`, the same checked path as an upload: the background as uploaded when nothing
+was drawn, erased or cropped (so a scene keeps the ground truth in its file), else the composite. `EditDiff`
+compares the run on the edited image with the run on the original: answers, head classes, kept tokens per group.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import numpy as np
 from PIL import Image
 
 from hap import views
-from hap.inputs import FORMATS, InputLimits, load_image
+from hap.inputs import InputLimits, load_image
+
+from .uploads import REFUSED, allowed_path
 
 EDIT_TOLERANCE = 8  # largest per-channel difference of an unedited composite (a browser's own JPEG decoding)
 NO_EDIT = ("The image is as uploaded. Edit it (brush, eraser or crop in the editor) and run again: this section "
@@ -38,10 +40,11 @@ class ImageInput:
 
 
 def _path(file) -> str | None:
-    """The path of one of gradio's FileData dicts (None for none)."""
-    if isinstance(file, dict) and isinstance(file.get("path"), str) and file["path"]:
-        return file["path"]
-    return None
+    """The checked path (`allowed_path`) of one of gradio's FileData dicts, None for none; ValueError(REFUSED) for a
+    path outside the upload cache and the examples, whatever else the dict carries."""
+    if not isinstance(file, dict) or file.get("path") in (None, ""):
+        return None
+    return allowed_path(file["path"])
 
 
 def _name(file, path: str) -> str:
@@ -54,7 +57,8 @@ def is_editor_value(image) -> bool:
 
 def image_input(image, limits: InputLimits) -> ImageInput:
     """The request's image: an upload (FileData), the editor's value or, in-process, a PIL image; ValueError
-    when there is none or it is not one of these. An edited composite is checked like an upload."""
+    when there is none, and ValueError(REFUSED) when it is none of these or names a file that is not an upload or
+    an example (`app.uploads`). An edited composite is checked like an upload."""
     if image is None:
         raise ValueError("no image: upload one or click an example")
     if isinstance(image, Image.Image):
@@ -71,9 +75,10 @@ def image_input(image, limits: InputLimits) -> ImageInput:
         if not differs(load(background, name, limits), load(composite, f"{name} (edited)", limits)):
             return ImageInput(background, name)
         return ImageInput(composite, f"{name} (edited)", background)
-    if _path(image) is not None:
-        return ImageInput(image["path"], _name(image, image["path"]))
-    raise ValueError(f"the image must be an uploaded file ({FORMATS}; gradio_client: handle_file(path))")
+    path = _path(image)
+    if path is None:
+        raise ValueError(REFUSED)
+    return ImageInput(path, _name(image, path))
 
 
 def load(source, name: str, limits: InputLimits) -> Image.Image:

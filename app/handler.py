@@ -2,7 +2,8 @@
 named outputs.
 
 Every request is checked in full here (gradio's own preprocessing is off, so an API call gets the
-same messages as the page): the image goes through `hap.inputs.load_image` (any PIL mode, first
+same messages as the page): the image must be an upload or a shipped example (`app.uploads`: any other
+server path refused with one message) and goes through `hap.inputs.load_image` (any PIL mode, first
 frame, EXIF rotation; empty, truncated, non-image and oversized files refused), every knob through
 its registry entry (`hap.knobs.Knob.check`, then `HAPConfig` for the combination), and the model
 against the allow-list (`app.settings.check_model`). Bad input, a model that fails to load (the

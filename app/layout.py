@@ -225,8 +225,9 @@ def build_demo(
         api_request, api = [gr.Image(type="filepath", image_mode=None, visible=False), prompt, model], gr.Button(
             visible=False)
         # preprocess=False: the handler checks every raw value itself (gradio would decode the upload and
-        # range-check controls with messages that do not name the field); files still arrive through
-        # gradio's upload cache, which refuses paths outside it
+        # range-check controls with messages that do not name the field). gradio refuses a path outside its
+        # upload cache only in a FileData dict carrying meta; the handler checks every path, with meta or
+        # without, against the upload cache and the examples (app/uploads.py)
         conversation = {"history": out["history"], "turns": out["turns"], "causal": causal_setting}
         lane = dict(inputs_kwargs={**knobs, **conversation}, concurrency_limit=1, concurrency_id="model",
                     preprocess=False, js=unset_zeros(len(request), tuple(knobs)))

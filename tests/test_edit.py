@@ -3,6 +3,8 @@ the upload itself (ground truth kept), and a run on an edited image is compared 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from app_model import ROOT
@@ -33,15 +35,16 @@ def painted(tmp_path, name: str = "composite.png"):
     return tmp_path / name
 
 
-def test_an_unedited_value_is_the_upload_itself(tmp_path):
-    same = tmp_path / "composite.png"
+def test_an_unedited_value_is_the_upload_itself(uploads):
+    same = uploads / "composite.png"
     Image.open(SCENE).convert("RGBA").save(same)  # the canvas re-encodes: no metadata, same pixels
     picture = image_input(editor(SCENE, same), InputLimits())
     assert (picture.source, picture.name, picture.edited) == (str(SCENE), SCENE.name, False)
     assert image_input(file(SCENE), InputLimits()).source == str(SCENE)  # a plain upload, as the API sends it
 
 
-def test_an_edited_composite_is_checked_like_an_upload(tmp_path):
+def test_an_edited_composite_is_checked_like_an_upload(uploads):
+    tmp_path = uploads.resolve()
     picture = image_input(editor(SCENE, painted(tmp_path)), InputLimits())
     assert (picture.source, picture.original, picture.name) == (str(tmp_path / "composite.png"), str(SCENE),
                                                               f"{SCENE.name} (edited)")
@@ -55,6 +58,49 @@ def test_an_edited_composite_is_checked_like_an_upload(tmp_path):
         image_input(editor(SCENE, painted(tmp_path)), InputLimits(max_pixels=100))
     with pytest.raises(ValueError, match="no image: upload one"):
         image_input(editor(None, None), InputLimits())
+
+
+IN_UPLOADS = ("symlink-loop", "missing-upload")  # kinds naming a path inside the upload cache that is no file
+
+
+def outside_paths(root: Path, uploads: Path) -> dict[str, str]:
+    """Paths a request must not name, by kind: files outside the upload cache (`uploads`) and the examples (made in
+    `root/outside`), `..` out of either, a symlink out of the cache, and what is not a readable file."""
+    outside = root / "outside"
+    outside.mkdir()
+    Image.open(SCENE).save(outside / "private.png")
+    (outside / "notes.txt").write_text("not an image")
+    (uploads / "link.png").symlink_to(outside / "private.png")
+    (uploads / "loop.png").symlink_to(uploads / "loop.png")
+    up = "/".join([".."] * (len(uploads.resolve().parts) - 1))  # from the cache up to /
+    return {"image": str(outside / "private.png"), "text": str(outside / "notes.txt"), "folder": str(outside),
+            "missing": str(outside / "missing.png"), "system": "/etc/hostname",
+            "relative": "assets/tiny-llava/config.json", "dotdot-upload": f"{uploads}/{up}{outside}/private.png",
+            "dotdot-example": f"{SCENE.parent}/../../app/app.py", "symlink": str(uploads / "link.png"),
+            "symlink-loop": str(uploads / "loop.png"), "missing-upload": str(uploads / "gone.png")}
+
+
+def test_a_path_outside_the_uploads_and_examples_is_refused_with_one_message(tmp_path, monkeypatch):
+    """Every path that is not a file in the upload cache or the examples, in a plain upload or the editor's background
+    or composite, with gradio's meta or without: the one message REFUSED, which says nothing of what the path names."""
+    from app.uploads import REFUSED
+
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(uploads))
+    odd = {"null-byte": f"{uploads}/a\x00.png", "not-text": 7}
+    for kind, path in {**outside_paths(tmp_path, uploads), **odd}.items():
+        for meta in ({}, {"meta": {"_type": "gradio.FileData"}}):
+            value = {"path": path, "orig_name": "x.png", **meta}
+            for request in (value, {"background": value, "layers": [], "composite": None},
+                            {"background": file(SCENE), "layers": [], "composite": value}):
+                with pytest.raises(ValueError) as err:
+                    image_input(request, InputLimits())
+                assert str(err.value) == REFUSED, (kind, meta, request)
+    (uploads / "kept.png").write_bytes(SCENE.read_bytes())
+    kept = image_input({"path": f"{uploads}/sub/../kept.png"}, InputLimits()).source
+    assert kept == str(uploads.resolve() / "kept.png")
+    assert image_input({"path": str(SCENE)}, InputLimits()).source == str(SCENE)  # an example, without meta too
 
 
 def view(kept: list[list[int]], classes: list[list[str]]) -> views.ViewData:
@@ -80,3 +126,4 @@ def test_the_edit_diff_names_changed_heads_and_kept_tokens():
     figure = diff.figure()
     marks = [t for t in figure.data if t.type == "scatter"]
     assert [list(t.customdata) for t in marks] == [[3], [1], [3], [0]]
+

@@ -83,12 +83,12 @@ def test_turns_continue_this_pages_conversation_and_pick_any_turn():
         chat.pick([chat.Turn(PROMPT, "red"), second], "turn 1")
 
 
-def test_an_edited_composite_is_analysed_like_the_same_pixels_uploaded(model_name, tmp_path):
+def test_an_edited_composite_is_analysed_like_the_same_pixels_uploaded(model_name, uploads):
     from app.handler import Handler
     from app.settings import Settings, knob_defaults
 
     handler, knobs = Handler(Settings(models=[model_name])), {**knob_defaults(model_name), **FAST}
-    composite = painted(tmp_path)
+    composite = painted(uploads)
     edited = handler.analyze(editor(SCENE, composite), PROMPT, model_name, **knobs)
     uploaded = handler.analyze(file(composite), PROMPT, model_name, **knobs)
     same = ("answer", "groups", "head_class", "prompt_text")

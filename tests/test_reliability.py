@@ -12,10 +12,15 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import shutil
+import tempfile
+import uuid
 from dataclasses import replace
 from pathlib import Path
+
+import gradio as gr
 
 import httpx
 import numpy as np
@@ -26,7 +31,12 @@ from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 from PIL import Image
 
+from test_edit import IN_UPLOADS, outside_paths
+
 from app.handler import OUTPUTS
+from app.layout import SWEEP_KNOBS
+from app.settings import knob_defaults
+from app.uploads import REFUSED
 from hap.inputs import InputLimits
 from hap.knobs import KNOBS
 
@@ -39,6 +49,7 @@ LIMITS = InputLimits(max_bytes=256 * 2**10, max_pixels=4_000_000, max_prompt_cha
 UNREACHABLE = "hap-test/no-such-model"  # allow-listed hub id that cannot be loaded offline
 OFF_LIST = "llava-hf/bakLlava-v1-hf"
 SUMMARY, EXPLANATION = (OUTPUTS.index(name) for name in ("summary", "explanation"))  # positions in a reply
+FILE_INPUTS = (gr.Image, gr.ImageEditor, gr.File)  # the components through which a request names a file
 
 
 def fingerprint(out) -> tuple:
@@ -93,21 +104,52 @@ class Server:
         assert fingerprint(self.analyze()) == self.baseline
 
     def payload(self, image, **changes) -> list:
-        """The positional `data` of a raw /analyze call: image, prompt, model, every knob in registry order, then the
-        history, the stored turns and the causal setting (None: a first question, none stored, auto)."""
-        settings = {**SETTINGS, **changes}
-        return [image, PROMPT, self.model, *(settings.get(k.name) for k in KNOBS), None, None, None]
+        """The positional `data` of a raw /analyze call: image, prompt, model, every knob in registry order (SETTINGS,
+        else the model's defaults), then the history, the stored turns and the causal setting (None: a first
+        question, none stored, auto)."""
+        settings = {**knob_defaults(self.model), **SETTINGS, **changes}
+        return [image, PROMPT, self.model, *(settings[k.name] for k in KNOBS), None, None, None]
 
-    def raw(self, data: list) -> tuple[str, object]:
-        """POST /call/analyze with a JSON body gradio_client would not send; (event, payload) of the answer."""
+    def sweep_payload(self, image) -> list:
+        """The positional `data` of a raw /sweep call: image, prompt, model, then the knobs it takes (SWEEP_KNOBS)."""
+        settings = {**knob_defaults(self.model), **SETTINGS}
+        return [image, PROMPT, self.model, *(settings[name] for name in SWEEP_KNOBS)]
+
+    def raw(self, data: list, endpoint: str = "analyze") -> tuple[str, object]:
+        """POST /call/<endpoint> with a JSON body gradio_client would not send; (event, payload) of the answer."""
         body = json.dumps({"data": data}, allow_nan=True)  # NaN / Infinity literals as a careless client sends
-        r = httpx.post(f"{self.url}gradio_api/call/analyze", content=body,
+        r = httpx.post(f"{self.url}gradio_api/call/{endpoint}", content=body,
                        headers={"content-type": "application/json"}, timeout=30)
         r.raise_for_status()
-        stream = httpx.get(f"{self.url}gradio_api/call/analyze/{r.json()['event_id']}", timeout=60).text
+        stream = httpx.get(f"{self.url}gradio_api/call/{endpoint}/{r.json()['event_id']}", timeout=60).text
         event = next(line.split(": ", 1)[1] for line in stream.splitlines() if line.startswith("event: "))
         payload = next(line.split(": ", 1)[1] for line in stream.splitlines() if line.startswith("data: "))
         return event, json.loads(payload)
+
+    def queued(self, fn_index: int, data: list) -> tuple[bool, dict]:
+        """POST /queue/join as the page's own script does (any event by its index, the private ones too); (success,
+        output) of the event's completion."""
+        session = uuid.uuid4().hex
+        r = httpx.post(f"{self.url}gradio_api/queue/join", json={"data": data, "fn_index": fn_index,
+                                                                  "session_hash": session}, timeout=30)
+        r.raise_for_status()
+        with httpx.stream("GET", f"{self.url}gradio_api/queue/data", params={"session_hash": session},
+                          timeout=120) as stream:
+            for line in stream.iter_lines():
+                message = json.loads(line[len("data: "):]) if line.startswith("data: ") else {}
+                if message.get("msg") == "process_completed":
+                    return message["success"], message["output"]
+        raise AssertionError(f"event {fn_index} did not complete")
+
+    def event_payload(self, fn, image) -> list:
+        """The positional `data` of a raw call of the event `fn`: `image` for its file input, the prompt and this
+        server's model, every other input at its default (the page's knob values; None for a state)."""
+        def value(c):
+            if isinstance(c, FILE_INPUTS):
+                return image
+            return PROMPT if isinstance(c, gr.Textbox) else self.model if isinstance(c, gr.Dropdown) else c.value
+
+        return [value(c) for c in fn.inputs]
 
     def uploaded(self, path: Path) -> dict:
         r = httpx.post(f"{self.url}gradio_api/upload", files=[("files", (path.name, path.read_bytes()))], timeout=30)
@@ -240,6 +282,82 @@ def test_a_server_path_that_was_not_uploaded_is_refused(server):
 def test_an_image_that_is_not_a_file_is_refused(server):
     event, payload = server.raw(server.payload("/etc/hostname"))
     assert event == "error" and "validation error for ImageData" in payload["error"], payload  # gradio's own check
+    server.still_serving()
+
+
+def file_events(demo) -> dict[int, object]:
+    """Every event that takes a file, by index: the API's /analyze and /sweep and the page's private twins."""
+    return {i: fn for i, fn in demo.fns.items() if any(isinstance(c, FILE_INPUTS) for c in fn.inputs)}
+
+
+def _shapes(fn, good: dict) -> list:
+    """How an event's file input carries a FileData dict `v`: as itself (an Image), or as the editor's background or
+    its composite over the upload `good` (an ImageEditor)."""
+    if not any(isinstance(c, gr.ImageEditor) for c in fn.inputs):
+        return [lambda v: v]
+    return [lambda v: {"background": v, "layers": [], "composite": None},
+            lambda v: {"background": good, "layers": [], "composite": v}]
+
+
+GRADIO_REFUSALS = ("it was not uploaded by a user",  # a FileData dict with meta outside gradio's upload cache
+                   "The 'meta' field must be explicitly provided")  # an editor value's file without meta
+
+
+def _said(message: str, path: str) -> str:
+    """A refusal's message with the path written <path> (gradio's own messages repeat it, as sent or absolute, or
+    pydantic's shortened repr of the value sent)."""
+    message = re.sub(r"input_value=\{.*\}, input_type", "input_value=<value>, input_type", message)
+    return message.replace(os.path.abspath(path), "<path>").replace(path, "<path>")
+
+
+def _one_refusal(said: dict[str, str]) -> str:
+    """The one message of the refusals `said` (kind -> message), which must be the handler's or gradio's own check."""
+    assert len(set(said.values())) == 1, said
+    message = said["image"]
+    assert message == REFUSED or any(m in message for m in GRADIO_REFUSALS), message
+    return message
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["without-meta", "with-meta"])
+def test_a_server_path_is_refused_with_one_message_on_every_event_that_takes_a_file(server, tmp_path, meta):
+    """A raw request naming a file that is not an upload or an example: outside, `..`, a symlink out of the upload
+    cache, a folder, a missing file, in a FileData dict with gradio's meta or without, on /analyze, /sweep (raw POST)
+    and every page event that takes a file (queue/join). One message whatever the path names, so nothing tells
+    whether it exists: without meta the handler's REFUSED, with meta gradio's own check first (the paths it passes,
+    inside its cache but no file, are the handler's). An upload and an example without meta are answered."""
+    from gradio.utils import get_upload_folder
+
+    uploads = Path(tempfile.mkdtemp(dir=get_upload_folder()))
+    tag = {"meta": {"_type": "gradio.FileData"}} if meta else {}
+    good = {**server.uploaded(SCENE), "meta": {"_type": "gradio.FileData"}} if meta else {"path": server.uploaded(
+        SCENE)["path"], "orig_name": SCENE.name}
+    try:
+        paths = {k: p for k, p in outside_paths(tmp_path, uploads).items() if not (meta and k in IN_UPLOADS)}
+        events = file_events(server.demo)
+        assert len(events) >= 6  # analyze, sweep and their page twins (Run, Enter, follow-up, the sweep button)
+        for index, fn in events.items():
+            for shape in _shapes(fn, good):
+                said = {}
+                for kind, p in paths.items():
+                    success, output = server.queued(index, server.event_payload(fn, shape({"path": p, **tag})))
+                    assert not success, (fn.api_name, kind, output)
+                    said[kind] = _said(output["error"], p)
+                message = _one_refusal(said)
+                if isinstance(fn.inputs[0], gr.Image) and not meta:  # what gradio lets through, the handler refuses
+                    assert message == REFUSED
+        for endpoint, payload in (("analyze", server.payload), ("sweep", server.sweep_payload)):  # a script's POST
+            said = {}
+            for kind, p in paths.items():
+                event, answer = server.raw(payload({"path": p, **tag}), endpoint)
+                assert event == "error", (endpoint, kind, answer)
+                said[kind] = _said(answer["error"], p)
+            assert _one_refusal(said) == REFUSED or meta
+    finally:
+        shutil.rmtree(uploads)
+    if not meta:  # an upload, and a shipped example, named without meta: the same answer as through gradio_client
+        for image in (good, {"path": str(SCENE)}):
+            event, payload = server.raw(server.payload(image))
+            assert event == "complete" and fingerprint(payload) == server.baseline, payload
     server.still_serving()
 
 
