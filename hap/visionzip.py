@@ -39,7 +39,8 @@ def split_budget(k: int, dominant_share: float = DOMINANT_SHARE) -> tuple[int, i
     """(dominant, contextual) slots for a budget of `k` >= MIN_TOKENS tokens, [CLS] counted among the dominant ones:
     at least one dominant slot and one contextual one."""
     if k < MIN_TOKENS:
-        raise ValueError(f"a VisionZip budget needs at least {MIN_TOKENS} tokens ([CLS] and one image token); got k={k}")
+        raise ValueError(f"a VisionZip budget needs at least {MIN_TOKENS} tokens ([CLS] and one image token); "
+                         f"got k={k}")
     dominant = min(k - 1, max(1, round(k * dominant_share)))
     return dominant, k - dominant
 
