@@ -50,7 +50,8 @@ def section(default: str = "auto") -> tuple[gr.Radio, dict[str, gr.components.Co
     """The setting and the section's outputs by name (CAUSAL)."""
     gr.Markdown(INTRO)
     setting = gr.Radio(list(causal.SETTINGS), value=default, label="causal", elem_id="causal-setting",
-                       info="auto: exact ablation where cheap (small models), attribution on large ones; off: skip")
+                       info="auto: exact ablation where cheap (small models), attribution on large ones; ablation: "
+                            "exact, refused above hap.causal.ABLATION_BUDGET (heads x parameters); off: skip")
     out = {"causal_text": gr.Markdown("(no run yet)", elem_id="causal-text")}
     with gr.Row():
         out["causal_heads"] = gr.Plot(label="Causal head importance", elem_id="plot-causal_heads")

@@ -45,6 +45,7 @@ from analysis.ground_truth import file_metadata, question_for, scene_truth, trut
 from analysis.report import answer_card, explanation, head_text, summary, sweep_title, truth_text
 from analysis.sweep import sweep
 from hap import views
+from hap.causal import resolve_setting
 from hap.compare import compare
 from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.knobs import KNOBS
@@ -300,6 +301,7 @@ class Handler:
         meta = file_metadata(picture.source)  # the upload's own text chunks, before any conversion
         progress(0.02, desc=f"loading {model_name}")
         LOADED.get(model_name)
+        resolve_setting(LOADED.model, causal or "auto")  # a bad or too costly causal setting, refused before any run
         torch.manual_seed(SEED)
         comparison, timed = _compare(img, prompt, config, limits, progress, history)
         progress(0.9, desc="figures")

@@ -126,24 +126,35 @@ def analyze(model, processor, image, prompt: str, mode: str = "attribution", lim
     t0 = time.perf_counter()
     inputs = prepare(model, processor, image, prompt, limits, history)
     answer, log_prob, heads, tokens = gradients(model, inputs)
-    if mode == "ablation":
-        answer, log_prob, heads = ablation(model, inputs)
+    if mode == "ablation":  # the same answer token as the token importance, taken once
+        _, log_prob, heads = ablation(model, inputs, answer=answer)
     text = processor.decode([answer], skip_special_tokens=False)
     return Causal(mode, answer, text, log_prob, heads, tokens, time.perf_counter() - t0)
 
 
-def default_mode(model) -> str:
-    """"ablation" where one forward per head is cheap (heads x parameters <= ABLATION_BUDGET: the shipped model,
-    under 2 s on a CPU), else "attribution" (one forward and one backward whatever the number of heads)."""
+def ablation_cost(model) -> int:
+    """Query heads x parameters: what exact ablation costs on `model` (one forward of every parameter per head)."""
     L, H = head_layout(model)
-    parameters = sum(p.numel() for p in model.parameters())
-    return "ablation" if L * H * parameters <= ABLATION_BUDGET else "attribution"
+    return L * H * sum(p.numel() for p in model.parameters())
+
+
+def default_mode(model) -> str:
+    """"ablation" where one forward per head is cheap (`ablation_cost` <= ABLATION_BUDGET: the shipped model,
+    under 2 s on a CPU), else "attribution" (one forward and one backward whatever the number of heads)."""
+    return "ablation" if ablation_cost(model) <= ABLATION_BUDGET else "attribution"
 
 
 def resolve_setting(model, setting: str) -> str | None:
-    """The mode a setting of SETTINGS runs on `model` ("auto": `default_mode`), None for "off"."""
+    """The mode a setting of SETTINGS runs on `model` ("auto": `default_mode`), None for "off"; ValueError for
+    "ablation" above ABLATION_BUDGET (a request must not start one forward per head of a large model)."""
     if setting not in SETTINGS:
         raise ValueError(f"causal={setting!r}: choose one of {', '.join(SETTINGS)}")
+    if setting == "ablation" and default_mode(model) != "ablation":
+        L, H = head_layout(model)
+        raise ValueError(f"causal='ablation' runs one forward per head, {L} x {H} heads of a model this size "
+                         f"(heads x parameters {ablation_cost(model):.3g} > ABLATION_BUDGET {ABLATION_BUDGET:.3g}); "
+                         "use causal='attribution' (one forward and one backward, first-order), which 'auto' picks "
+                         "here")
     return None if setting == "off" else default_mode(model) if setting == "auto" else setting
 
 
@@ -225,21 +236,23 @@ def ablation_gates(layers: int, heads: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ablation(model, inputs: dict, batch_size: int = ABLATION_BATCH) -> tuple[int, float, torch.Tensor]:
+def ablation(model, inputs: dict, batch_size: int = ABLATION_BATCH,
+             answer: int | None = None) -> tuple[int, float, torch.Tensor]:
     """(answer token, its log p, exact importance `[layers, heads]`) of batch-1 `inputs`: every head zeroed in
-    turn, `batch_size` copies of the decoder per forward (the first forward's first copy is the stock model)."""
+    turn, `batch_size` copies of the decoder per forward (the first forward's first copy is the stock model), no KV
+    cache kept. `answer`: the token to explain (None: the stock model's greedy one in this pass)."""
     L, H = head_layout(model)
     logps = [answer_log_probs(model, inputs, gates) for gates in ablation_gates(L, H).split(batch_size)]
     logp = torch.cat(logps)  # [1 + L * H, vocab]
-    answer = int(logp[0].argmax())
+    answer = int(logp[0].argmax()) if answer is None else answer
     return answer, float(logp[0, answer]), (logp[0, answer] - logp[1:, answer]).view(L, H)
 
 
 def answer_log_probs(model, inputs: dict, gates: torch.Tensor) -> torch.Tensor:
     """`[batch, vocab]` log-probabilities of the next token after the prompt, one row per gate row `gates
-    [batch, layers, heads]` multiplying each head's output (batch-1 `inputs`, repeated at the decoder)."""
+    [batch, layers, heads]` multiplying each head's output (batch-1 `inputs`, repeated at the decoder; no cache)."""
     with gated_heads(model, gates), decoder_input(model, lambda x: x.expand(gates.shape[0], -1, -1)):
-        logits = model(**inputs, logits_to_keep=1).logits[:, -1]
+        logits = model(**inputs, logits_to_keep=1, use_cache=False).logits[:, -1]
     return logits.float().log_softmax(-1).cpu()
 
 

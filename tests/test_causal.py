@@ -1,5 +1,6 @@
 """hap.causal: exact head ablation against a plain loop, planted heads and tokens found, attribution vs ablation."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -9,19 +10,20 @@ import torch
 import hap
 from analysis.ground_truth import spearman
 from hap import causal
-from hap.patch import attention_outputs
+from hap.patch import attention_outputs, decoder_of
 from tiny_models import CASES, noise_image, tiny_llava
 
 PROMPT = "what color is it ?"
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-llava"
 
 
-def loop_ablation(model, inputs: dict) -> torch.Tensor:
-    """`[layers, heads]`: log p drop of the stock answer with one head's o_proj input slice zeroed, one forward each."""
+def loop_ablation(model, inputs: dict, answer: int | None = None) -> torch.Tensor:
+    """`[layers, heads]`: log p drop of `answer` (None: the stock answer) with one head's o_proj input slice zeroed, one
+    forward each."""
     L, H = causal.head_layout(model)
     with torch.no_grad():
         base = model(**inputs).logits[0, -1].log_softmax(-1)
-        answer = int(base.argmax())
+        answer = int(base.argmax()) if answer is None else answer
         out = torch.zeros(L, H)
         for layer, proj in enumerate(attention_outputs(model)):
             for head in range(H):
@@ -52,6 +54,48 @@ def test_ablation_equals_a_plain_loop(case):
     assert answer == stock
     torch.testing.assert_close(batched, loop_ablation(model, inputs), atol=1e-5, rtol=0)
     assert hooks(model) == before
+
+
+def test_ablation_keeps_no_kv_cache():
+    """Each batched forward of the ablation runs without a cache (16 decoder copies each keeping one was waste)."""
+    model, make = CASES["llava"]()
+    caches = []
+    handle = decoder_of(model).register_forward_hook(lambda m, a, kw, out: caches.append(out.get("past_key_values")),
+                                                     with_kwargs=True)
+    causal.ablation(model, make([PROMPT]), batch_size=5)
+    handle.remove()
+    assert len(caches) == math.ceil((1 + 4 * 4) / 5) and all(c is None for c in caches), caches
+
+
+def test_exact_ablation_is_refused_above_the_budget_naming_attribution(monkeypatch):
+    """causal='ablation' asked by name (the page's radio, /analyze, the CLI) obeys ABLATION_BUDGET as 'auto' does."""
+    from app import causal as page
+
+    model, processor = tiny_llava()
+    assert causal.resolve_setting(model, "ablation") == "ablation"  # the tiny model is within the budget
+    L, H = causal.head_layout(model)
+    monkeypatch.setattr(causal, "ABLATION_BUDGET", L * H * sum(p.numel() for p in model.parameters()) - 1)
+    refusal = r"causal='ablation' runs one forward per head, 4 x 4 heads .*> ABLATION_BUDGET.*use causal='attribution'"
+    with pytest.raises(ValueError, match=refusal):
+        causal.resolve_setting(model, "ablation")
+    with pytest.raises(ValueError, match=refusal):
+        page.analyze(model, processor, noise_image(1), PROMPT, "ablation", hap.InputLimits())
+    assert causal.resolve_setting(model, "auto") == "attribution"
+
+
+def test_ablation_explains_the_answer_token_of_the_token_importance(monkeypatch):
+    """Head and token importance explain one answer token, taken once (from the gradient pass), even where the two
+    passes' greedy tokens could differ (a near tie in half precision): forced here by another token."""
+    model, processor = tiny_llava()
+    image = noise_image(1)
+    inputs = causal.prepare(model, processor, image, PROMPT)
+    real = causal.gradients
+    stock = real(model, inputs)[0]
+    other = (stock + 1) % model.config.text_config.vocab_size
+    monkeypatch.setattr(causal, "gradients", lambda model, inputs, *a: (other, *real(model, inputs, *a)[1:]))
+    found = causal.analyze(model, processor, image, PROMPT, mode="ablation")
+    assert found.answer_token == other
+    torch.testing.assert_close(found.head_importance, loop_ablation(model, inputs, other), atol=1e-5, rtol=0)
 
 
 def test_public_api_shapes_modes_and_errors():
