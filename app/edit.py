@@ -10,7 +10,7 @@ compares the run on the edited image with the run on the original: answers, head
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -104,36 +104,60 @@ def differs(a: Image.Image, b: Image.Image, tolerance: int = EDIT_TOLERANCE) -> 
 
 @dataclass(frozen=True)
 class EditDiff:
-    """What an edit changed in one method's run: before = the original image, after = the edited one."""
+    """What an edit changed in one method's run: before = the original image, after = the edited one. Kept tokens are
+    compared by index only on one token grid: a crop on a model of dynamic resolution (Qwen2-VL) changes the grid,
+    and then the two runs' kept tokens are shown side by side, not compared."""
 
     answers: tuple[str, str]  # (before, after)
     classes: list[tuple[int, int, str, str]]  # (layer, head, class before, class after) of the heads that changed
     scored_heads: int  # heads classed in both runs
-    kept: list[tuple[set[int], set[int], set[int]]]  # per group: (kept in both, only before, only after)
+    kept: list[tuple[set[int], set[int], set[int]]] | None  # per group: (in both, only before, only after); None
+    #                                                         where the grids differ
     after: views.ViewData  # the edited run, drawn under the diff
+    before: views.ViewData  # the run on the original
 
     @classmethod
     def of(cls, before: views.ViewData, after: views.ViewData, answers: tuple[str, str]) -> EditDiff:
         pairs = [(layer, head, b, a) for layer, (row_b, row_a) in enumerate(zip(before.head_class, after.head_class))
                  for head, (b, a) in enumerate(zip(row_b, row_a)) if b and a]
-        kept = kept_changes([g.kept for g in before.groups], [g.kept for g in after.groups])
-        return cls(answers, [p for p in pairs if p[2] != p[3]], len(pairs), kept, after)
+        kept = kept_changes([g.kept for g in before.groups], [g.kept for g in after.groups]) \
+            if before.grid == after.grid else None
+        return cls(answers, [p for p in pairs if p[2] != p[3]], len(pairs), kept, after, before)
 
     def to_json(self) -> dict:
-        """The diff for API callers: answers, changed heads, and per group the kept tokens only before / after."""
-        return {"answer_original": self.answers[0], "answer_edited": self.answers[1],
-                "classes_changed": [list(c) for c in self.classes], "scored_heads": self.scored_heads,
-                "kept": [{"group": g.index, "both": len(both), "only_original": sorted(lost),
-                          "only_edited": sorted(gained)} for g, (both, lost, gained) in zip(self.after.groups, self.kept)]}
+        """The diff for API callers: answers, changed heads, both token grids and per group the kept tokens only
+        before / after ("kept"; None where the grids differ, and then "kept_by_run": each run's kept tokens)."""
+        out = {"answer_original": self.answers[0], "answer_edited": self.answers[1],
+               "classes_changed": [list(c) for c in self.classes], "scored_heads": self.scored_heads,
+               "grids": {"original": list(self.before.grid), "edited": list(self.after.grid)}, "kept": None}
+        if self.kept is None:
+            out["kept_by_run"] = [{"group": a.index, "original": sorted(b.kept), "edited": sorted(a.kept)}
+                                  for b, a in zip(self.before.groups, self.after.groups)]
+        else:
+            out["kept"] = [{"group": g.index, "both": len(both), "only_original": sorted(lost),
+                            "only_edited": sorted(gained)} for g, (both, lost, gained) in zip(self.after.groups,
+                                                                                            self.kept)]
+        return out
 
     def text(self) -> str:
-        """Markdown: the answers, the heads whose class changed, the kept tokens that changed per group."""
+        """Markdown: the answers, the heads whose class changed, the kept tokens that changed per group (or, where
+        the grids differ, each run's count)."""
         before, after = self.answers
         lines = [f"**The edit's effect on {self.after.method}.** Answer on the original: **{before}**; on the edited "
                  f"image: **{after}**" + (" (unchanged)." if before == after else "."),
                  f"- Head classes: {len(self.classes)} of the {self.scored_heads} heads scored in both runs changed"
                  + (": " + ", ".join(f"layer {l} head {h} {b} → {a}" for l, h, b, a in self.classes[:12])
                     + (", ..." if len(self.classes) > 12 else "") if self.classes else "") + "."]
+        if self.kept is None:
+            (rb, cb), (ra, ca) = self.before.grid, self.after.grid
+            lines.append(f"- The edit changed the token grid ({rb} x {cb} tokens on the original, {ra} x {ca} on the "
+                         "edited image: a crop on a model of dynamic resolution), so a token index covers different "
+                         "patches in the two runs: their kept tokens are shown side by side, not compared.")
+            lines += [f"- Group {a.index}: {len(b.kept)} of {self.before.shape[2]} tokens kept on the original, "
+                      f"{len(a.kept)} of {self.after.shape[2]} on the edited image."
+                      for b, a in zip(self.before.groups, self.after.groups)]
+            lines.append("\nAn edited scene has no saved ground truth: its answering patches are not outlined.")
+            return "\n".join(lines)
         for g, (both, lost, gained) in zip(self.after.groups, self.kept):
             lines.append(f"- Group {g.index}: {len(both)} kept tokens in both runs, {len(lost)} kept only on the "
                          f"original, {len(gained)} only on the edited image.")
@@ -143,9 +167,12 @@ class EditDiff:
 
     def figure(self):
         """Each group's kept tokens over the edited image (the rest dimmed), with the tokens kept only after the edit
-        marked + and those kept only before marked x."""
+        marked + and those kept only before marked x; where the grids differ, each run's kept tokens over its own
+        image, side by side."""
         import plotly.graph_objects as go
 
+        if self.kept is None:
+            return self.side_by_side()
         data = self.after
         grid_cols = data.grid[1]
         panels = []
@@ -166,3 +193,13 @@ class EditDiff:
                     hovertemplate=f"token %{{customdata}}: {label}<extra></extra>", customdata=index,
                 ), i // 3 + 1, i % 3 + 1)
         return fig
+
+    def side_by_side(self):
+        """Each group's kept tokens on the original (left, its grid) and on the edited image (right, its grid)."""
+        runs = (("original", self.before), ("edited", self.after))
+        shown = [[replace(p, title=f"{name}, {p.title}", grid=data.grid) for p in views.mask_panels(data).panels]
+                 for name, data in runs]
+        panels = [p for pair in zip(*shown) for p in pair]
+        return views.panels_plotly(views.Panels(panels, self.after.grid, cols=2, width=650),
+                                   "Kept tokens on the original (left) and the edited image (right): the token grids "
+                                   "differ, so no token is compared")

@@ -75,6 +75,7 @@ class Panel:
     scores: np.ndarray | None = None  # [rows, cols] raw token scores, NaN where the token is absent
     present: np.ndarray | None = None  # bool [rows, cols] tokens in the sequence (None: all of them)
     outline: np.ndarray | None = None  # bool [rows, cols] patches outlined (the answering patches), or none
+    grid: tuple[int, int] | None = None  # (rows, cols) of its own visual grid where it differs from its Panels'
 
     @classmethod
     def map(cls, title: str, view: np.ndarray, scores: np.ndarray, outline: np.ndarray | None = None) -> Panel:
@@ -482,21 +483,23 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
     height = 40 + lines * TITLE_LINE_PX + rows_n * (20 + lines * TITLE_LINE_PX + multiples.width // max(cols, 3))
     fig = make_subplots(rows_n, cols, subplot_titles=titles, horizontal_spacing=0.02,
                         vertical_spacing=(10 + lines * TITLE_LINE_PX) / height)
-    uris: dict[bytes, str] = {}  # one encoded image per set of dimmed tokens
+    uris: dict[tuple[int, bytes], str] = {}  # one encoded image per image and set of dimmed tokens
     for i, panel in enumerate(panels):
-        key = b"" if panel.present is None else panel.present.tobytes()
+        key = id(panel.view), b"" if panel.present is None else panel.present.tobytes()
         uris.setdefault(key, _data_uri(panel.background()))
-        for trace in _panel_traces(panel, uris[key], multiples.grid):
+        grid_rows, grid_cols = grid = panel.grid or multiples.grid
+        for trace in _panel_traces(panel, uris[key], grid):
             fig.add_trace(trace, i // cols + 1, i % cols + 1)
         if panel.outline is not None and panel.outline.any():
             xs, ys = outline_segments(panel.outline)
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color=OUTLINE_COLOR, width=2),
                                      hoverinfo="skip", showlegend=False), i // cols + 1, i % cols + 1)
         suffix = "" if i == 0 else str(i + 1)
-        fig.layout[f"yaxis{suffix}"].update(scaleanchor=f"x{suffix}", autorange="reversed")
-    grid_rows, grid_cols = multiples.grid
-    fig.update_xaxes(visible=False, range=[-0.5, grid_cols - 0.5], constrain="domain")
-    fig.update_yaxes(visible=False, range=[grid_rows - 0.5, -0.5], constrain="domain")
+        fig.layout[f"xaxis{suffix}"].update(range=[-0.5, grid_cols - 0.5])
+        fig.layout[f"yaxis{suffix}"].update(scaleanchor=f"x{suffix}", autorange="reversed",
+                                            range=[grid_rows - 0.5, -0.5])
+    fig.update_xaxes(visible=False, constrain="domain")
+    fig.update_yaxes(visible=False, constrain="domain")
     fig.update_annotations(font_size=11)
     fig.update_layout(title=title, height=height, margin=dict(l=10, r=10, t=60 + lines * TITLE_LINE_PX, b=10),
                       coloraxis=dict(colorscale=[[at, f"rgba({r},{g},{b},{a})"] for at, (r, g, b, a) in MAP_STOPS],
@@ -682,9 +685,9 @@ def panels_draw(multiples: Panels, title: str) -> Figure:
     rows_n = max(1, math.ceil(len(panels) / cols))
     fig = Figure(figsize=(2.6 * cols, 2.6 * rows_n + 0.5), layout="constrained")
     axes = fig.subplots(rows_n, cols, squeeze=False).ravel()
-    grid_rows, grid_cols = multiples.grid
-    extent = (-0.5, grid_cols - 0.5, grid_rows - 0.5, -0.5)
     for ax, panel in zip(axes, panels):
+        grid_rows, grid_cols = panel.grid or multiples.grid
+        extent = (-0.5, grid_cols - 0.5, grid_rows - 0.5, -0.5)
         ax.imshow(panel.background(), extent=extent)
         if panel.scores is not None:
             ax.imshow(relative(panel.scores), extent=extent, cmap=cmap, vmin=0, vmax=1, interpolation="nearest")

@@ -103,11 +103,11 @@ def test_a_path_outside_the_uploads_and_examples_is_refused_with_one_message(tmp
     assert image_input({"path": str(SCENE)}, InputLimits()).source == str(SCENE)  # an example, without meta too
 
 
-def view(kept: list[list[int]], classes: list[list[str]]) -> views.ViewData:
-    grid, visual = (2, 2), 4
+def view(kept: list[list[int]], classes: list[list[str]], grid: tuple[int, int] = (2, 2)) -> views.ViewData:
+    visual = grid[0] * grid[1]
     layers, heads = len(classes), len(classes[0])
     empty = np.zeros((layers, heads, visual))
-    return views.ViewData(image=np.zeros((8, 8, 3), np.uint8), grid=grid, head_class=classes,
+    return views.ViewData(image=np.zeros((4 * grid[0], 4 * grid[1], 3), np.uint8), grid=grid, head_class=classes,
                           stats=np.zeros((layers, heads, 4)), head_maps=empty, head_attention=empty,
                           layer_maps=np.zeros((layers, visual)), group_maps=np.zeros((len(kept), visual)),
                           group_uniform=np.zeros((len(kept), visual)),
@@ -127,3 +127,25 @@ def test_the_edit_diff_names_changed_heads_and_kept_tokens():
     marks = [t for t in figure.data if t.type == "scatter"]
     assert [list(t.customdata) for t in marks] == [[3], [1], [3], [0]]
 
+
+def test_a_crop_that_changes_the_grid_shows_the_kept_tokens_side_by_side():
+    """On Qwen2-VL a crop changes the token grid (12 x 10 -> 8 x 8): token 100 covers different patches in the two
+    runs (row 10 of the original, row 12 of an 8-row grid), so the kept tokens are never intersected by index: each
+    run's are shown over its own image and grid, and the text and JSON say so."""
+    before = view([[5, 100, 119]], [["optimal", "sink"]], grid=(12, 10))
+    after = view([[3, 60]], [["optimal", "optimal"]], grid=(8, 8))
+    diff = EditDiff.of(before, after, ("red", "red"))
+    assert diff.kept is None and diff.classes == [(0, 1, "sink", "optimal")]
+    report = diff.to_json()
+    assert report["kept"] is None and report["grids"] == {"original": [12, 10], "edited": [8, 8]}
+    assert report["kept_by_run"] == [{"group": 0, "original": [5, 100, 119], "edited": [3, 60]}]
+    text = diff.text()
+    assert "changed the token grid (12 x 10 tokens on the original, 8 x 8 on the edited image" in text
+    assert "side by side, not compared" in text and "3 of 120 tokens kept on the original, 2 of 64" in text
+    assert "kept tokens in both runs" not in text and "only on the edited" not in text
+    figure = diff.figure()
+    assert not [t for t in figure.data if t.type == "scatter"]  # no + / x marker, none off an image
+    masks = [np.asarray(t.z) for t in figure.data if t.type == "heatmap"]
+    assert [m.shape for m in masks] == [(12, 10), (8, 8)]
+    assert sorted(np.flatnonzero(masks[0])) == [5, 100, 119] and sorted(np.flatnonzero(masks[1])) == [3, 60]
+    assert (tuple(figure.layout.yaxis.range), tuple(figure.layout.yaxis2.range)) == ((11.5, -0.5), (7.5, -0.5))
