@@ -3,7 +3,9 @@ its run, so that picking a turn shows it in every view.
 
 `/analyze` takes the earlier turns as `history` (`[question, answer]` pairs; `hap.run` builds the chat prompt
 over them). The page keeps its own turns in a `gr.State`; a history that is not this page's conversation (an
-API caller's, or a new conversation) starts the turns afresh, the given ones marked as not run here.
+API caller's, or a new conversation) starts the turns afresh, the given ones marked as not run here. A follow-up
+of this page's conversation must ask about its image with its model (each turn run here records both), so that
+"since turn k" compares kept tokens of one image and one model; after either changed it is refused.
 """
 
 from __future__ import annotations
@@ -24,15 +26,26 @@ class Turn:
     kept: list[list[int]] = field(default_factory=list)
     num_visual: int = 0
     outputs: dict = field(default_factory=dict)
+    image: str = ""  # the image it was run on (`app.handler.image_key` of its pixels), "" when not run here
+    model: str = ""  # the model that answered it, "" when not run here
 
 
-def continued(turns: Sequence[Turn] | None, history: Sequence[tuple[str, str]]) -> list[Turn]:
+def continued(turns: Sequence[Turn] | None, history: Sequence[tuple[str, str]], image: str, model: str) -> list[Turn]:
     """The page's stored turns when `history` is exactly their questions and answers, else `history` as turns not
-    run here (a new conversation, or an API caller's own history)."""
+    run here (a new conversation, or an API caller's own history). ValueError when the stored turns were run on
+    another image (`image`: the new turn's key) or by another model than `model`."""
     stored = list(turns or [])
-    if [(t.question, t.answer) for t in stored] == [tuple(pair) for pair in history]:
-        return stored
-    return [Turn(q, a) for q, a in history]
+    if not history or [(t.question, t.answer) for t in stored] != [tuple(pair) for pair in history]:
+        return [Turn(q, a) for q, a in history]
+    for i, turn in enumerate(stored):
+        changed = [what for what, same in (("image", turn.image == image), ("model", turn.model == model))
+                   if turn.outputs and not same]
+        if changed:
+            raise ValueError(f"the {' and the '.join(changed)} changed since {label(i)} of this conversation: a "
+                             "follow-up asks about the conversation's own image with its model, and kept tokens are "
+                             f"compared only within one. Press Run (new conversation) to ask about this "
+                             f"{' with this '.join(changed)}.")
+    return stored
 
 
 def label(index: int) -> str:

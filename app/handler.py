@@ -297,6 +297,8 @@ class Handler:
         picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
         limits = self.settings.limits
         img = load(picture.source, picture.name, limits)
+        pixels = image_key(img)
+        earlier = chat.continued(turns, history, pixels, model_name)  # a follow-up: the same image and model
         info, conversion = describe_input(picture.source, picture.name, img)
         meta = file_metadata(picture.source)  # the upload's own text chunks, before any conversion
         progress(0.02, desc=f"loading {model_name}")
@@ -335,8 +337,9 @@ class Handler:
             "edit_diff_plot": None if edit is None else edit.figure(),
             "state": data,
         }
-        turn = chat.Turn(prompt, comparison.pruned.answer, [list(g.kept) for g in data.groups], data.shape[2], outputs)
-        conversation = [*chat.continued(turns, history), turn]
+        turn = chat.Turn(prompt, comparison.pruned.answer, [list(g.kept) for g in data.groups], data.shape[2], outputs,
+                         pixels, model_name)
+        conversation = [*earlier, turn]
         return {**outputs, **conversation_outputs(conversation, len(conversation) - 1)}
 
     def edit_diff(self, picture: ImageInput, prompt: str, config: hap.HAPConfig, history: list[tuple[str, str]],

@@ -73,14 +73,36 @@ def test_a_malformed_or_oversized_history_is_refused_by_name(client, model_name,
 
 
 def test_turns_continue_this_pages_conversation_and_pick_any_turn():
-    first = chat.Turn(PROMPT, "purple", [[0, 1]], 4, {"summary": 1})
-    assert chat.continued([first], [(PROMPT, "purple")]) == [first]
-    assert chat.continued([first], [(PROMPT, "red")]) == [chat.Turn(PROMPT, "red")]  # another conversation
-    second = chat.Turn(FOLLOW_UP, "triangle", [[1, 2]], 4, {"summary": 2})
+    first = chat.Turn(PROMPT, "purple", [[0, 1]], 4, {"summary": 1}, "scene", "tiny")
+    assert chat.continued([first], [(PROMPT, "purple")], "scene", "tiny") == [first]
+    assert chat.continued([first], [(PROMPT, "red")], "other", "tiny") == [chat.Turn(PROMPT, "red")]  # another one
+    second = chat.Turn(FOLLOW_UP, "triangle", [[1, 2]], 4, {"summary": 2}, "scene", "tiny")
     assert chat.pick([first, second], "turn 2") is second
     assert "since turn 1: group 0 +1 −1" in chat.messages([first, second])[3]["content"]
     with pytest.raises(ValueError, match="turn 1 was given as history, not run on this page"):
         chat.pick([chat.Turn(PROMPT, "red"), second], "turn 1")
+
+
+def test_a_follow_up_after_the_image_or_the_model_changed_is_refused(model_name):
+    """The page's follow-up continues one image with one model: after either changed (another upload, an edit, another
+    model) it is refused, before any run, and says so; "since turn 1" never compares two images' kept tokens."""
+    import gradio as gr
+
+    from app.handler import Handler
+    from app.settings import Settings, knob_defaults
+
+    stored = [chat.Turn(PROMPT, "purple", [[0, 1]], 4, {"summary": 1}, "scene", "tiny")]
+    for image, model, changed in (("other", "tiny", "the image changed"), ("scene", "big", "the model changed"),
+                                  ("other", "big", "the image and the model changed")):
+        with pytest.raises(ValueError, match=rf"^{changed} since turn 1 of this conversation.*Press Run"):
+            chat.continued(stored, [(PROMPT, "purple")], image, model)
+    handler, knobs = Handler(Settings(models=[model_name])), {**knob_defaults(model_name), **FAST, "causal": "off"}
+    first = handler.analyze(file(SCENE), PROMPT, model_name, **knobs)
+    follow = dict(history=first["history"], turns=first["turns"])
+    with pytest.raises(gr.Error, match=r"the image changed since turn 1 .*ask about this image\."):
+        handler.analyze(file(SCENE.with_name("scene_600001.png")), FOLLOW_UP, model_name, **follow, **knobs)
+    second = handler.analyze(file(SCENE), FOLLOW_UP, model_name, **follow, **knobs)  # the same image: it continues
+    assert "; since turn 1: group 0" in second["conversation"][3]["content"]
 
 
 def test_an_edited_composite_is_analysed_like_the_same_pixels_uploaded(model_name, uploads):
