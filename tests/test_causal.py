@@ -83,6 +83,26 @@ def test_exact_ablation_is_refused_above_the_budget_naming_attribution(monkeypat
     assert causal.resolve_setting(model, "auto") == "attribution"
 
 
+def test_the_app_refuses_ablation_above_the_budget_before_any_run(monkeypatch, tmp_path):
+    """/analyze and the page (one handler) refuse causal='ablation' above the budget as a message, before the three
+    runs of the comparison."""
+    import gradio as gr
+    from app_model import ROOT, default_model
+
+    import app.handler as handler_module
+    from app.settings import Settings, knob_defaults
+
+    name = default_model(tmp_path)
+    ran = []
+    monkeypatch.setattr(handler_module, "_compare", lambda *args, **kwargs: ran.append(args))
+    monkeypatch.setattr(causal, "ABLATION_BUDGET", 0)
+    scene = {"path": str(ROOT / "assets" / "examples" / "scene_600000.png")}
+    with pytest.raises(gr.Error, match=r"causal='ablation' runs one forward per head.*use causal='attribution'"):
+        handler_module.Handler(Settings(models=[name])).analyze(scene, PROMPT, name, causal="ablation",
+                                                                 **knob_defaults(name))
+    assert not ran
+
+
 def test_ablation_explains_the_answer_token_of_the_token_importance(monkeypatch):
     """Head and token importance explain one answer token, taken once (from the gradient pass), even where the two
     passes' greedy tokens could differ (a near tie in half precision): forced here by another token."""
