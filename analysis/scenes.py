@@ -417,13 +417,13 @@ def make_questions(scene: Scene, seed: int, n: int | None = None,
     return out
 
 
-def heldout_items(seeds: range, per_scene: int) -> Iterator[tuple[Scene, Question]]:
-    """Yield (scene, question) pairs for held-out seeds (all must be < TRAIN_SEED_START)."""
+def heldout_items(seeds: range, per_scene: int, kinds: tuple[str, ...] = QTYPES) -> Iterator[tuple[Scene, Question]]:
+    """Yield (scene, question) pairs for held-out seeds (all must be < TRAIN_SEED_START), questions of `kinds`."""
     if seeds.start < 0 or max(seeds, default=0) >= TRAIN_SEED_START:
         raise ValueError(f"held-out seeds must lie in [0, {TRAIN_SEED_START})")
     for seed in seeds:
         scene = make_scene(seed)
-        for q in make_questions(scene, seed, per_scene):
+        for q in make_questions(scene, seed, per_scene, kinds):
             yield scene, q
 
 

@@ -259,7 +259,8 @@ def answer_log_probs(model, inputs: dict, gates: torch.Tensor) -> torch.Tensor:
 def gradients(model, inputs: dict, score: str = TOKEN_SCORE) -> tuple[int, float, torch.Tensor, torch.Tensor]:
     """(answer token, its log p, attribution `[layers, heads]`, token importance `[visual]`) of batch-1 `inputs`
     from one forward and one backward: d log p / d gate of each head's output, and `TOKEN_SCORES[score]` (by
-    default |gradient x (input - mean visual input)|) of the visual embeddings entering the decoder."""
+    default |gradient x (input - mean visual input)|) of the visual embeddings entering the decoder. In a half-precision
+    model log p, each gate's product and gradient and the token scores are float32 (docs/method.md §13)."""
     if score not in TOKEN_SCORES:
         raise ValueError(f"score={score!r}: choose one of {', '.join(TOKEN_SCORES)}")
     L, H = head_layout(model)
@@ -298,8 +299,9 @@ def gated_heads(model, gates: torch.Tensor) -> Iterator[None]:
 def _gate(gates: torch.Tensor, layer: int, module, args: tuple) -> tuple:
     x = args[0]  # [B, T, heads * head_dim]
     B, T, D = x.shape
-    g = gates[:, layer].to(x)  # [B|1, heads]
-    return ((x.view(B, T, g.shape[-1], -1) * g[:, None, :, None]).view(B, T, D), *args[1:])
+    g = gates[:, layer].float()  # [B|1, heads]
+    gated = x.float().view(B, T, g.shape[-1], -1) * g[:, None, :, None]  # in float32, so is d/d gate's sum over T
+    return (gated.view(B, T, D).to(x.dtype), *args[1:])
 
 
 @contextmanager
