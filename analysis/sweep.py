@@ -1,5 +1,7 @@
 """A budget sweep on one input: every pruning method at budgets from 1.0 down to the smallest the model
-reaches, with its greedy answer and the probability it gives the unpruned answer (docs/method.md §4, §7).
+reaches, with its greedy answer and the probability it gives the unpruned answer (docs/method.md §4, §7). A method
+the model refuses by name (VisionZip without a [CLS] token, PyramidDrop on Qwen2-VL's M-RoPE) is left out and listed
+with the reason.
 
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
@@ -12,7 +14,7 @@ answer's tokens, generated on the pruned cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +23,7 @@ import torch
 import hap
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits, load_image
+from hap.patch import refusal
 from hap.patch.decoder import decoder_shape
 from hap.run import build_inputs
 
@@ -38,16 +41,25 @@ def short_answer(text: str, words: int = ANSWER_WORDS) -> str:
     return " ".join(lines[0].split()[:words]) if lines else ""
 
 
-def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int) -> float:
-    """The smallest retain every method of METHODS reaches on `shape`: the largest of their floors (the first K
+def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int,
+                    methods: Sequence[str] = METHODS) -> float:
+    """The smallest retain every method of `methods` reaches on `shape`: the largest of their floors (the first K
     full layers keep every token, every later layer one; `hap.budget.smallest_retain`)."""
     return max(floor_retain(replace(config, method=m, retain=None, flops_ratio=None), shape, num_visual)
-               for m in METHODS)
+               for m in methods)
 
 
-def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, points: int = POINTS) -> list[float]:
-    """`points` retains from 1.0 down to `smallest_retain`, evenly spaced on a log scale."""
-    return [float(r) for r in np.geomspace(1.0, smallest_retain(config, shape, num_visual), points)]
+def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, points: int = POINTS,
+            methods: Sequence[str] = METHODS) -> list[float]:
+    """`points` retains from 1.0 down to `smallest_retain` of `methods`, evenly spaced on a log scale."""
+    return [float(r) for r in np.geomspace(1.0, smallest_retain(config, shape, num_visual, methods), points)]
+
+
+def refused(model, config: hap.HAPConfig) -> dict[str, str]:
+    """{method: why} for the METHODS `model` does not take (`hap.patch.refusal`: visionzip without a [CLS] token,
+    pdrop on Qwen2-VL's M-RoPE)."""
+    why = {m: refusal(model, replace(config, method=m, retain=None, flops_ratio=None)) for m in METHODS}
+    return {m: w for m, w in why.items() if w is not None}
 
 
 def answer_probability(model, inputs, config: hap.HAPConfig, answer_ids: list[int]) -> float | None:
@@ -71,8 +83,9 @@ def reference_config(config: hap.HAPConfig) -> hap.HAPConfig:
 
 def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_tokens: int, limits: InputLimits,
           on_step: Callable[[float, str], None] | None = None) -> dict:
-    """`{"retain": [R], "methods": {name: {"answers": [R], "answer_prob": [R]}}, "unpruned": {...}}` for every
-    method of METHODS at `budgets(...)`, `config`'s other knobs unchanged (its method and budget are replaced)."""
+    """`{"retain": [R], "methods": {name: {"answers": [R], "answer_prob": [R]}}, "unpruned": {...}, "refused": {name:
+    why}}` for every method of METHODS the model takes (`refused`) at `budgets(...)`, `config`'s other knobs unchanged
+    (its method and budget are replaced)."""
     step = on_step or (lambda fraction, description: None)
     image = load_image(image, limits)
 
@@ -88,12 +101,14 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     inputs, _, _ = build_inputs(processor, image, prompt, limits)
     inputs = inputs.to(next(model.parameters()).device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    retains = budgets(config, decoder_shape(model), num_visual)
+    refusals = refused(model, config)
+    methods = [m for m in METHODS if m not in refusals]
+    retains = budgets(config, decoder_shape(model), num_visual, methods=methods)
     stock = answer_probability(model, inputs, reference_config(config), answer_ids)
-    out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in METHODS},
-           "unpruned": {"answer": reference, "answer_prob": stock}}
-    for i, method in enumerate(METHODS):
-        step(i / len(METHODS), f"{method}: {len(retains)} budgets")
+    out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
+           "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals}
+    for i, method in enumerate(methods):
+        step(i / len(methods), f"{method}: {len(retains)} budgets")
         for retain in retains:
             cfg = replace(config, method=method, retain=retain, flops_ratio=None)
             out["methods"][method]["answers"].append(answer(cfg)[0])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from PIL import Image
-from tiny_models import tiny_llava
+from tiny_models import CASES, tiny_llava
 
 import hap
-from analysis.sweep import METHODS, answer_probability, budgets, short_answer, smallest_retain, sweep
+from analysis.sweep import METHODS, answer_probability, budgets, refused, short_answer, smallest_retain, sweep
 from hap.inputs import DEFAULT_LIMITS
 from hap.run import build_inputs
 
@@ -24,6 +24,16 @@ def test_the_smallest_budget_is_reached_by_every_method(first_layers, floor):
     assert floor < low < floor + 0.01  # the first K layers keep everything, the groups a token or so each
     for method in METHODS:  # each one plans it, every group keeping at least one token
         assert min(hap.plan(hap.HAPConfig(method=method, first_layers=first_layers, retain=low), LLAVA, 576).kept) >= 1
+
+
+def test_methods_a_model_refuses_are_named_and_leave_the_floor():
+    """Qwen2-VL takes neither VisionZip (no [CLS] token) nor PyramidDrop (renumbered M-RoPE positions): the sweep
+    leaves them out with the adapter's reason, and its smallest budget is that of the methods it runs."""
+    qwen, _ = CASES["qwen2-vl"]()
+    assert set(refused(qwen, hap.HAPConfig())) == {"visionzip", "pdrop"} and not hasattr(qwen, "_hap")
+    assert "[CLS]" in refused(qwen, hap.HAPConfig())["visionzip"] and refused(tiny_llava()[0], hap.HAPConfig()) == {}
+    config, rest = hap.HAPConfig(first_layers=0), [m for m in METHODS if m != "visionzip"]
+    assert smallest_retain(config, LLAVA, 576, rest) < smallest_retain(config, LLAVA, 576)  # VisionZip keeps 2
 
 
 def test_budgets_run_from_everything_down_to_the_smallest():

@@ -59,6 +59,17 @@ def remove(model) -> None:
     adapter_for(model).remove_patch(model)
 
 
+def refusal(model, config: HAPConfig) -> str | None:
+    """Why `model` does not take `config` (its adapter's message: visionzip without a [CLS] token, pdrop's
+    renumbered positions on M-RoPE, ...), or None when it does; the model is left unpatched."""
+    try:
+        apply(model, config)
+    except ValueError as err:
+        return str(err)
+    remove(model)
+    return None
+
+
 @contextmanager
 def patched(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
             tail: int | None = None, lead: int = 0):
