@@ -53,17 +53,14 @@ from hap.run import free_memory, run
 
 from . import causal as causal_section
 from . import conversation as chat
+from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
 from .settings import Settings, check_model, is_local, resolve
 
-try:
-    import spaces
 
-    gpu = spaces.GPU(duration=120)
-except ImportError:  # not on ZeroGPU: run as is
-
-    def gpu(fn):
-        return fn
+def gpu(work: Callable[[zerogpu.Call], zerogpu.Work]) -> Callable[[Callable], Callable]:
+    """`zerogpu.gpu` on the loaded model: on ZeroGPU a call asks for the seconds its `work` takes there."""
+    return zerogpu.gpu(work, lambda: (LOADED.model, LOADED.processor))
 
 
 LOG = logging.getLogger("hap.app")
@@ -160,7 +157,7 @@ def check_settings(settings: dict) -> hap.HAPConfig:
     return hap.HAPConfig(**values, seed=SEED)
 
 
-@gpu
+@gpu(lambda call: zerogpu.answers(runs=4, traced=1, new_tokens=MAX_NEW_TOKENS))  # compare's three, one again
 def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
              history: list[tuple[str, str]]):
     """The GPU part: the three runs on the loaded model, then the chosen method untraced. Returns (comparison
@@ -177,7 +174,7 @@ def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: Inp
     return comparison, {label: untraced if r is comparison.pruned else r for label, r in comparison.items()}
 
 
-@gpu
+@gpu(lambda call: zerogpu.answers(runs=1, traced=1, new_tokens=MAX_NEW_TOKENS))
 def _original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits,
               history: list[tuple[str, str]]) -> hap.Result:
     """The GPU part of an edit's comparison: the chosen method, traced, on the original image."""
@@ -185,7 +182,7 @@ def _original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: In
                history=history)
 
 
-@gpu
+@gpu(zerogpu.causal_work)
 def _causal(image: Image.Image, prompt: str, setting: str | None, limits: InputLimits,
             history: list[tuple[str, str]], config: hap.HAPConfig, cuts: list[int]):
     """The GPU part of the "Is PAQ right?" section (`app.causal.analyze`; see `_compare` for ZeroGPU)."""
@@ -193,7 +190,7 @@ def _causal(image: Image.Image, prompt: str, setting: str | None, limits: InputL
                                   cuts)
 
 
-@gpu
+@gpu(lambda call: zerogpu.sweep_work(MAX_NEW_TOKENS))
 def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress):
     """The GPU part of `/sweep` (see `_compare` for ZeroGPU)."""
     return sweep(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
