@@ -4,7 +4,8 @@
     python -m analysis.speed --shape llava-7b                  # LLaVA-1.5-7B shape, bf16 on a GPU
     python -m analysis.speed --shape qwen2.5-vl-7b             # Qwen2.5-VL-7B shape (M-RoPE, GQA)
     python -m analysis.speed --shape llava-7b --layers 4       # the 7B width at reduced depth, on a CPU
-    python -m analysis.speed --shape llava-7b qwen2.5-vl-7b    # the GPU check: both 7B shapes, a few minutes
+    python -m analysis.speed --shape llava-7b qwen2.5-vl-7b    # both 7B shapes (python -m analysis.gpu_check: all of it)
+    python -m analysis.speed --shape llava-small qwen2.5-vl-small --repeats 1   # the smoke shapes, seconds on a CPU
 
 Random weights (no download): speed does not depend on them. The visual tokens are random
 features handed to the model in place of the vision tower's output (576 of them, a 24 x 24
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from transformers import (
@@ -41,28 +44,37 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import hap
 from hap.knobs import knob
+from hap.patch import refusal
 from hap.patch.decoder import decoder_shape
 
+T = TypeVar("T")
 IMAGE_TOKEN = 151655
 GRID = 24  # visual tokens per side
 SHAPES = {
     "mid": dict(family="llava", hidden=1024, layers=8, heads=16, kv=16, mlp=2816, vocab=32064),
     "llava-7b": dict(family="llava", hidden=4096, layers=32, heads=32, kv=32, mlp=11008, vocab=32064),
     "qwen2.5-vl-7b": dict(family="qwen", hidden=3584, layers=28, heads=28, kv=4, mlp=18944, vocab=152064),
+    "llava-small": dict(family="llava", hidden=64, layers=4, heads=4, kv=4, mlp=128, vocab=32064),
+    "qwen2.5-vl-small": dict(family="qwen", hidden=64, layers=4, heads=4, kv=2, mlp=128, vocab=152064),
 }
+QWEN_IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN - 3,
+                vision_end_token_id=IMAGE_TOKEN - 2)
 
 
-def random_vlm(shape: str, layers: int | None, dtype: torch.dtype, device: str):
-    """A random-weight VLM of the named decoder shape with a one-layer stand-in vision tower."""
+def random_vlm(shape: str, layers: int | None, dtype: torch.dtype, device: str, ids: dict[str, int] | None = None):
+    """A random-weight VLM of the named decoder shape with a small stand-in vision tower, built on `device` in
+    `dtype` (a 7B one never exists in float32 or on the CPU). `ids`: the special tokens of the processor it is used
+    with (`image_token_id`, and Qwen's video and vision start / end ids; default QWEN_IDS)."""
     s = SHAPES[shape]
+    ids = {**QWEN_IDS, **(ids or {})}
     text = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["mlp"],
                 num_hidden_layers=layers or s["layers"], num_attention_heads=s["heads"],
                 num_key_value_heads=s["kv"], max_position_embeddings=4096)
     if s["family"] == "llava":
         config = LlavaConfig(
-            vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                            num_attention_heads=2, image_size=GRID * 14, patch_size=14),
-            text_config=LlamaConfig(**text), image_token_index=IMAGE_TOKEN % s["vocab"],
+            text_config=LlamaConfig(**text), image_token_index=ids["image_token_id"] % s["vocab"],
         )
         cls = LlavaForConditionalGeneration
     else:
@@ -73,15 +85,14 @@ def random_vlm(shape: str, layers: int | None, dtype: torch.dtype, device: str):
                                                        "rope_theta": 1e6}},
             vision_config=dict(depth=1, hidden_size=64, out_hidden_size=s["hidden"], intermediate_size=128,
                                num_heads=2, fullatt_block_indexes=[0]),
-            image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN - 3,
-            vision_end_token_id=IMAGE_TOKEN - 2,
+            **ids,
         )
         cls = Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
     with torch.device(device):
-        model = cls(config)
+        model = cls._from_config(config, dtype=dtype)
     model.set_attn_implementation("sdpa")
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def make_inputs(model, text_tokens: int, device: str, with_image: bool = True) -> dict:
@@ -103,28 +114,34 @@ def make_inputs(model, text_tokens: int, device: str, with_image: bool = True) -
     return inputs
 
 
+def measured(fn: Callable[[], T], device: str) -> tuple[T, float, int | None]:
+    """(fn(), its wall seconds, the peak GPU memory allocated during it in bytes; None off CUDA)."""
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated() if cuda else None
+
+
 def timed(model, inputs: dict, config: hap.HAPConfig | None, device: str) -> tuple[float, float, float]:
     """(seconds, peak GPU GiB or nan, seconds inside the pruner's scoring) of one prefill."""
-    cuda = device.startswith("cuda")
     patch = hap.patch(model, config) if config is not None else None
     try:
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
         with torch.inference_mode():
-            model(**inputs)
-        if cuda:
-            torch.cuda.synchronize()
+            _, seconds, peak = measured(lambda: model(**inputs), device)
         scoring = patch.state.scoring_seconds if patch is not None and patch.state is not None else 0.0
-        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), scoring
+        return seconds, float("nan") if peak is None else peak / 2**30, scoring
     finally:
         if config is not None:
             hap.unpatch(model)
 
 
-def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
-    """Run the benchmark; returns {shape: rows} as printed (one dict per method and budget, see `table`)."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of `main` (also the settings `bench` takes)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=SHAPES, nargs="+", default=["mid"], help="one or more shapes, run in turn")
     p.add_argument("--layers", type=int, default=None, help="override the decoder depth (reduced depth on a CPU)")
@@ -139,8 +156,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     p.add_argument("--text-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
+    """Run the benchmark; returns {shape: rows} as printed (one dict per method and budget, see `table`)."""
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -153,8 +174,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
 
 
 def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype) -> list[dict]:
-    """Time every method and budget on one random-weight model, print the table and return its rows."""
-    model = random_vlm(name, args.layers, dtype, device)
+    """Time every method and budget on one random-weight model of shape `name` (`bench`)."""
+    return bench(random_vlm(name, args.layers, dtype, device), name, args, device)
+
+
+def bench(model, name: str, args: argparse.Namespace, device: str) -> list[dict]:
+    """Time every method and budget of `args` (`parser`) on `model`, print the table and return its rows."""
+    dtype = model.dtype
     inputs = make_inputs(model, args.text_tokens, device)
     shape = decoder_shape(model)
     first = args.first_layers
@@ -167,10 +193,14 @@ def bench_shape(name: str, args: argparse.Namespace, device: str, dtype: torch.d
             budget = dict(retain=retain, groups=args.groups, first_layers=first)
             config = hap.HAPConfig.paper(**budget) if method == "hap_paper" else hap.HAPConfig(method=method, **budget)
             try:
-                schedules[(method, retain)] = hap.plan(config, shape, GRID * GRID, args.text_tokens)
+                schedule = hap.plan(config, shape, GRID * GRID, args.text_tokens)
+                why = refusal(model, config)  # the architecture refuses it by name: pdrop on M-RoPE
             except ValueError as err:
-                skipped.append(f"{method} at {retain}: {err}")
+                why = str(err)
+            if why is not None:
+                skipped.append(f"{method} at {retain}: {why}")
                 continue
+            schedules[(method, retain)] = schedule
             runs[(method, retain)] = (inputs, config)
     runs[("text only", 0.0)] = (make_inputs(model, args.text_tokens, device, with_image=False), None)
     median, peak, scoring = measure(model, runs, args.repeats, device)

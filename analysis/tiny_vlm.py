@@ -91,15 +91,15 @@ def build_tokenizer(bos: bool = True) -> PreTrainedTokenizerFast:
         padding_side="left", model_max_length=512)
 
 
-def build_processor(layout: str = "text-first") -> LlavaProcessor:
-    """LlavaProcessor: 168-px CLIP-style image processing, 144 image tokens, chat template of ``layout``
-    (``LAYOUTS``: ``USER: <image>\\n...`` after ``<s>``, or the image at position 0 and ``USER:`` or the
+def build_processor(layout: str = "text-first", image_size: int = IMAGE_SIZE) -> LlavaProcessor:
+    """LlavaProcessor: CLIP-style image processing at ``image_size`` px (168: 144 image tokens), chat template of
+    ``layout`` (``LAYOUTS``: ``USER: <image>\\n...`` after ``<s>``, or the image at position 0 and ``USER:`` or the
     question itself after it)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; choose one of {', '.join(LAYOUTS)}")
     image_first = layout != "text-first"
     image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
         do_center_crop=True, image_mean=IMAGE_MEAN, image_std=IMAGE_STD)
     return LlavaProcessor(
         image_processor=image_processor, tokenizer=build_tokenizer(bos=not image_first), patch_size=PATCH,

@@ -1,0 +1,228 @@
+"""One prepared GPU check: what a GPU user depends on, on random-weight models at the real shapes, in minutes.
+
+    python -m analysis.gpu_check              # on a GPU: LLaVA-1.5-7B and Qwen2.5-VL-7B shapes, bf16, SDPA (< 8 min)
+    python -m analysis.gpu_check --smoke      # the same code on small shapes, float32 on the CPU (< 2 min; tested)
+
+No download: each model is built from its config with random weights directly on the device in bfloat16 (the
+decoder at its real shape, a one-layer stand-in vision tower: `analysis.speed.random_vlm`) and paired with a processor
+built here (the small model's word-level tokenizer; CLIP's 336-px image processing for LLaVA, Qwen2-VL's at 672 x 672
+for Qwen2.5-VL: 576 visual tokens each). Per shape, in this order, the JSON rewritten as each stage ends (a run cut
+short keeps what it measured):
+
+1. prefill speed (`analysis.speed.bench`): METHODS at RETAINS against the unpruned prefill, with the FLOPs-ideal
+   speed-up and the peak memory;
+2. the causal analysis's cost (`analysis.causal_speed.measure`): one unpruned prefill against one gradient pass
+   (attribution head importance and token importance);
+3. `/analyze` end to end through the app's handler on a shipped scene (causal="attribution", head utility included);
+4. `/sweep` through the handler: every method over the budgets.
+
+Writes `gpu_check.json` and `gpu_check.md` (`--smoke`: `gpu_check_smoke.*`) under `--out`. Random weights answer
+nonsense, so every generation runs to the token limit (the app's 32; `--smoke`: 4): the app's timings are upper bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+import transformers
+from transformers import Qwen2_5_VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.processing_utils import ProcessorMixin
+
+from analysis import causal_speed, speed
+from analysis.tiny_vlm import CHAT_TEMPLATE, build_processor, build_tokenizer
+from hap.knobs import KNOBS
+from hap.patch.decoder import decoder_shape
+
+SHAPES = ("llava-7b", "qwen2.5-vl-7b")
+SMOKE_SHAPES = ("llava-small", "qwen2.5-vl-small")  # the same families, 4 layers of width 64
+METHODS = ("hap", "hap_paper", "random", "fastv", "pdrop", "pdrop_ours")  # pdrop: refused on M-RoPE (Qwen)
+RETAINS = (0.222, 0.111, 0.056)
+ROOT = Path(__file__).resolve().parent.parent
+SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
+PROMPT = "what color is the square ?"
+QWEN_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+class ImageQwenProcessor(Qwen2_5_VLProcessor):
+    """Qwen2.5-VL's processor for images and text only: its video processor needs torchvision."""
+
+    def __init__(self, image_processor, tokenizer, chat_template=None):
+        self.image_token, self.video_token = QWEN_TOKENS[1], QWEN_TOKENS[3]
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+def processor_for(family: str):
+    """(processor with speed.GRID^2 visual tokens per image, the special-token ids its model needs)."""
+    if family == "llava":
+        processor = build_processor(image_size=speed.GRID * 14)
+        processor.tokenizer.model_max_length = 4096
+        return processor, {"image_token_id": processor.tokenizer.image_token_id}
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
+    tokenizer.model_max_length = 4096
+    side = speed.GRID * 28  # 14-px patches merged 2 x 2
+    processor = ImageQwenProcessor(
+        Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side, patch_size=14, merge_size=2),
+        tokenizer, CHAT_TEMPLATE.replace("<image>\n", "".join(QWEN_TOKENS[:3])))
+    ids = tokenizer.convert_tokens_to_ids(list(QWEN_TOKENS))
+    return processor, dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
+                               ids))
+
+
+def speed_stage(model, name: str, device: str, repeats: int) -> dict:
+    """{method: {retain: row}} of `analysis.speed.bench`: speedup, ideal, peak_memory_bytes, seconds, kept, scoring."""
+    args = speed.parser().parse_args(["--methods", *METHODS, "--retain", *map(str, RETAINS), "--repeats", str(repeats)])
+    rows = speed.bench(model, name, args, device)
+    out: dict = {m: {f"{r:g}": {"skipped": "refused or out of reach: see the log"} for r in RETAINS} for m in METHODS}
+    for r in rows:
+        peak = None if r["peak_gib"] != r["peak_gib"] else int(r["peak_gib"] * 2**30)  # nan off CUDA
+        out[r["method"]][f"{r['retain']:g}"] = {
+            "speedup": r["speedup"], "ideal": r["ideal"], "peak_memory_bytes": peak, "seconds": r["seconds"],
+            "kept": r["kept"], "scoring": r["scoring"]}
+    return out
+
+
+def causal_stage(model, device: str, repeats: int) -> dict:
+    """One unpruned prefill against one gradient pass (`analysis.causal_speed.measure`), with the peak memory."""
+    inputs = speed.make_inputs(model, 40, device)
+    del inputs["logits_to_keep"]
+    found, _, peak = speed.measured(lambda: causal_speed.measure(model, inputs, repeats), device)
+    return {**found, "peak_memory_bytes": peak}
+
+
+def app_stage(model, processor, name: str, device: str, new_tokens: int) -> tuple[dict, dict]:
+    """(`/analyze`, `/sweep`) through the app's handler with `model` as the loaded one: seconds, peak memory and
+    what they reported."""
+    from app import handler
+    from app.settings import Settings
+
+    layers = decoder_shape(model).layers
+    knobs = {k.name: k.resolve(layers) for k in KNOBS}
+    image = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
+    server = handler.Handler(Settings(models=[name]))
+    handler.LOADED.model, handler.LOADED.processor, handler.LOADED.name = model, processor, name
+    try:
+        with mock.patch.object(handler, "MAX_NEW_TOKENS", new_tokens):
+            out, seconds, peak = speed.measured(
+                lambda: server.analyze(image, PROMPT, name, causal="attribution", **knobs), device)
+            swept, sweep_seconds, sweep_peak = speed.measured(lambda: server.sweep(
+                image, PROMPT, name, **{k: v for k, v in knobs.items() if k not in handler.SWEPT}), device)
+    finally:
+        handler.LOADED.model = handler.LOADED.processor = handler.LOADED.name = None
+    s = out["summary"]
+    analyze = {"seconds": seconds, "peak_memory_bytes": peak, "answer": s["answer"],
+               "retained_tokens": s["retained_tokens"], "flops_ratio": s["flops_ratio"],
+               "latency_s": {label: r["latency_s"] for label, r in s["runs"].items()},
+               "causal_mode": s["causal"]["mode"], "causal_seconds": s["causal"]["seconds"],
+               "head_utility_seconds": s.get("head_utility", {}).get("seconds")}
+    result = swept["sweep"]
+    sweep = {"seconds": sweep_seconds, "peak_memory_bytes": sweep_peak, "budgets": len(result["retain"]),
+             "methods": len(result["methods"])}
+    return analyze, sweep
+
+
+def check_shape(name: str, device: str, dtype: torch.dtype, repeats: int, new_tokens: int, save) -> dict:
+    """Every stage on one shape; `save()` after each."""
+    family = speed.SHAPES[name]["family"]
+    processor, ids = processor_for(family)
+    model, build_seconds, _ = speed.measured(lambda: speed.random_vlm(name, None, dtype, device, ids), device)
+    shape = decoder_shape(model)
+    report = {"family": family, "layers": shape.layers, "hidden": shape.hidden, "kv_dim": shape.kv_dim,
+              "heads": model.config.text_config.num_attention_heads, "visual": speed.GRID**2,
+              "parameters": sum(p.numel() for p in model.parameters()), "build_seconds": build_seconds}
+    save(name, report)
+    report["methods"] = speed_stage(model, name, device, repeats)
+    save(name, report)
+    report["causal"] = causal_stage(model, device, max(1, repeats // 2))
+    save(name, report)
+    report["analyze"], report["sweep"] = app_stage(model, processor, f"random/{name}", device, new_tokens)
+    save(name, report)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return report
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.1f}"
+
+
+def markdown(r: dict) -> str:
+    """The report's tables: prefill speed per shape, method and budget; the app's and the causal analysis's timings."""
+    lines = [f"# GPU check ({'smoke, ' if r['smoke'] else ''}{r['device']}: {r['gpu'] or 'no GPU'}, {r['dtype']})", "",
+             f"`{r['command']}`; torch {r['torch']}, transformers {r['transformers']}; {r.get('seconds', 0):.0f} s "
+             "in all. Random weights; peak memory is CUDA's max allocated (- off CUDA).", "",
+             "| shape | method | retain | kept | speed-up | FLOPs-ideal | measured / ideal | prefill ms | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in r["shapes"].items():
+        for method, budgets in s.get("methods", {}).items():
+            for retain, m in budgets.items():
+                if "skipped" in m:
+                    lines.append(f"| {name} | {method} | {retain} | skipped: {m['skipped']} | | | | | |")
+                    continue
+                lines.append(f"| {name} | {method} | {retain} | {m['kept']:.1f} | {m['speedup']:.2f}x | "
+                             f"{m['ideal']:.2f}x | {m['speedup'] / m['ideal']:.2f} | {1000 * m['seconds']:.1f} | "
+                             f"{_gib(m['peak_memory_bytes'])} |")
+    lines += ["", "| shape | parameters | build s | /analyze s (peak GiB) | causal in /analyze s | head utility s "
+                  "| gradient pass / prefill | /sweep s (peak GiB) |", "|---|---|---|---|---|---|---|---|"]
+    for name, s in r["shapes"].items():
+        a, c, w = s.get("analyze"), s.get("causal"), s.get("sweep")
+        utility = a and a["head_utility_seconds"]
+        lines.append(
+            f"| {name} | {s['parameters'] / 1e9:.2f} B | {s['build_seconds']:.1f} | "
+            + (f"{a['seconds']:.1f} ({_gib(a['peak_memory_bytes'])}) | {a['causal_seconds']:.2f} | "
+               f"{'-' if utility is None else f'{utility:.2f}'} | " if a else "- | - | - | ")
+            + (f"{c['gradients_per_prefill']:.2f} ({1000 * c['prefill_s']:.0f} ms) | " if c else "- | ")
+            + (f"{w['seconds']:.1f} ({_gib(w['peak_memory_bytes'])}) |" if w else "- |"))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="small shapes on the CPU: the same code in under 2 minutes")
+    p.add_argument("--repeats", type=int, default=None, help="timing rounds (default 5; --smoke: 1)")
+    p.add_argument("--new-tokens", type=int, default=None, help="the app's generation limit (default 32; --smoke: 4)")
+    p.add_argument("--out", default=str(ROOT / "results" / "gpu"))
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device == "cpu" and not args.smoke:
+        raise SystemExit("no GPU here: the 7B shapes need one (about 16 GB each in bf16); run with --smoke on a CPU")
+    if args.smoke:
+        torch.set_num_threads(1)
+    dtype = torch.float32 if args.smoke else torch.bfloat16  # the CPU runs float32 kernels several times faster
+    repeats = args.repeats or (1 if args.smoke else 5)
+    new_tokens = args.new_tokens or (4 if args.smoke else 32)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / ("gpu_check_smoke" if args.smoke else "gpu_check")
+    report = {"command": "python -m analysis.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
+              "smoke": args.smoke, "device": device, "dtype": str(dtype).removeprefix("torch."),
+              "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
+              "transformers": transformers.__version__, "repeats": repeats, "new_tokens": new_tokens, "shapes": {}}
+    t0 = time.perf_counter()
+
+    def save(name: str, shape: dict) -> None:
+        report["shapes"][name] = shape
+        report["seconds"] = time.perf_counter() - t0
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        stem.with_suffix(".md").write_text(markdown(report))
+
+    for name in SMOKE_SHAPES if args.smoke else SHAPES:
+        check_shape(name, device, dtype, repeats, new_tokens, save)
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""analysis.gpu_check: `--smoke` runs the GPU check's code on small shapes on the CPU (so it cannot rot) and writes the
+binding keys per shape and method; the 7B shapes build on the meta device, each with a processor that matches it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from analysis import gpu_check, speed
+from analysis.sweep import METHODS as SWEPT_METHODS
+from hap.run import chat_prompt
+
+BINDING = {"speedup", "ideal", "peak_memory_bytes", "seconds"}
+
+
+def test_smoke_runs_every_stage_and_writes_the_binding_keys(tmp_path):
+    t0 = time.perf_counter()
+    report = gpu_check.main(["--smoke", "--out", str(tmp_path)])
+    assert time.perf_counter() - t0 < 120
+    saved = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
+    assert saved == json.loads(json.dumps(report)) and saved["device"] == "cpu" and saved["smoke"]
+    assert list(saved["shapes"]) == list(gpu_check.SMOKE_SHAPES)
+    for name, shape in saved["shapes"].items():
+        assert list(shape["methods"]) == list(gpu_check.METHODS)
+        for method, budgets in shape["methods"].items():
+            assert list(budgets) == [f"{r:g}" for r in gpu_check.RETAINS]
+            for row in budgets.values():
+                if "skipped" in row:  # the official PyramidDrop renumbers positions, which M-RoPE refuses
+                    assert (shape["family"], method) == ("qwen", "pdrop")
+                    continue
+                assert BINDING <= row.keys() and row["peak_memory_bytes"] is None  # no CUDA: no peak
+                assert row["speedup"] > 0 and row["ideal"] > 1 and row["seconds"] > 0
+        analyze, causal, sweep = shape["analyze"], shape["causal"], shape["sweep"]
+        assert analyze["seconds"] > analyze["causal_seconds"] > 0 and analyze["causal_mode"] == "attribution"
+        assert set(analyze["latency_s"]) == {"unpruned", "pruned", "uniform"} and analyze["head_utility_seconds"] > 0
+        assert causal["gradients_s"] > 0 and causal["prefill_s"] > 0
+        refused = {"pdrop", "visionzip"} if shape["family"] == "qwen" else set()
+        assert sweep["budgets"] >= 6 and sweep["methods"] == len(set(SWEPT_METHODS) - refused)
+    table = (tmp_path / "gpu_check_smoke.md").read_text()
+    assert table.count("| llava-small | ") == len(gpu_check.METHODS) * len(gpu_check.RETAINS) + 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the full check would run")
+def test_without_a_gpu_the_full_check_says_to_use_smoke(tmp_path):
+    with pytest.raises(SystemExit, match="--smoke"):
+        gpu_check.main(["--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("name", gpu_check.SHAPES)
+def test_the_7b_shapes_build_on_the_meta_device_with_a_matching_processor(name):
+    """What the GPU run builds: the real decoder shape in bf16, its special tokens those of the processor, which
+    gives the scene speed.GRID^2 visual tokens."""
+    processor, ids = gpu_check.processor_for(speed.SHAPES[name]["family"])
+    model = speed.random_vlm(name, None, torch.bfloat16, "meta", ids)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.device.type == "meta"
+    assert 6.5e9 < sum(p.numel() for p in model.parameters()) < 8.5e9
+    inputs = processor(images=Image.open(gpu_check.SCENE), text=chat_prompt(processor, gpu_check.PROMPT),
+                       return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == speed.GRID**2
