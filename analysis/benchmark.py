@@ -27,8 +27,12 @@ norm_ratio: per decoder layer, the median over questions of max / median L2 norm
 input hidden states, causal_spearman: mean over questions of Spearman(PAQ, exact ablation importance) over the
 scored heads, causal_token_precision: mean over questions with answering patches of the share of answering
 patches among the |answering| tokens of highest causal token importance; hap.causal),
-causal_token_precision_by_type (the same per question kind, kinds with answering patches only), benchmark.md (tables),
-accuracy.png, paq_grounding.png.
+causal_token_precision_by_type (the same per question kind, kinds with answering patches only), head utility
+(hap.utility, the run's rows, keep ceil(N / 9), every cut layer: utility_spearman: mean over questions of
+Spearman(PAQ, head utility) over the scored heads; utility_best_head, utility_uniform, utility_paq: mean over
+questions of the share of cut layers whose cut by the best single head, the plain head average, the PAQ weighting
+keeps the answer token the most likely; utility_spearman_within_layers, the Spearman among each layer's heads; each
+also `_by_type`, per question kind), benchmark.md (tables), accuracy.png, paq_grounding.png.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import numpy as np
 import torch
 
 import hap
-from hap import causal
+from hap import causal, utility
 from hap.knobs import knob
 from hap.run import chat_prompt, template_tail
 from analysis.ground_truth import head_grounding, spearman
@@ -176,6 +180,8 @@ class Tally:
     causal_rho: list[float] = field(default_factory=list)  # per question: Spearman(PAQ, ablation importance)
     causal_precision: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # per kind, per
     #                                                                  question with a target: token precision
+    utility: dict[str, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))  # per kind, per
+    #                                                          question: `utility_row` (UTILITY_KEYS -> value)
 
     def add(self, key: tuple[str, float], batch, answers: list[str], state) -> None:
         """One pruned run of `batch`: correctness of each answer, kept recall of each question with a target."""
@@ -199,6 +205,10 @@ def evaluate(model, processor, batches: list, base: dict, methods: list[str], re
             tally.heads_other[k].append(v)
         tally.norms.append(norm_ratios(model, processor, batch))
         tokens = causal_truth(model, processor, batch, tally.heads["paq"][-1], tally)
+        for scene, question in batch:
+            found = utility.utility(model, processor, scene.image, question.text, rows=base["rows"],
+                                    config=hap.HAPConfig(**base))
+            tally.utility[question.qtype].append(utility_row(found))
         for retain in retains:
             for method in methods:
                 config, priority = method_run(method, retain, base, batch, tokens)
@@ -223,6 +233,34 @@ def causal_truth(model, processor, batch, paq: np.ndarray, tally: Tally) -> torc
             tally.causal_precision[question.qtype].append(causal.token_precision(tokens, question.target_mask))
         rows.append(tokens)
     return torch.stack(rows)
+
+
+UTILITY_KEYS = ("utility_spearman", "utility_best_head", "utility_uniform", "utility_paq",
+                "utility_spearman_within_layers")
+
+
+def utility_row(found: utility.HeadUtility) -> dict[str, float]:
+    """One question's head-utility figures (UTILITY_KEYS): Spearman(PAQ, utility) over the scored heads, the shares
+    of its cut layers whose cut by the best single head, the plain head average, the PAQ weighting keeps the answer
+    token the most likely, and the Spearman within layers (`hap.utility.within_layers`); NaN where undefined."""
+    rho, within = causal.paq_spearman(found.paq, found.values), utility.within_layers(found.paq, found.values)
+    kept, n = found.answer_kept(), len(found.scored)
+    return dict(zip(UTILITY_KEYS, (math.nan if rho is None else rho, kept["best_head"] / n, kept["uniform"] / n,
+                                   kept["paq_weighted"] / n, math.nan if within is None else within)))
+
+
+def utility_report(rows: dict[str, list[dict[str, float]]]) -> dict:
+    """UTILITY_KEYS averaged over every question (Spearman: over those where it is defined), and `<key>_by_type`
+    over each kind's questions."""
+    def mean(values: list[float]) -> float | None:
+        values = [v for v in values if not math.isnan(v)]
+        return float(np.mean(values)) if values else None
+
+    every = [row for kind in rows.values() for row in kind]
+    report = {key: mean([row[key] for row in every]) for key in UTILITY_KEYS}
+    report.update({f"{key}_by_type": {kind: mean([row[key] for row in rows[kind]]) for kind in QTYPES if kind in rows}
+                   for key in UTILITY_KEYS})
+    return report
 
 
 def load_run(args: argparse.Namespace, names: tuple[str, ...]) -> tuple:
@@ -275,6 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         "causal_token_precision_by_type": {t: float(np.mean(tally.causal_precision[t])) for t in QTYPES
                                            if t in tally.causal_precision},
         "seconds": seconds,
+        **utility_report(tally.utility),
     }
     report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()},
                               {k: np.concatenate(v) for k, v in tally.heads_other.items()}, hap.HAPConfig(**base)))
@@ -366,6 +405,15 @@ def markdown(r: dict) -> str:
         f"{_cell(r['causal_spearman'])}; precision of causal token importance at |answering| "
         f"{_cell(r['causal_token_precision'])} ("
         + ", ".join(f"{k} {v:.3f}" for k, v in r["causal_token_precision_by_type"].items()) + ").",
+        f"Head utility (hap.utility, one cut after each layer keeping ceil(N / 9) tokens by one map): mean per-question "
+        f"Spearman(PAQ, utility) {_cell(r['utility_spearman'])}; share of cuts keeping the answer by the best single "
+        f"head {_cell(r['utility_best_head'])}, the uniform average {_cell(r['utility_uniform'])}, the PAQ weighting "
+        f"{_cell(r['utility_paq'])}; Spearman within layers (the heads one layer's weighting chooses between; "
+        f"across layers utility mostly grows with depth) {_cell(r['utility_spearman_within_layers'])}.",
+        "", "| head utility | " + " | ".join(r["utility_spearman_by_type"]) + " |",
+        "|---" * (len(r["utility_spearman_by_type"]) + 1) + "|",
+        *(f"| {key.removeprefix('utility_')} | " + " | ".join(_cell(v) for v in r[f"{key}_by_type"].values()) + " |"
+          for key in UTILITY_KEYS),
     ]
     kinds = list(r["unpruned_by_type"])
     for retain in r["retained_tokens"]:

@@ -199,5 +199,10 @@ def utility_text(found: Found, entry: dict, num_visual: int) -> str:
         f"- Mean p(answer) after the cut: the best head {float(u.values[scored].amax(1).mean()):.2f}, the uniform "
         f"average {float(u.uniform[scored].mean()):.2f}, the PAQ weighting {float(u.paq_weighted[scored].mean()):.2f}.",
         f"- Spearman(PAQ, utility) over the scored heads (PAQ of the unpruned run, every token present): "
-        f"**{rho_text}**. {verdict}",
+        f"**{rho_text}**. {verdict} Within layers (the heads one layer's weighting chooses between; across layers "
+        f"utility mostly grows with depth): {_number(entry['spearman_within_layers'])}.",
     ])
+
+
+def _number(value: float | None) -> str:
+    return "undefined" if value is None else f"{value:.2f}"

@@ -16,10 +16,10 @@ layer l, the one-cut schedule with its kept set forced through the pruner's `pri
 sets and the two references). The batch-1 input fans out at the cut (`PruneState.start`): the layers before it run
 once for all rows, the layers after it on `batch_size` rows per forward.
 
-Cost in unpruned prefills (L layers, H heads, N visual and t text tokens, k kept, c(n) a layer's cost on n tokens),
-per layer l: (l + 1) / L for the shared layers plus (H + 2) (L - l - 1) / L x c(k + t) / c(N + t); over all layers
-about L / 2 + (H + 2) L / 2 x c(k + t) / c(N + t), proportionally less with `layers=` (measured:
-`python -m analysis.causal_speed`).
+Cost in unpruned prefills (L layers, H heads, N visual and t text tokens, k kept, c(n) a layer's cost on n tokens):
+1 for the traced forward, then per scored layer l (l + 1) / L for the shared layers plus (H + 2) (L - l - 1) / L x
+c(k + t) / c(N + t); over all layers about L / 2 + (H + 2) L / 2 x c(k + t) / c(N + t), less with `layers=`
+(`cost`: FLOPs; measured by `python -m analysis.causal_speed`, docs/method.md §12).
 """
 
 from __future__ import annotations
@@ -194,10 +194,20 @@ def head_utility(model, processor, image, prompt: str, keep: int | None = None, 
     return utility(model, processor, image, prompt, keep, rows, history, layers).values
 
 
+def within_layers(paq, values) -> float | None:
+    """Mean over the layers of Spearman(PAQ, utility) among the layer's heads (`[layers, heads]` each; layers where
+    it is undefined left out; None when it is nowhere defined): the heads a layer's weighting chooses between.
+    Across layers utility mostly grows with depth (a later cut leaves fewer layers on the kept tokens), which the
+    pooled Spearman also measures."""
+    rhos = [paq_spearman(p, v) for p, v in zip(np.asarray(paq, float), np.asarray(values, float))]
+    rhos = [r for r in rhos if r is not None]
+    return float(np.mean(rhos)) if rhos else None
+
+
 def to_json(u: HeadUtility) -> dict:
     """The `head_utility` entry of the `/analyze` and CLI JSON: values [layers][heads] and the references per layer
-    (null where not scored), keep, Spearman(PAQ, utility) over the scored heads (null when undefined), and what
-    they were measured on."""
+    (null where not scored), keep, Spearman(PAQ, utility) over the scored heads and within layers (`within_layers`;
+    null when undefined), and what they were measured on."""
     def plain(values: torch.Tensor) -> list:
         return [None if math.isnan(v) else v for v in values.tolist()]
 
@@ -205,6 +215,7 @@ def to_json(u: HeadUtility) -> dict:
         "values": [plain(row) for row in u.values],
         "keep": u.keep,
         "spearman": paq_spearman(u.paq, u.values),
+        "spearman_within_layers": within_layers(u.paq, u.values),
         "uniform": plain(u.uniform),
         "paq_weighted": plain(u.paq_weighted),
         "best_head": plain(u.values.amax(1)),  # NaN propagates: null on the layers not scored

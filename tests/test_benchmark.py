@@ -58,6 +58,15 @@ def test_benchmark_writes_every_method_and_budget(tmp_path):
         sum(by_type[k] * n for k, n in kinds.items()) / sum(kinds.values()))
     assert all(f"{k} {v:.3f}" in (out / "benchmark.md").read_text() for k, v in by_type.items())
     assert report["accuracy"]["oracle_causal"]["1.0"] == report["unpruned_accuracy"]
+    # head utility: per question, a share of its 5 cut layers (6 decoder layers); per kind, question-weighted
+    kinds = Counter(q.qtype for _, q in heldout_items(range(500_000, 500_004), 2))
+    assert -1.0 <= report["utility_spearman"] <= 1.0 and -1.0 <= report["utility_spearman_within_layers"] <= 1.0
+    for key in ("utility_best_head", "utility_uniform", "utility_paq"):
+        assert 0.0 <= report[key] <= 1.0 and report[key] * 5 * n == pytest.approx(round(report[key] * 5 * n))
+        by_type = report[f"{key}_by_type"]
+        assert set(by_type) == set(kinds)
+        assert report[key] == pytest.approx(sum(by_type[k] * m for k, m in kinds.items()) / n)
+    assert "| best_head | " in (out / "benchmark.md").read_text()
     for name in ("benchmark.md", "accuracy.png", "paq_grounding.png"):
         assert (out / name).stat().st_size > 0
 

@@ -134,3 +134,15 @@ def test_json_entry():
                                     "paq_weighted": int(u.paq_keeps[1]), "cuts": 1}
     assert entry["spearman"] == pytest.approx(hap.causal.paq_spearman(u.paq, u.values))
     assert np.isfinite(entry["paq"][0]).all()  # PAQ of every layer; the utility of the scored ones
+    assert entry["spearman_within_layers"] == pytest.approx(hap.causal.paq_spearman(u.paq[1], u.values[1]))
+
+
+def test_within_layers_ranks_each_layers_heads_apart():
+    """Utility rising with depth while PAQ ranks every layer's heads backwards: pooled Spearman positive, within
+    layers -1; a layer with constant utility (saturated) or NaN (not scored) is left out."""
+    paq = np.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9], [0.5, 0.5, 0.1]])
+    values = np.array([[0.3, 0.2, 0.1], [0.6, 0.5, 0.4], [1.0, 1.0, 1.0], [np.nan] * 3])
+    assert hap.causal.paq_spearman(paq, values) > 0.5
+    assert utility.within_layers(paq, values) == pytest.approx(-1.0)
+    assert utility.within_layers(paq[2:], values[2:]) is None
+
