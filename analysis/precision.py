@@ -9,8 +9,8 @@ batches as the benchmark runs them (`analysis.benchmark.run_batch`), and compare
 
 - `agreement`: the share of questions with float32's answer (and `accuracy` against the truth, per dtype);
 - `jaccard`: |A & B| / |A | B| of the original visual indices kept at each cut, mean over questions and cuts;
-- `paq_max_diff`, `class_agreement`: the largest PAQ difference over heads and questions and the share of heads of the
-  same class (the defaults' traced run);
+- `paq_max_diff`, `paq_mean_diff`, `class_agreement`: the largest and the mean PAQ difference over heads and
+  questions and the share of heads of the same class (the defaults' traced run);
 - on the first `--causal` questions: Spearman of exact ablation and of attribution head importance with float32's,
   and the overlap of the ceil(N / 9) most important visual tokens (`hap.causal.token_importance`'s score).
 
@@ -83,7 +83,8 @@ def compared(ref: dict, half: dict, truth: list[str]) -> dict:
            "accuracy": float(np.mean([a == t for a, t in zip(half["answers"], truth)])),
            "jaccard": float(np.mean(cuts)) if cuts else None, "jaccard_min": float(np.min(cuts)) if cuts else None}
     if ref["paq"]:
-        out["paq_max_diff"] = float(np.abs(np.stack(ref["paq"]) - np.stack(half["paq"])).max())
+        diff = np.abs(np.stack(ref["paq"]) - np.stack(half["paq"]))
+        out["paq_max_diff"], out["paq_mean_diff"] = float(diff.max()), float(diff.mean())
         pairs = [(x, y) for r, h in zip(ref["classes"], half["classes"]) for lr, lh in zip(r, h) for x, y in zip(lr, lh)]
         out["class_agreement"] = float(np.mean([x == y for x, y in pairs]))
     return out
@@ -139,13 +140,13 @@ def markdown(r: dict, command: str) -> str:
     lines = [f"# Half precision against float32: {r['model']}", "", "```bash", command, "```", "",
              f"{r['questions']} held-out questions ({', '.join(r['kinds'])}); float32 accuracy: "
              + ", ".join(f"{k} {v:.3f}" for k, v in r["float32"].items()) + ".", "",
-             "| dtype | config | same answer as float32 | accuracy | kept-token Jaccard (mean / min) | PAQ max diff "
+             "| dtype | config | same answer as float32 | accuracy | kept-token Jaccard (mean / min) | PAQ diff (mean / max) "
              "| same head class |", "|---|---|---|---|---|---|---|"]
     for dtype in (k for k in r if k in ("bfloat16", "float16")):
         for name in r["configs"]:
             c = r[dtype][name]
             jac = "-" if c["jaccard"] is None else f"{c['jaccard']:.3f} / {c['jaccard_min']:.3f}"
-            paq = f"{c['paq_max_diff']:.4f}" if "paq_max_diff" in c else "-"
+            paq = f"{c['paq_mean_diff']:.4f} / {c['paq_max_diff']:.3f}" if "paq_max_diff" in c else "-"
             cls = f"{c['class_agreement']:.3f}" if "class_agreement" in c else "-"
             lines.append(f"| {dtype} | {name} | {c['agreement']:.3f} ({c['differ']} differ) | {c['accuracy']:.3f} "
                          f"| {jac} | {paq} | {cls} |")

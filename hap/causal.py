@@ -20,6 +20,7 @@ decoder taking its input embeddings) are on the one instance and always removed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ MODES = ("ablation", "attribution")
 SETTINGS = ("auto", *MODES, "off")  # what a caller asks for; "auto" = `default_mode`
 ABLATION_BATCH = 16  # ablated copies per forward
 ABLATION_BUDGET = 2e9  # heads x parameters up to which "auto" runs exact ablation (the shipped model: ~1.5e8)
+MAX_SCALE_BITS = 24  # the largest gradient scale, 2^24 (`gradient_scale`)
 
 
 def gradient_x_delta(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -260,7 +262,8 @@ def gradients(model, inputs: dict, score: str = TOKEN_SCORE) -> tuple[int, float
     """(answer token, its log p, attribution `[layers, heads]`, token importance `[visual]`) of batch-1 `inputs`
     from one forward and one backward: d log p / d gate of each head's output, and `TOKEN_SCORES[score]` (by
     default |gradient x (input - mean visual input)|) of the visual embeddings entering the decoder. In a half-precision
-    model log p, each gate's product and gradient and the token scores are float32 (docs/method.md §13)."""
+    model log p, each gate's product and gradient and the token scores are float32, and the backward pass runs
+    scaled by `gradient_scale` (docs/method.md §13)."""
     if score not in TOKEN_SCORES:
         raise ValueError(f"score={score!r}: choose one of {', '.join(TOKEN_SCORES)}")
     L, H = head_layout(model)
@@ -275,10 +278,20 @@ def gradients(model, inputs: dict, score: str = TOKEN_SCORE) -> tuple[int, float
     with torch.enable_grad(), gated_heads(model, gates), decoder_input(model, leaf):
         logp = model(**inputs, logits_to_keep=1).logits[0, -1].float().log_softmax(-1)
         answer = int(logp.argmax())
-        d_gates, d_embeds = torch.autograd.grad(logp[answer], [gates, taken[0]])
+        scale = gradient_scale(float(logp[answer].detach()))
+        d_gates, d_embeds = torch.autograd.grad(logp[answer] * scale, [gates, taken[0]])
     visual = inputs["input_ids"][0] == model.config.image_token_id
-    tokens = TOKEN_SCORES[score](taken[0][0, visual].detach().float(), d_embeds[0, visual].float())
-    return answer, float(logp[answer].detach()), d_gates[0].float().cpu(), tokens.cpu()
+    tokens = TOKEN_SCORES[score](taken[0][0, visual].detach().float(), d_embeds[0, visual].float() / scale)
+    return answer, float(logp[answer].detach()), (d_gates[0].float() / scale).cpu(), tokens.cpu()
+
+
+def gradient_scale(log_p: float) -> float:
+    """The power of two that brings 1 - p, the largest |d log p / d logit| of a confident answer, to about 1
+    (at most 2^MAX_SCALE_BITS): backpropagated that much larger, a float16 model's gradients stay clear of
+    underflow (p = 0.99999 gives logit gradients of 1e-5 and token gradients below float16's smallest number);
+    dividing by a power of two after is exact, in every dtype."""
+    tail = max(-math.expm1(log_p), 2.0**-MAX_SCALE_BITS)
+    return 2.0 ** min(MAX_SCALE_BITS, max(0, round(-math.log2(tail))))
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """Half precision (bfloat16, float16) on the CPU through every path: float32's answers on the shipped model, no NaN or
 inf beyond float32's (pruned tokens are NaN on the grid by design) on random LLaVA / Qwen2-VL / Qwen2.5-VL, the causal
-gradients accumulated in float32, and `/analyze` through the app (docs/method.md §13)."""
+gradients accumulated in float32 and scaled clear of float16's underflow, and `/analyze` through the app
+(docs/method.md §13)."""
 
 from __future__ import annotations
 
@@ -118,6 +119,27 @@ def test_run_follow_ups_and_the_public_causal_api_in_half_precision(dtype):
     found = [hap.head_importance(m, processor, image, "what color ?", mode=mode) for mode in causal.MODES]
     found.append(hap.token_importance(m, processor, image, "what color ?"))
     assert nonfinite(found) == (0, 0) and all(t.dtype == torch.float32 for t in found)
+
+
+def test_float16_token_gradients_do_not_underflow_on_a_confident_answer():
+    """A background question the shipped model answers with p ~ 1: its token gradients (1e-11 to 1e-6 in float32)
+    fell below float16's range (most were 0, Spearman with float32 0.25); scaled by `gradient_scale` they rank as
+    float32's do."""
+    scene, question = next((s, q) for s, q in heldout_items(range(500000, 500001), len(LEARNED), LEARNED)
+                           if q.qtype == "background")
+    found = {}
+    for dtype in (torch.float32, torch.float16):
+        model, processor = hap.load_model(str(ROOT / SHIPPED), device="cpu", dtype=dtype)
+        answer, log_p, _, found[dtype] = causal.gradients(model, causal.prepare(model, processor, scene.image,
+                                                                                question.text))
+        assert causal.gradient_scale(log_p) >= 2**16  # confident: the scale is at work
+    assert bool((found[torch.float16] > 0).all())
+    assert causal.spearman(found[torch.float32], found[torch.float16]) > 0.95
+
+
+def test_the_gradient_scale_is_a_power_of_two_that_grows_with_confidence():
+    assert causal.gradient_scale(math.log(0.01)) == 1.0 and causal.gradient_scale(math.log(0.5)) == 2.0
+    assert causal.gradient_scale(math.log1p(-2**-10)) == 2**10 and causal.gradient_scale(0.0) == 2**24
 
 
 @pytest.fixture(scope="module")
