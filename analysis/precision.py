@@ -10,7 +10,8 @@ batches as the benchmark runs them (`analysis.benchmark.run_batch`), and compare
 - `agreement`: the share of questions with float32's answer (and `accuracy` against the truth, per dtype);
 - `jaccard`: |A & B| / |A | B| of the original visual indices kept at each cut, mean over questions and cuts;
 - `paq_max_diff`, `paq_mean_diff`, `class_agreement`: the largest and the mean PAQ difference over heads and
-  questions and the share of heads of the same class (the defaults' traced run);
+  questions and the share of heads of the same class, on the unpruned model traced (every layer over every token:
+  after a cut, PAQ is taken over the tokens kept, which may differ);
 - on the first `--causal` questions: Spearman of exact ablation and of attribution head importance with float32's,
   and the overlap of the ceil(N / 9) most important visual tokens (`hap.causal.token_importance`'s score).
 
@@ -51,9 +52,9 @@ def config_for(name: str) -> hap.HAPConfig:
 
 
 def answers(model, processor, items: Sequence[Item], name: str, batch: int = BATCH) -> dict:
-    """{"answers": [q], "kept": [q][cuts] original indices} of configuration `name`; with `name` "hap" (traced) also
+    """{"answers": [q], "kept": [q][cuts] original indices} of configuration `name`; with `name` "none" (traced) also
     "paq" [q, layers, heads] and "classes" [q][layers][heads]."""
-    config, traced = config_for(name), name == "hap"
+    config, traced = config_for(name), name == "none"
     out: dict = {"answers": [], "kept": [], "paq": [], "classes": []}
     for start in range(0, len(items), batch):
         chunk = list(items[start:start + batch])
