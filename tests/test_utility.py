@@ -2,7 +2,6 @@
 key mask), the fan-out of one input into variants, keep-all = unpruned, layer subsets, NaN last row, JSON."""
 
 import math
-from functools import partial
 
 import numpy as np
 import pytest
