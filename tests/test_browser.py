@@ -1,7 +1,8 @@
 """The page in headless Debian Chromium (Selenium, system browser and driver): run an example, see every panel
 (ground truth, head inspector, budget sweep included), and save screenshots: the top of the page
 (test-artifacts/app.png, committed as the README's docs/app.png) and the whole page (app-full.png); the
-"Is PAQ right?" section on a scene and on a photograph (causal.png, causal_photo.png), checked against `/analyze`."""
+"Is PAQ right?" section on a scene and on a photograph (causal.png, causal_photo.png, head utility included), checked
+against `/analyze`."""
 
 from __future__ import annotations
 
@@ -188,7 +189,9 @@ def test_causal_section_matches_the_json(page_url, driver):
             prompt.send_keys(question)
         driver.find_element(By.ID, "run").click()
         wait.until(EC.text_to_be_present_in_element((By.ID, "causal-text"), "Causal truth"))
-        for plot in ("causal_heads", "causal_scatter", "causal_tokens"):
+        wait.until(EC.text_to_be_present_in_element((By.ID, "utility-text"), "Head utility"))
+        for plot in ("causal_heads", "causal_scatter", "causal_tokens", "utility_heads", "utility_scatter",
+                     "utility_layers"):
             wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{plot} .js-plotly-plot .main-svg")))
         width, height = Image.open(upload).size  # the editor sends an upload re-encoded as PNG (RGBA)
         assert f"{width} x {height} pixels" in driver.find_element(By.ID, "explanation").text
@@ -208,7 +211,9 @@ def test_causal_section_matches_the_json(page_url, driver):
         top = [f"L{i // heads.shape[1]}h{i % heads.shape[1]}" for i in np.argsort(-heads.ravel())[:3]]
         assert shown["heads"] == top, (shown, top)
         heading = driver.find_element(By.XPATH, "//h2[contains(., 'Is PAQ right?')]")
-        bottom = driver.find_element(By.ID, "plot-causal_tokens")
+        useful = out["summary"]["head_utility"]["spearman"]  # the head-utility part: its Spearman as /analyze's
+        assert ("undefined" if useful is None else f"{useful:.2f}") in driver.find_element(By.ID, "utility-text").text
+        bottom = driver.find_element(By.ID, "plot-utility_layers")
         top, end = (driver.execute_script("const r = arguments[0].getBoundingClientRect(); "
                                           "return [r.top + window.scrollY, r.bottom + window.scrollY]", e)
                     for e in (heading, bottom))
