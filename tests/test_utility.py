@@ -145,3 +145,11 @@ def test_within_layers_ranks_each_layers_heads_apart():
     assert utility.within_layers(paq, values) == pytest.approx(-1.0)
     assert utility.within_layers(paq[2:], values[2:]) is None
 
+
+
+def test_auto_layers_all_on_a_small_model_else_before_the_cuts(monkeypatch):
+    model, _ = tiny_llava(layers=4)
+    assert utility.auto_layers(model, [2]) is None  # exact ablation is cheap: every layer
+    monkeypatch.setattr(utility, "default_mode", lambda m: "attribution")  # as on a 7B model
+    assert utility.auto_layers(model, [0, 2, 3]) == [1, 2]  # a cut before layer 0 has no layer before it
+    assert utility.auto_layers(model, []) == [1]  # no cut (method none): the middle layer
