@@ -140,7 +140,8 @@ def markdown(r: dict, command: str) -> str:
     """The report as a markdown table: one row per dtype and configuration."""
     lines = [f"# Half precision against float32: {r['model']}", "", "```bash", command, "```", "",
              f"{r['questions']} held-out questions ({', '.join(r['kinds'])}); float32 accuracy: "
-             + ", ".join(f"{k} {v:.3f}" for k, v in r["float32"].items()) + ".", "",
+             + ", ".join(f"{k} {v:.3f}" for k, v in r["float32"].items()) + ". Seconds per dtype (CPU): "
+             + ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items()) + ".", "",
              "| dtype | config | same answer as float32 | accuracy | kept-token Jaccard (mean / min) | PAQ diff (mean / max) "
              "| same head class |", "|---|---|---|---|---|---|---|"]
     for dtype in (k for k in r if k in ("bfloat16", "float16")):
