@@ -1,6 +1,7 @@
 """One prepared GPU check: what a GPU user depends on, on random-weight models at the real shapes, in minutes.
 
-    python -m analysis.gpu_check              # on a GPU: LLaVA-1.5-7B and Qwen2.5-VL-7B shapes, bf16, SDPA (< 8 min)
+    python -m analysis.gpu_check              # on a GPU: LLaVA-1.5-7B and Qwen2.5-VL-7B shapes, bf16, SDPA
+    python -m analysis.gpu_check --shapes llava-7b   # one shape (half the time)
     python -m analysis.gpu_check --smoke      # the same code on small shapes, float32 on the CPU (< 2 min; tested)
 
 No download: each model is built from its config with random weights directly on the device in bfloat16 (the
@@ -18,28 +19,35 @@ short keeps what it measured):
 
 Writes `gpu_check.json` and `gpu_check.md` (`--smoke`: `gpu_check_smoke.*`) under `--out`. Random weights answer
 nonsense, so every generation runs to the token limit (the app's 32; `--smoke`: 4): the app's timings are upper bounds.
+Sized for under 8 minutes on one GPU (the two sweeps, 43 generations of 32 tokens each, are the longest stages); not
+yet run on one. Nothing is downloaded (the hub is set offline unless HF_HUB_OFFLINE says otherwise).
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import sys
-import time
-from pathlib import Path
-from unittest import mock
+import os
 
-import torch
-import transformers
-from transformers import Qwen2_5_VLProcessor
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.processing_utils import ProcessorMixin
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it: nothing to download
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from analysis import causal_speed, speed
-from analysis.tiny_vlm import CHAT_TEMPLATE, build_processor, build_tokenizer
-from hap.knobs import KNOBS
-from hap.patch.decoder import decoder_shape
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import Qwen2_5_VLProcessor  # noqa: E402
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+from transformers.processing_utils import ProcessorMixin  # noqa: E402
+
+from analysis import causal_speed, speed  # noqa: E402
+from analysis.tiny_vlm import CHAT_TEMPLATE, build_processor, build_tokenizer  # noqa: E402
+from hap.knobs import KNOBS  # noqa: E402
+from hap.patch.decoder import decoder_shape  # noqa: E402
 
 SHAPES = ("llava-7b", "qwen2.5-vl-7b")
 SMOKE_SHAPES = ("llava-small", "qwen2.5-vl-small")  # the same families, 4 layers of width 64
@@ -191,6 +199,8 @@ def markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="small shapes on the CPU: the same code in under 2 minutes")
+    p.add_argument("--shapes", nargs="+", choices=[*SHAPES, *SMOKE_SHAPES], default=None,
+                   help=f"default: {' '.join(SHAPES)} ({' '.join(SMOKE_SHAPES)} with --smoke)")
     p.add_argument("--repeats", type=int, default=None, help="timing rounds (default 5; --smoke: 1)")
     p.add_argument("--new-tokens", type=int, default=None, help="the app's generation limit (default 32; --smoke: 4)")
     p.add_argument("--out", default=str(ROOT / "results" / "gpu"))
@@ -218,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
         stem.with_suffix(".md").write_text(markdown(report))
 
-    for name in SMOKE_SHAPES if args.smoke else SHAPES:
+    for name in args.shapes or (SMOKE_SHAPES if args.smoke else SHAPES):
         check_shape(name, device, dtype, repeats, new_tokens, save)
     print(markdown(report))
     return report
