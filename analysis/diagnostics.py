@@ -9,6 +9,10 @@ For a fixed list of (scene, question) items, one eager forward each gives, per d
   * PAQ and head classes (docs/method.md §2-3) with the norm sink test and with the
     attention-consensus sink test (`consensus_sinks`);
   * Spearman(PAQ, ground-truth grounding) over heads;
+  * where attention parks outside the image: per layer, the share of the prompt rows' attention on the
+    text before the image, on the image, and on the text after it (the question), and the largest
+    hidden-state norm of any prompt token over the median visual norm with the token holding it
+    (a massive activation on ``<s>`` is a text sink the visual norm test cannot see);
 and a pruning probe: keep 8 visual tokens (hidden from every query, positions unchanged), ranked
 by the PAQ-weighted fused map, by the uniform head average, or by the ground truth (oracle).
 """
@@ -81,12 +85,44 @@ def diagnose(model, processor, items: list[tuple[Scene, Question]], rho: float =
             }
         norms = hidden.float().norm(dim=-1)  # [L, V]
         per_item.append(dict(ids=ids, image=image, dist=dist, norms=norms, stats=stats,
-                             consensus=consensus.nonzero()[:, 0].tolist(), question=q))
+                             consensus=consensus.nonzero()[:, 0].tolist(), question=q,
+                             parking=_parking(out.attentions, image, rows),
+                             all_norms=torch.stack([h[0].float().norm(dim=-1) for h in out.hidden_states[:-1]])))
     result = _summarise(per_item)
+    result |= _outside_image(per_item, processor.tokenizer)
     result["probe"] = _probe(model, processor, items, per_item, answer_ids)
     model.set_attn_implementation(impl)
     model.train(was_training)
     return result
+
+
+def _parking(attentions: tuple[torch.Tensor, ...], image: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`[L, 3]`: the prompt rows' attention mass (mean over heads and rows) on the text before the image,
+    on the image, and on the text after it; `attentions` per layer `[1, H, T, T]`, `image` the visual
+    positions (contiguous), `rows` the prompt rows after the image."""
+    first, last = int(image[0]), int(image[-1])
+    a = torch.stack([att[0][:, rows] for att in attentions]).float()  # [L, H, P, T]
+    parts = (a[..., :first].sum(-1), a[..., first:last + 1].sum(-1), a[..., last + 1:].sum(-1))
+    return torch.stack([p.mean((1, 2)) for p in parts], -1)
+
+
+def _outside_image(per_item: list[dict], tokenizer) -> dict:
+    """Per layer: median over items of the largest prompt-token norm / median visual norm, the token most
+    often holding it ("<s>", "visual 0", ...), and the mean attention parking shares of `_parking`."""
+    massive = []
+    for l in range(per_item[0]["all_norms"].shape[0]):
+        ratios, where = [], Counter()
+        for p in per_item:
+            n = p["all_norms"][l]
+            ratios.append(float(n.max() / p["norms"][l].median()))
+            top = int(n.argmax())
+            hit = (p["image"] == top).nonzero()
+            where[f"visual {int(hit[0])}" if len(hit) else tokenizer.convert_ids_to_tokens(int(p["ids"][top]))] += 1
+        massive.append({"ratio": round(float(np.median(ratios)), 2), "token": where.most_common(1)[0][0]})
+    parking = torch.stack([p["parking"] for p in per_item]).mean(0)  # [L, 3]
+    return {"massive_per_layer": massive,
+            "row_attention_per_layer": [dict(zip(("before_image", "image", "after_image"),
+                                                 (round(float(x), 3) for x in row))) for row in parking]}
 
 
 def _summarise(per_item: list[dict]) -> dict:
@@ -155,7 +191,9 @@ def table(records: list[dict], fractions: tuple[float, ...] | None = (0.3, 0.6, 
     diagnostics, and in newer runs the follow-up accuracy)."""
     rows = ["| training | step | accuracy (min kind) | follow-up accuracy | max/median norm per layer "
             "| focused on one token | classes norm / consensus (sink, dispersed, optimal) "
-            "| Spearman(PAQ, grounding) | probe @8: PAQ / uniform / oracle |", "|---" * 9 + "|"]
+            "| Spearman(PAQ, grounding) | probe @8: PAQ / uniform / oracle "
+            "| largest prompt-token norm / median visual (where) | row attention before / on / after the image |",
+            "|---" * 11 + "|"]
     chosen = records if fractions is None else [min(records, key=lambda r: abs(r["fraction"] - f))
                                                  for f in fractions]
     for r in {r["step"]: r for r in chosen}.values():
@@ -171,8 +209,25 @@ def table(records: list[dict], fractions: tuple[float, ...] | None = (0.3, 0.6, 
             f"| {' '.join(f'{x:.1f}' for x in d['norm_ratio_per_layer'])} "
             f"| {d['share_focused_on_one_token']:.2f} | {classes('norm')} / {classes('consensus')} "
             f"| {d.get('grounding_spearman', float('nan')):.2f} "
-            f"| {d['probe']['paq']:.2f} / {d['probe']['uniform']:.2f} / {d['probe']['oracle']:.2f} |")
+            f"| {d['probe']['paq']:.2f} / {d['probe']['uniform']:.2f} / {d['probe']['oracle']:.2f} "
+            f"| {_massive_cell(d)} | {_parking_cell(d)} |")
     return "\n".join(rows)
+
+
+def _massive_cell(d: dict) -> str:
+    """The largest ratio over layers and its token, or "–" in logs written before this diagnostic."""
+    if "massive_per_layer" not in d:
+        return "–"
+    top = max(d["massive_per_layer"], key=lambda m: m["ratio"])
+    return f"{top['ratio']:.1f} ({top['token']})"
+
+
+def _parking_cell(d: dict) -> str:
+    """Mean over layers of the three parking shares, or "–" in logs written before this diagnostic."""
+    if "row_attention_per_layer" not in d:
+        return "–"
+    shares = [np.mean([r[k] for r in d["row_attention_per_layer"]]) for k in ("before_image", "image", "after_image")]
+    return " / ".join(f"{x:.2f}" for x in shares)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -650,6 +650,9 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser.add_argument("--frozen", type=float, help="fraction of stage-2 time with the tower frozen")
     parser.add_argument("--curriculum", type=float, help="fraction of stage-2 time on the smallest scenes")
     parser.add_argument("--lr", type=float, help="stage-2 peak learning rate")
+    parser.add_argument("--final-lr", type=float,
+                        help="stage-2 learning rate at the end of the cosine, a fraction of the peak (default 0.05; "
+                             "1 keeps it constant, to train far past convergence)")
     parser.add_argument("--position-targets", action="store_true", help="stage 1 also predicts each patch's row/column")
     parser.add_argument("--relation-weight", type=int, default=1, help="relations asked this many times as often")
     parser.add_argument("--relation-stage", type=float,
@@ -680,7 +683,7 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     for name, value in (("s2_frozen", args.frozen), ("s2_curriculum", args.curriculum), ("s2_lr", args.lr),
                         ("s2_relation_stage", args.relation_stage), ("s2_followups", args.followups),
                         ("s2_patch_weight", args.patch_weight), ("s2_letter_stage", args.letter_stage),
-                        ("s2_text_weight", args.text_loss)):
+                        ("s2_text_weight", args.text_loss), ("s2_final_lr", args.final_lr)):
         if value is not None:
             setattr(settings, name, value)
     for field, n in (d.split("=") for d in args.decoder):

@@ -173,6 +173,16 @@ def test_resume_reads_the_runs_settings(tmp_path):
     assert load_settings(tmp_path / "run" / "settings.json", None, None).s2_minutes == 9.0
 
 
+def test_learning_rate_schedule_warms_up_then_decays_to_its_floor():
+    """Linear warmup, then cosine over the time budget to the floor; a floor of 1 (--final-lr 1) is constant."""
+    from analysis.train_model import lr_factor
+
+    assert lr_factor(0, 0.0, warmup=10, budget_s=100.0, floor=0.05) == pytest.approx(0.1)
+    assert lr_factor(50, 50.0, warmup=10, budget_s=100.0, floor=0.05) == pytest.approx(0.525)
+    assert lr_factor(99, 100.0, warmup=10, budget_s=100.0, floor=0.05) == pytest.approx(0.05)
+    assert [lr_factor(s, t, 10, 100.0, 1.0) for s, t in ((20, 0.0), (50, 60.0), (99, 250.0))] == [1.0, 1.0, 1.0]
+
+
 def test_init_from_keeps_every_known_word(tmp_path, monkeypatch):
     """A donor with a smaller vocabulary: every weight and every word's embedding it knows carry over."""
     from analysis import tiny_vlm
