@@ -54,3 +54,18 @@ def test_the_execution_docs_name_the_methods_that_renumber_positions():
         assert sentences, f"{name} does not say which methods renumber positions"
         for sentence in sentences:
             assert set(re.findall(r"`(\w+)`", sentence)) & set(METHODS) == renumbering, (name, sentence)
+
+
+def test_the_paper_effect_table_is_its_benchmark():
+    """results/paper_effect/README.md: each row's PAQ-weighting and uniform accuracy and their difference in points
+    are the run's benchmark.json (the paper's rows, layers and no merge on both sides)."""
+    folder = ROOT / "results" / "paper_effect"
+    run = json.loads((folder / "benchmark.json").read_text())
+    assert (run["config"]["rows"], run["config"]["score_layers"], run["config"]["merge"]) == ("prompt", "segment", "none")
+    rows = re.findall(r"^\| ([\d.]+) \(\d+ of 144 tokens\) \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+) points \|$",
+                      (folder / "README.md").read_text(), re.M)
+    assert [r[0] for r in rows] == list(run["accuracy"]["hap"])
+    for retain, paq, uniform, diff in rows:
+        got_paq, got_uniform = run["accuracy"]["hap"][retain], run["accuracy"]["uniform"][retain]
+        assert (float(paq), float(uniform)) == (round(got_paq, 3), round(got_uniform, 3))
+        assert float(diff) == round(100 * (got_paq - got_uniform), 1)
