@@ -83,11 +83,10 @@ def diagnose(model, processor, items: list[tuple[Scene, Question]], rho: float =
                 "classes": [classify(s, tau_sink, tau_disp)[0] for s in per_layer],
                 "dispersion": torch.stack([s.dispersion[0] for s in per_layer]),
             }
-        norms = hidden.float().norm(dim=-1)  # [L, V]
-        per_item.append(dict(ids=ids, image=image, dist=dist, norms=norms, stats=stats,
-                             consensus=consensus.nonzero()[:, 0].tolist(), question=q,
-                             parking=_parking(out.attentions, image, rows),
-                             all_norms=torch.stack([h[0].float().norm(dim=-1) for h in out.hidden_states[:-1]])))
+        all_norms = torch.stack([h[0].float().norm(dim=-1) for h in out.hidden_states[:-1]])  # [L, T]
+        per_item.append(dict(ids=ids, image=image, dist=dist, norms=all_norms[:, image], all_norms=all_norms,
+                             stats=stats, consensus=consensus.nonzero()[:, 0].tolist(), question=q,
+                             parking=_parking(out.attentions, image, rows)))
     result = _summarise(per_item)
     result |= _outside_image(per_item, processor.tokenizer)
     result["probe"] = _probe(model, processor, items, per_item, answer_ids)
