@@ -1,0 +1,205 @@
+"""Pretrain the tiny LLaVA's decoder on text alone first, as LLaVA's decoder was (a language model before a VLM).
+
+    python -m analysis.pretrain_text --out runs/bb --vision-from assets/tiny-llava --layout image-question
+    python -m analysis.train_model --init-from runs/bb --stage1-minutes 0 --layout image-question ...  # then
+
+The text is the bigram-backcopy language of the dormant-head studies (docs/method.md §3 names where
+attention sinks come from): over the scene words, each next word follows a fixed sparse bigram table,
+except after one of a few *trigger* words, where it copies the word before the trigger. A head is
+needed only at trigger positions (to fetch the word two back); everywhere else its output should be
+nothing, which softmax attention cannot say unless it parks on a token whose value carries nothing:
+on language models trained this way the first token becomes that parking place (an attention sink,
+with a massive activation). Nothing here names a sink: the loss is next-token cross-entropy on every
+position.
+
+``--first bos`` opens every sequence with ``<s>`` (as language models are trained); ``--first random``
+with a random word, so that a sink, if one forms, belongs to position 0 and not to a word (the
+image-first layouts put the scene's fixed marker patch there). The result is a whole
+``LlavaForConditionalGeneration`` (the vision tower of ``--vision-from``, a fresh projector, the
+pretrained decoder) with the processor of ``--layout``, ready for ``train_model --init-from``.
+Each check (``sink.jsonl``): loss against the language's entropy floor, and per layer the mean
+attention of the non-trigger rows on position 0 (the busiest head's, and the head mean) and the
+norm of position 0's input hidden state over the median of the others.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import LlavaForConditionalGeneration
+
+from analysis.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor
+
+
+@dataclass
+class BigramBackcopy:
+    """The language: `words [V]` token ids, `triggers` (a subset of them), `table [V, V]` next-word
+    probabilities over `words` (rows sum to 1; a trigger's row is never used: after it comes a copy)."""
+
+    words: np.ndarray
+    triggers: np.ndarray
+    table: np.ndarray
+
+    @classmethod
+    def make(cls, words: list[int], n_triggers: int = 3, support: int = 6, seed: int = 0) -> "BigramBackcopy":
+        rng = np.random.default_rng(seed)
+        ids = np.array(sorted(words))
+        triggers = rng.choice(ids, n_triggers, replace=False)
+        table = np.zeros((len(ids), len(ids)))
+        for row in range(len(ids)):
+            nxt = rng.choice(len(ids), support, replace=False)
+            table[row, nxt] = rng.dirichlet(np.full(support, 0.5))
+        return cls(ids, np.sort(triggers), table)
+
+    def entropy_floor(self, trigger_share: float) -> float:
+        """Nats per predicted word of an ideal model: the bigram rows' mean entropy at non-trigger positions
+        (copies are free). `trigger_share`: the measured share of positions holding a trigger."""
+        p = self.table
+        row_entropy = -(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)).sum(1).mean()
+        return float((1 - trigger_share) * row_entropy)
+
+    def sample(self, rng: np.random.Generator, batch: int, length: int, first: int | None) -> np.ndarray:
+        """Token ids `[batch, length]`; position 0 is `first` (None: a random non-trigger word)."""
+        index = {int(w): i for i, w in enumerate(self.words)}
+        is_trigger = np.isin(self.words, self.triggers)
+        plain = self.words[~is_trigger]
+        out = np.empty((batch, length), dtype=np.int64)
+        for b in range(batch):
+            out[b, 0] = rng.choice(plain) if first is None else first
+            out[b, 1] = rng.choice(plain)
+            for i in range(1, length - 1):
+                if out[b, i] in self.triggers:
+                    out[b, i + 1] = out[b, i - 1]
+                else:
+                    out[b, i + 1] = self.words[rng.choice(len(self.words), p=self.table[index[int(out[b, i])]])]
+        return out
+
+
+@dataclass
+class PretrainSettings:
+    layout: str = "image-question"
+    first: str = "random"  # "bos" or "random" (what opens each sequence)
+    batch: int = 32
+    length: int = 128
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.3
+    minutes: float = 20.0
+    check_every: int = 100
+    seed: int = 0
+
+
+def _decoder_params(model: LlavaForConditionalGeneration) -> list[torch.nn.Parameter]:
+    return list(model.model.language_model.parameters())  # lm_head is tied to the word embeddings
+
+
+def lm_loss(model: LlavaForConditionalGeneration, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over every position of `ids [batch, length]`."""
+    hidden = model.model.language_model(input_ids=ids).last_hidden_state
+    logits = model.lm_head(hidden[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+@torch.no_grad()
+def first_token_readings(model: LlavaForConditionalGeneration, ids: torch.Tensor, triggers: np.ndarray,
+                         skip: int = 8) -> list[dict]:
+    """Per decoder layer, on `ids [batch, length]`: the attention that non-trigger rows (past `skip`) put on
+    position 0 (mean over rows and batch; the busiest head's and the head mean), and position 0's input
+    hidden-state norm over the median norm of the other positions."""
+    lm = model.model.language_model
+    impl = lm.config._attn_implementation
+    model.set_attn_implementation("eager")
+    out = lm(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    model.set_attn_implementation(impl)
+    rows = ~torch.isin(ids, torch.as_tensor(triggers))
+    rows[:, :skip] = False
+    w = rows[:, None, :].float()  # [B, 1, T]
+    readings = []
+    for layer, attn in enumerate(out.attentions):  # [B, H, T, T]
+        on_first = (attn[..., 0] * w).sum((0, 2)) / w.sum((0, 2))  # [H]
+        norms = out.hidden_states[layer].norm(dim=-1)  # [B, T]
+        ratio = (norms[:, 0] / norms[:, 1:].median(dim=-1).values).mean()
+        readings.append({"layer": layer, "max_head": round(on_first.max().item(), 3),
+                         "mean_head": round(on_first.mean().item(), 3), "norm_ratio": round(ratio.item(), 2)})
+    return readings
+
+
+def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, model_shape: dict,
+             max_steps: int | None = None) -> LlavaForConditionalGeneration:
+    """Train the decoder on the language for `settings.minutes` (or `max_steps`); save a whole LLaVA to `out`."""
+    torch.manual_seed(settings.seed)
+    rng = np.random.default_rng(settings.seed)
+    processor = build_processor(settings.layout)
+    model = LlavaForConditionalGeneration(build_config(processor, **model_shape))
+    if vision_from is not None:
+        donor = LlavaForConditionalGeneration.from_pretrained(vision_from)
+        model.model.vision_tower.load_state_dict(donor.model.vision_tower.state_dict())
+    tok = processor.tokenizer
+    words = [i for w, i in tok.get_vocab().items() if w not in SPECIAL_TOKENS]
+    language = BigramBackcopy.make(words, seed=settings.seed)
+    first = tok.convert_tokens_to_ids("<s>") if settings.first == "bos" else None
+    params = _decoder_params(model)
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": settings.weight_decay},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=settings.lr, betas=(0.9, 0.98))
+    probe = torch.as_tensor(language.sample(np.random.default_rng(10**6), 16, settings.length, first))
+    floor = language.entropy_floor(float(np.isin(probe.numpy()[:, 1:-1], language.triggers).mean()))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pretrain_settings.json").write_text(json.dumps(asdict(settings) | {"model": model_shape}, indent=1))
+    log = open(out / "sink.jsonl", "a")
+    model.train()
+    step, elapsed = 0, 0.0
+    while elapsed < settings.minutes * 60 and step < (max_steps or 10**9):
+        t0 = time.time()
+        ids = torch.as_tensor(language.sample(rng, settings.batch, settings.length, first))
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup)
+        loss = lm_loss(model, ids)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        elapsed += time.time() - t0
+        if step % settings.check_every == 0 or elapsed >= settings.minutes * 60:
+            model.eval()
+            record = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(loss.item(), 4),
+                      "probe_loss": round(lm_loss(model, probe).item(), 4), "floor": round(floor, 4),
+                      "layers": first_token_readings(model, probe, language.triggers)}
+            model.train()
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(json.dumps(record), flush=True)
+    log.close()
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return model
+
+
+def main(argv: list[str] | None = None) -> None:
+    from analysis.train_model import FULL_MODEL  # the decoder shape stage 2 builds
+
+    parser = argparse.ArgumentParser(description="Pretrain the tiny LLaVA's decoder on a bigram-backcopy language.")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the whole LLaVA and sink.jsonl")
+    parser.add_argument("--vision-from", type=Path, help="a saved LLaVA whose vision tower to keep")
+    parser.add_argument("--layout", choices=LAYOUTS, default="image-question")
+    parser.add_argument("--first", choices=("bos", "random"), default="random",
+                        help="what opens each sequence: <s>, or a random word (a sink would belong to position 0)")
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    settings = PretrainSettings(layout=args.layout, first=args.first, minutes=args.minutes, lr=args.lr)
+    pretrain(args.out, settings, args.vision_from, FULL_MODEL, args.max_steps)
+
+
+if __name__ == "__main__":
+    main()

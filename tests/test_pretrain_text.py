@@ -1,0 +1,80 @@
+"""Text-only pretraining of the tiny decoder on the bigram-backcopy language (analysis/pretrain_text.py)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlavaForConditionalGeneration
+
+from analysis.pretrain_text import BigramBackcopy, PretrainSettings, first_token_readings, lm_loss, pretrain
+from analysis.tiny_vlm import build_config, build_processor
+from analysis.train_model import SMOKE_MODEL, main as train_main
+
+WORDS = list(range(10, 40))
+
+
+@pytest.fixture(scope="module")
+def language():
+    return BigramBackcopy.make(WORDS, n_triggers=3, support=4, seed=1)
+
+
+def test_the_language_copies_after_triggers_and_follows_its_table_elsewhere(language):
+    ids = language.sample(np.random.default_rng(0), 8, 64, first=None)
+    assert ids.shape == (8, 64)
+    assert not np.isin(ids[:, :2], language.triggers).any()  # sequences open on plain words
+    index = {int(w): i for i, w in enumerate(language.words)}
+    copies = 0
+    for row in ids:
+        for i in range(1, 63):
+            if row[i] in language.triggers:
+                assert row[i + 1] == row[i - 1]
+                copies += 1
+            else:
+                assert language.table[index[int(row[i])], index[int(row[i + 1])]] > 0
+    assert copies > 0
+    assert (language.sample(np.random.default_rng(0), 2, 8, first=1)[:, 0] == 1).all()
+    np.testing.assert_allclose(language.table.sum(1), 1.0)
+    assert ((language.table > 0).sum(1) == 4).all()
+
+
+def test_entropy_floor_counts_only_the_bigram_positions():
+    table = np.full((2, 2), 0.5)  # one bit per word
+    language = BigramBackcopy(np.array([5, 6]), np.array([6]), table)
+    assert language.entropy_floor(0.0) == pytest.approx(np.log(2))
+    assert language.entropy_floor(0.25) == pytest.approx(0.75 * np.log(2))
+
+
+def test_pretraining_lowers_the_loss_and_saves_a_llava_stage_two_can_start_from(tmp_path):
+    torch.set_num_threads(1)
+    settings = PretrainSettings(batch=4, length=24, lr=3e-3, warmup=1, check_every=15, minutes=5)
+    model = pretrain(tmp_path / "bb", settings, None, SMOKE_MODEL, max_steps=30)
+    records = [json.loads(line) for line in (tmp_path / "bb" / "sink.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [15, 30]
+    assert records[-1]["probe_loss"] < np.log(len(model.get_input_embeddings().weight)) - 0.3
+    assert len(records[-1]["layers"]) == SMOKE_MODEL["text_layers"]
+    reloaded = LlavaForConditionalGeneration.from_pretrained(tmp_path / "bb")
+    ids = torch.randint(10, 40, (1, 12))
+    torch.testing.assert_close(lm_loss(reloaded.eval(), ids), lm_loss(model.eval(), ids))
+    # stage 2 continues from it by name (--init-from): the pretrained decoder's layers arrive unchanged
+    trained = train_main(["--smoke", "--init-from", str(tmp_path / "bb"), "--stage1-minutes", "0",
+                          "--layout", "image-question", "--out", str(tmp_path / "vlm")])
+    assert trained.config.text_config.num_hidden_layers == SMOKE_MODEL["text_layers"]
+
+
+def test_first_token_readings_match_uniform_attention_exactly():
+    """With every query zeroed each row attends uniformly over its prefix: row t puts 1/(t+1) on position 0."""
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(build_config(build_processor("image-question"), **SMOKE_MODEL)).eval()
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+    ids = torch.randint(10, 40, (2, 20))
+    ids[:, 10] = 12  # a trigger row is left out of the mean
+    readings = first_token_readings(model, ids, np.array([12]), skip=4)
+    rows = [t for t in range(4, 20) if t != 10]
+    expected = float(np.mean([1 / (t + 1) for t in rows]))
+    assert len(readings) == SMOKE_MODEL["text_layers"]
+    for r in readings:
+        assert r["max_head"] == pytest.approx(expected, abs=1e-3)
+        assert r["mean_head"] == pytest.approx(expected, abs=1e-3)
+        assert r["norm_ratio"] > 0
