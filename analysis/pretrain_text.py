@@ -85,6 +85,7 @@ class BigramBackcopy:
 class PretrainSettings:
     layout: str = "image-question"
     first: str = "random"  # "bos" or "random" (what opens each sequence)
+    triggers: int = 3  # trigger words (the share of positions where a copy is due)
     batch: int = 32
     length: int = 128
     lr: float = 1e-3
@@ -130,31 +131,46 @@ def first_token_readings(model: LlavaForConditionalGeneration, ids: torch.Tensor
     return readings
 
 
+def _checkpoint(out: Path, model, processor, optimizer, step: int, elapsed: float, rng: np.random.Generator) -> None:
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    torch.save(optimizer.state_dict(), out / "optimizer.pt")
+    (out / "state.json").write_text(json.dumps({"step": step, "elapsed": elapsed, "rng": rng.bit_generator.state}))
+
+
 def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, model_shape: dict,
-             max_steps: int | None = None) -> LlavaForConditionalGeneration:
-    """Train the decoder on the language for `settings.minutes` (or `max_steps`); save a whole LLaVA to `out`."""
+             max_steps: int | None = None, resume: bool = False) -> LlavaForConditionalGeneration:
+    """Train the decoder on the language for `settings.minutes` (or `max_steps`); save a whole LLaVA to `out`
+    at every check (with the optimizer and the step, so that ``resume`` continues where it stopped)."""
     torch.manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
     processor = build_processor(settings.layout)
-    model = LlavaForConditionalGeneration(build_config(processor, **model_shape))
-    if vision_from is not None:
+    step, elapsed = 0, 0.0
+    if resume:
+        model = LlavaForConditionalGeneration.from_pretrained(out)
+        state = json.loads((out / "state.json").read_text())
+        step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
+    else:
+        model = LlavaForConditionalGeneration(build_config(processor, **model_shape))
+    if vision_from is not None and not resume:
         donor = LlavaForConditionalGeneration.from_pretrained(vision_from)
         model.model.vision_tower.load_state_dict(donor.model.vision_tower.state_dict())
     tok = processor.tokenizer
     words = [i for w, i in tok.get_vocab().items() if w not in SPECIAL_TOKENS]
-    language = BigramBackcopy.make(words, seed=settings.seed)
+    language = BigramBackcopy.make(words, n_triggers=settings.triggers, seed=settings.seed)
     first = tok.convert_tokens_to_ids("<s>") if settings.first == "bos" else None
     params = _decoder_params(model)
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": settings.weight_decay},
                                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                                   lr=settings.lr, betas=(0.9, 0.98))
+    if resume:
+        optimizer.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True))
     probe = torch.as_tensor(language.sample(np.random.default_rng(10**6), 16, settings.length, first))
     floor = language.entropy_floor(float(np.isin(probe.numpy()[:, 1:-1], language.triggers).mean()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "pretrain_settings.json").write_text(json.dumps(asdict(settings) | {"model": model_shape}, indent=1))
     log = open(out / "sink.jsonl", "a")
     model.train()
-    step, elapsed = 0, 0.0
     while elapsed < settings.minutes * 60 and step < (max_steps or 10**9):
         t0 = time.time()
         ids = torch.as_tensor(language.sample(rng, settings.batch, settings.length, first))
@@ -176,9 +192,9 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
+            _checkpoint(out, model, processor, optimizer, step, elapsed, rng)
     log.close()
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
+    _checkpoint(out, model, processor, optimizer, step, elapsed, rng)
     return model
 
 
@@ -191,14 +207,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="image-question")
     parser.add_argument("--first", choices=("bos", "random"), default="random",
                         help="what opens each sequence: <s>, or a random word (a sink would belong to position 0)")
-    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--minutes", type=float, help="training-time budget (default 20; with --resume the run's own)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--triggers", type=int, default=3, help="how many words trigger a copy")
+    parser.add_argument("--resume", action="store_true", help="continue the run saved in --out (its settings; "
+                        "--minutes may extend it)")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    settings = PretrainSettings(layout=args.layout, first=args.first, minutes=args.minutes, lr=args.lr)
-    pretrain(args.out, settings, args.vision_from, FULL_MODEL, args.max_steps)
+    settings = PretrainSettings(layout=args.layout, first=args.first, minutes=args.minutes or 20.0, lr=args.lr,
+                                triggers=args.triggers)
+    shape = FULL_MODEL
+    if args.resume:
+        saved = json.loads((args.out / "pretrain_settings.json").read_text())
+        shape = saved.pop("model")
+        settings = PretrainSettings(**(saved | {"minutes": args.minutes or saved["minutes"]}))
+    pretrain(args.out, settings, args.vision_from, shape, args.max_steps, args.resume)
 
 
 if __name__ == "__main__":

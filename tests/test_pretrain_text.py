@@ -78,3 +78,17 @@ def test_first_token_readings_match_uniform_attention_exactly():
         assert r["max_head"] == pytest.approx(expected, abs=1e-3)
         assert r["mean_head"] == pytest.approx(expected, abs=1e-3)
         assert r["norm_ratio"] > 0
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
+    """10 steps, stop, resume to 20: the same weights as 20 steps in one go (optimizer, step and data stream kept)."""
+    torch.set_num_threads(1)
+    settings = PretrainSettings(batch=2, length=12, lr=3e-3, warmup=4, check_every=5, minutes=5)
+    straight = pretrain(tmp_path / "one", settings, None, SMOKE_MODEL, max_steps=20)
+    pretrain(tmp_path / "two", settings, None, SMOKE_MODEL, max_steps=10)
+    resumed = pretrain(tmp_path / "two", settings, None, SMOKE_MODEL, max_steps=20, resume=True)
+    assert json.loads((tmp_path / "two" / "state.json").read_text())["step"] == 20
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "two" / "sink.jsonl").read_text().splitlines()]
+    assert steps == [5, 10, 15, 20]
