@@ -138,6 +138,33 @@ def _checkpoint(out: Path, model, processor, optimizer, step: int, elapsed: floa
     (out / "state.json").write_text(json.dumps({"step": step, "elapsed": elapsed, "rng": rng.bit_generator.state}))
 
 
+def uniform_share(length: int, skip: int = 8) -> float:
+    """What `first_token_readings` reads for a head attending uniformly over its prefix: row t puts
+    1 / (t + 1) on position 0, averaged over rows skip..length-1 (trigger rows aside)."""
+    return float(np.mean(1.0 / np.arange(skip + 1, length + 1)))
+
+
+def table(log: Path, every: int = 1) -> str:
+    """A markdown table of a run's checks (``sink.jsonl``): the loss above the language's floor, the head that
+    parks most on position 0 (share and layer), the head mean over all layers, and position 0's largest
+    norm ratio (and layer); the first line says what a uniform head reads."""
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    settings = json.loads((log.parent / "pretrain_settings.json").read_text())
+    lines = [f"uniform attention reads {uniform_share(settings['length']):.3f} on position 0",
+             "| step | minutes | loss above floor (nats) | busiest head on position 0 (layer) | head mean | "
+             "position-0 norm / median (layer) |", "|---|---|---|---|---|---|"]
+    for i, r in enumerate(records):
+        if i % every and i != len(records) - 1:
+            continue
+        busiest = max(r["layers"], key=lambda x: x["max_head"])
+        massive = max(r["layers"], key=lambda x: x["norm_ratio"])
+        mean = np.mean([x["mean_head"] for x in r["layers"]])
+        lines.append(f"| {r['step']} | {r['minutes']:.0f} | {r['probe_loss'] - r['floor']:.3f} | "
+                     f"{busiest['max_head']:.3f} ({busiest['layer']}) | {mean:.3f} | "
+                     f"{massive['norm_ratio']:.2f} ({massive['layer']}) |")
+    return "\n".join(lines)
+
+
 def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, model_shape: dict,
              max_steps: int | None = None, resume: bool = False) -> LlavaForConditionalGeneration:
     """Train the decoder on the language for `settings.minutes` (or `max_steps`); save a whole LLaVA to `out`
@@ -202,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     from analysis.train_model import FULL_MODEL  # the decoder shape stage 2 builds
 
     parser = argparse.ArgumentParser(description="Pretrain the tiny LLaVA's decoder on a bigram-backcopy language.")
-    parser.add_argument("--out", type=Path, required=True, help="folder for the whole LLaVA and sink.jsonl")
+    parser.add_argument("--out", type=Path, help="folder for the whole LLaVA and sink.jsonl")
+    parser.add_argument("--table", type=Path, metavar="SINK_JSONL", help="print a run's checks as a table, and stop")
+    parser.add_argument("--every", type=int, default=1, help="with --table: every n-th check (and the last)")
     parser.add_argument("--vision-from", type=Path, help="a saved LLaVA whose vision tower to keep")
     parser.add_argument("--layout", choices=LAYOUTS, default="image-question")
     parser.add_argument("--first", choices=("bos", "random"), default="random",
@@ -210,14 +239,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, help="training-time budget (default 20; with --resume the run's own)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--triggers", type=int, default=3, help="how many words trigger a copy")
+    parser.add_argument("--weight-decay", type=float, default=0.3, help="AdamW weight decay on the matrices")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out (its settings; "
                         "--minutes may extend it)")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.table, args.every))
+        return
+    if args.out is None:
+        parser.error("--out is required (or --table)")
     torch.set_num_threads(args.threads)
     settings = PretrainSettings(layout=args.layout, first=args.first, minutes=args.minutes or 20.0, lr=args.lr,
-                                triggers=args.triggers)
+                                triggers=args.triggers, weight_decay=args.weight_decay)
     shape = FULL_MODEL
     if args.resume:
         saved = json.loads((args.out / "pretrain_settings.json").read_text())

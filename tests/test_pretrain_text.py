@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
-from analysis.pretrain_text import BigramBackcopy, PretrainSettings, first_token_readings, lm_loss, pretrain
+from analysis.pretrain_text import (BigramBackcopy, PretrainSettings, first_token_readings, lm_loss, pretrain, table,
+                                   uniform_share)
 from analysis.tiny_vlm import build_config, build_processor
 from analysis.train_model import SMOKE_MODEL, main as train_main
 
@@ -50,6 +51,10 @@ def test_pretraining_lowers_the_loss_and_saves_a_llava_stage_two_can_start_from(
     model = pretrain(tmp_path / "bb", settings, None, SMOKE_MODEL, max_steps=30)
     records = [json.loads(line) for line in (tmp_path / "bb" / "sink.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [15, 30]
+    printed = table(tmp_path / "bb" / "sink.jsonl").splitlines()
+    assert printed[0] == f"uniform attention reads {uniform_share(24):.3f} on position 0"
+    assert [row.split(" | ")[0] for row in printed[3:]] == ["| 15", "| 30"]
+    assert f"| {records[-1]['probe_loss'] - records[-1]['floor']:.3f} |" in printed[-1]
     assert records[-1]["probe_loss"] < np.log(len(model.get_input_embeddings().weight)) - 0.3
     assert len(records[-1]["layers"]) == SMOKE_MODEL["text_layers"]
     reloaded = LlavaForConditionalGeneration.from_pretrained(tmp_path / "bb")
@@ -73,6 +78,7 @@ def test_first_token_readings_match_uniform_attention_exactly():
     readings = first_token_readings(model, ids, np.array([12]), skip=4)
     rows = [t for t in range(4, 20) if t != 10]
     expected = float(np.mean([1 / (t + 1) for t in rows]))
+    assert uniform_share(20, skip=4) == pytest.approx(np.mean([1 / (t + 1) for t in range(4, 20)]))
     assert len(readings) == SMOKE_MODEL["text_layers"]
     for r in readings:
         assert r["max_head"] == pytest.approx(expected, abs=1e-3)
