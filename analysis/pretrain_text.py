@@ -3,8 +3,8 @@
     python -m analysis.pretrain_text --out runs/bb --vision-from assets/tiny-llava --layout image-question
     python -m analysis.train_model --init-from runs/bb --stage1-minutes 0 --layout image-question ...  # then
 
-The text is the bigram-backcopy language of the dormant-head studies (docs/method.md §3 names where
-attention sinks come from): over the scene words, each next word follows a fixed sparse bigram table,
+The text is the bigram-backcopy language of the active-dormant-head study of attention sinks (the model
+card's "Tries for sink heads" lists the studies and what each run showed): over the scene words, each next word follows a fixed sparse bigram table,
 except after one of a few *trigger* words, where it copies the word before the trigger. A head is
 needed only at trigger positions (to fetch the word two back); everywhere else its output should be
 nothing, which softmax attention cannot say unless it parks on a token whose value carries nothing:
