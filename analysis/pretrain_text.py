@@ -4,13 +4,13 @@
     python -m analysis.train_model --init-from runs/bb --stage1-minutes 0 --layout image-question ...  # then
 
 The text is the bigram-backcopy language of the active-dormant-head study of attention sinks (the model
-card's "Tries for sink heads" lists the studies and what each run showed): over the scene words, each next word follows a fixed sparse bigram table,
-except after one of a few *trigger* words, where it copies the word before the trigger. A head is
-needed only at trigger positions (to fetch the word two back); everywhere else its output should be
-nothing, which softmax attention cannot say unless it parks on a token whose value carries nothing:
-on language models trained this way the first token becomes that parking place (an attention sink,
-with a massive activation). Nothing here names a sink: the loss is next-token cross-entropy on every
-position.
+card's "Tries for sink heads" lists the studies and what each run showed): over the scene words, each
+next word follows a fixed sparse bigram table, except after one of a few *trigger* words, where it
+repeats the word before the trigger. A head is needed only at trigger positions (to fetch the word
+before the trigger); everywhere else its output should be nothing, which softmax attention cannot say
+unless it parks on a token whose value carries nothing: in the small transformers of that study the
+first token becomes that parking place (an attention sink, with a massive activation). Nothing here
+names a sink: the loss is next-token cross-entropy on every position.
 
 ``--first bos`` opens every sequence with ``<s>`` (as language models are trained); ``--first random``
 with a random word, so that a sink, if one forms, belongs to position 0 and not to a word (the
