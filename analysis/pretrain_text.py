@@ -83,6 +83,8 @@ class BigramBackcopy:
 
 @dataclass
 class PretrainSettings:
+    """One text-pretraining run, saved with it as ``pretrain_settings.json`` (``--resume`` reads it back)."""
+
     layout: str = "image-question"
     first: str = "random"  # "bos" or "random" (what opens each sequence)
     triggers: int = 3  # trigger words (the share of positions where a copy is due)
@@ -196,31 +198,30 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
     floor = language.entropy_floor(float(np.isin(probe.numpy()[:, 1:-1], language.triggers).mean()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "pretrain_settings.json").write_text(json.dumps(asdict(settings) | {"model": model_shape}, indent=1))
-    log = open(out / "sink.jsonl", "a")
-    model.train()
-    while elapsed < settings.minutes * 60 and step < (max_steps or 10**9):
-        t0 = time.time()
-        ids = torch.as_tensor(language.sample(rng, settings.batch, settings.length, first))
-        for group in optimizer.param_groups:
-            group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup)
-        loss = lm_loss(model, ids)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        step += 1
-        elapsed += time.time() - t0
-        if step % settings.check_every == 0 or elapsed >= settings.minutes * 60:
-            model.eval()
-            record = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(loss.item(), 4),
-                      "probe_loss": round(lm_loss(model, probe).item(), 4), "floor": round(floor, 4),
-                      "layers": first_token_readings(model, probe, language.triggers)}
-            model.train()
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            print(json.dumps(record), flush=True)
-            _checkpoint(out, model, processor, optimizer, step, elapsed, rng)
-    log.close()
+    with open(out / "sink.jsonl", "a") as log:
+        model.train()
+        while elapsed < settings.minutes * 60 and step < (max_steps or 10**9):
+            t0 = time.time()
+            ids = torch.as_tensor(language.sample(rng, settings.batch, settings.length, first))
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup)
+            loss = lm_loss(model, ids)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            elapsed += time.time() - t0
+            if step % settings.check_every == 0 or elapsed >= settings.minutes * 60:
+                model.eval()
+                record = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(loss.item(), 4),
+                          "probe_loss": round(lm_loss(model, probe).item(), 4), "floor": round(floor, 4),
+                          "layers": first_token_readings(model, probe, language.triggers)}
+                model.train()
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                print(json.dumps(record), flush=True)
+                _checkpoint(out, model, processor, optimizer, step, elapsed, rng)
     _checkpoint(out, model, processor, optimizer, step, elapsed, rng)
     return model
 
