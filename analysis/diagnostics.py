@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -55,42 +57,52 @@ def _keep_mask(length: int, image: torch.Tensor, keep: torch.Tensor) -> torch.Te
     return torch.zeros(1, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
+@contextmanager
+def eager_attention(model) -> Iterator[None]:
+    """Run the block with eager attention (the one that returns attention weights), then restore the model's own."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(impl)
+
+
 @torch.no_grad()
 def diagnose(model, processor, items: list[tuple[Scene, Question]], rho: float = 10.0,
              tau_sink: float = 0.5, tau_disp: float = 0.9) -> dict:
     """Every diagnostic of the module docstring for `items` (see there); plain JSON-able dict."""
-    was_training, impl = model.training, model.config._attn_implementation
+    was_training = model.training
     model.eval()
-    model.set_attn_implementation("eager")
-    image_id = model.config.image_token_id
-    answer_ids = [processor.tokenizer.convert_tokens_to_ids(q.answer) for _, q in items]
-    per_item = []
-    for scene, q in items:
-        ids, out = _forward(model, processor, scene, q)
-        image = (ids == image_id).nonzero()[:, 0]
-        rows = torch.arange(int(image[-1]) + 1, len(ids))
-        attn = torch.stack([a[0][:, rows][:, :, image] for a in out.attentions])  # [L, H, P, V]
-        hidden = torch.stack([h[0, image] for h in out.hidden_states[:-1]])  # [L, V, d]
-        valid = torch.ones(1, len(rows), dtype=torch.bool)
-        dist = torch.stack([visual_distribution(a[None], valid)[0] for a in attn])  # [L, H, V]
-        consensus = consensus_sinks(dist.flatten(0, 1))
-        stats = {}
-        for name, detector in (("norm", lambda l: sink_tokens(hidden[l][None], rho)[0]),
-                               ("consensus", lambda l: consensus)):
-            per_layer = [head_stats(attn[l][None], valid, detector(l)[None]) for l in range(len(attn))]
-            stats[name] = {
-                "paq": torch.stack([s.paq[0] for s in per_layer]),  # [L, H]
-                "classes": [classify(s, tau_sink, tau_disp)[0] for s in per_layer],
-                "dispersion": torch.stack([s.dispersion[0] for s in per_layer]),
-            }
-        all_norms = torch.stack([h[0].float().norm(dim=-1) for h in out.hidden_states[:-1]])  # [L, T]
-        per_item.append(dict(ids=ids, image=image, dist=dist, norms=all_norms[:, image], all_norms=all_norms,
-                             stats=stats, consensus=consensus.nonzero()[:, 0].tolist(), question=q,
-                             parking=_parking(out.attentions, image, rows)))
-    result = _summarise(per_item)
-    result |= _outside_image(per_item, processor.tokenizer)
-    result["probe"] = _probe(model, processor, items, per_item, answer_ids)
-    model.set_attn_implementation(impl)
+    with eager_attention(model):
+        image_id = model.config.image_token_id
+        answer_ids = [processor.tokenizer.convert_tokens_to_ids(q.answer) for _, q in items]
+        per_item = []
+        for scene, q in items:
+            ids, out = _forward(model, processor, scene, q)
+            image = (ids == image_id).nonzero()[:, 0]
+            rows = torch.arange(int(image[-1]) + 1, len(ids))
+            attn = torch.stack([a[0][:, rows][:, :, image] for a in out.attentions])  # [L, H, P, V]
+            hidden = torch.stack([h[0, image] for h in out.hidden_states[:-1]])  # [L, V, d]
+            valid = torch.ones(1, len(rows), dtype=torch.bool)
+            dist = torch.stack([visual_distribution(a[None], valid)[0] for a in attn])  # [L, H, V]
+            consensus = consensus_sinks(dist.flatten(0, 1))
+            stats = {}
+            for name, detector in (("norm", lambda l: sink_tokens(hidden[l][None], rho)[0]),
+                                   ("consensus", lambda l: consensus)):
+                per_layer = [head_stats(attn[l][None], valid, detector(l)[None]) for l in range(len(attn))]
+                stats[name] = {
+                    "paq": torch.stack([s.paq[0] for s in per_layer]),  # [L, H]
+                    "classes": [classify(s, tau_sink, tau_disp)[0] for s in per_layer],
+                    "dispersion": torch.stack([s.dispersion[0] for s in per_layer]),
+                }
+            all_norms = torch.stack([h[0].float().norm(dim=-1) for h in out.hidden_states[:-1]])  # [L, T]
+            per_item.append(dict(ids=ids, image=image, dist=dist, norms=all_norms[:, image], all_norms=all_norms,
+                                 stats=stats, consensus=consensus.nonzero()[:, 0].tolist(), question=q,
+                                 parking=_parking(out.attentions, image, rows)))
+        result = _summarise(per_item)
+        result |= _outside_image(per_item, processor.tokenizer)
+        result["probe"] = _probe(model, processor, items, per_item, answer_ids)
     model.train(was_training)
     return result
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlavaForConditionalGeneration
 
+from analysis.diagnostics import eager_attention
 from analysis.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor
 
 
@@ -115,11 +116,8 @@ def first_token_readings(model: LlavaForConditionalGeneration, ids: torch.Tensor
     """Per decoder layer, on `ids [batch, length]`: the attention that non-trigger rows (past `skip`) put on
     position 0 (mean over rows and batch; the busiest head's and the head mean), and position 0's input
     hidden-state norm over the median norm of the other positions."""
-    lm = model.model.language_model
-    impl = lm.config._attn_implementation
-    model.set_attn_implementation("eager")
-    out = lm(input_ids=ids, output_attentions=True, output_hidden_states=True)
-    model.set_attn_implementation(impl)
+    with eager_attention(model):
+        out = model.model.language_model(input_ids=ids, output_attentions=True, output_hidden_states=True)
     rows = ~torch.isin(ids, torch.as_tensor(triggers))
     rows[:, :skip] = False
     w = rows[:, None, :].float()  # [B, 1, T]
@@ -189,9 +187,9 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
     language = BigramBackcopy.make(words, n_triggers=settings.triggers, seed=settings.seed)
     first = tok.convert_tokens_to_ids("<s>") if settings.first == "bos" else None
     params = _decoder_params(model)
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": settings.weight_decay},
-                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=settings.lr, betas=(0.9, 0.98))
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": settings.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.98))
     if resume:
         optimizer.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True))
     probe = torch.as_tensor(language.sample(np.random.default_rng(10**6), 16, settings.length, first))
