@@ -66,19 +66,19 @@ class BigramBackcopy:
         return float((1 - trigger_share) * row_entropy)
 
     def sample(self, rng: np.random.Generator, batch: int, length: int, first: int | None) -> np.ndarray:
-        """Token ids `[batch, length]`; position 0 is `first` (None: a random non-trigger word)."""
-        index = {int(w): i for i, w in enumerate(self.words)}
-        is_trigger = np.isin(self.words, self.triggers)
-        plain = self.words[~is_trigger]
+        """Token ids `[batch, length]`; position 0 is `first` (None: a random non-trigger word). Each
+        position is drawn for the whole batch at once (inverse CDF of the current word's table row)."""
+        position = np.full(self.words.max() + 1, -1)
+        position[self.words] = np.arange(len(self.words))
+        plain = self.words[~np.isin(self.words, self.triggers)]
+        cdf = np.cumsum(self.table, axis=1)
         out = np.empty((batch, length), dtype=np.int64)
-        for b in range(batch):
-            out[b, 0] = rng.choice(plain) if first is None else first
-            out[b, 1] = rng.choice(plain)
-            for i in range(1, length - 1):
-                if out[b, i] in self.triggers:
-                    out[b, i + 1] = out[b, i - 1]
-                else:
-                    out[b, i + 1] = self.words[rng.choice(len(self.words), p=self.table[index[int(out[b, i])]])]
+        out[:, 0] = rng.choice(plain, batch) if first is None else first
+        out[:, 1] = rng.choice(plain, batch)
+        for i in range(1, length - 1):
+            drawn = (rng.random(batch)[:, None] > cdf[position[out[:, i]]]).sum(1)
+            bigram = self.words[np.minimum(drawn, len(self.words) - 1)]
+            out[:, i + 1] = np.where(np.isin(out[:, i], self.triggers), out[:, i - 1], bigram)
         return out
 
 
@@ -118,7 +118,7 @@ def first_token_readings(model: LlavaForConditionalGeneration, ids: torch.Tensor
     hidden-state norm over the median norm of the other positions."""
     with eager_attention(model):
         out = model.model.language_model(input_ids=ids, output_attentions=True, output_hidden_states=True)
-    rows = ~torch.isin(ids, torch.as_tensor(triggers))
+    rows = ~torch.isin(ids, torch.as_tensor(triggers, device=ids.device))
     rows[:, :skip] = False
     w = rows[:, None, :].float()  # [B, 1, T]
     readings = []
@@ -166,9 +166,11 @@ def table(log: Path, every: int = 1) -> str:
 
 
 def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, model_shape: dict,
-             max_steps: int | None = None, resume: bool = False) -> LlavaForConditionalGeneration:
-    """Train the decoder on the language for `settings.minutes` (or `max_steps`); save a whole LLaVA to `out`
-    at every check (with the optimizer and the step, so that ``resume`` continues where it stopped)."""
+             max_steps: int | None = None, resume: bool = False,
+             device: str = "cpu") -> LlavaForConditionalGeneration:
+    """Train the decoder on the language for `settings.minutes` (or `max_steps`) on `device`; save a whole
+    LLaVA to `out` at every check (with the optimizer and the step, so that ``resume`` continues where it
+    stopped, on any device)."""
     torch.manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
     processor = build_processor(settings.layout)
@@ -182,6 +184,7 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
     if vision_from is not None and not resume:
         donor = LlavaForConditionalGeneration.from_pretrained(vision_from)
         model.model.vision_tower.load_state_dict(donor.model.vision_tower.state_dict())
+    model.to(device)
     tok = processor.tokenizer
     words = [i for w, i in tok.get_vocab().items() if w not in SPECIAL_TOKENS]
     language = BigramBackcopy.make(words, n_triggers=settings.triggers, seed=settings.seed)
@@ -191,16 +194,17 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.98))
     if resume:
-        optimizer.load_state_dict(torch.load(out / "optimizer.pt", weights_only=True))
-    probe = torch.as_tensor(language.sample(np.random.default_rng(10**6), 16, settings.length, first))
-    floor = language.entropy_floor(float(np.isin(probe.numpy()[:, 1:-1], language.triggers).mean()))
+        optimizer.load_state_dict(torch.load(out / "optimizer.pt", map_location="cpu", weights_only=True))  # to params
+    probe_ids = language.sample(np.random.default_rng(10**6), 16, settings.length, first)
+    probe = torch.as_tensor(probe_ids, device=device)
+    floor = language.entropy_floor(float(np.isin(probe_ids[:, 1:-1], language.triggers).mean()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "pretrain_settings.json").write_text(json.dumps(asdict(settings) | {"model": model_shape}, indent=1))
     with open(out / "sink.jsonl", "a") as log:
         model.train()
         while elapsed < settings.minutes * 60 and step < (max_steps or 10**9):
             t0 = time.time()
-            ids = torch.as_tensor(language.sample(rng, settings.batch, settings.length, first))
+            ids = torch.as_tensor(language.sample(rng, settings.batch, settings.length, first), device=device)
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup)
             loss = lm_loss(model, ids)
@@ -212,7 +216,8 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
             elapsed += time.time() - t0
             if step % settings.check_every == 0 or elapsed >= settings.minutes * 60:
                 model.eval()
-                record = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(loss.item(), 4),
+                record = {"step": step, "minutes": round(elapsed / 60, 2), "batch": settings.batch,
+                          "loss": round(loss.item(), 4),
                           "probe_loss": round(lm_loss(model, probe).item(), 4), "floor": round(floor, 4),
                           "layers": first_token_readings(model, probe, language.triggers)}
                 model.train()
@@ -241,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-decay", type=float, default=0.3, help="AdamW weight decay on the matrices")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out (its settings; "
                         "--minutes may extend it)")
+    parser.add_argument("--batch", type=int, help="sequences per step (default 32; with --resume the run's own, "
+                        "or this from now on)")
+    parser.add_argument("--check-every", type=int, help="steps between checks and checkpoints (default 100; "
+                        "with --resume likewise)")
+    parser.add_argument("--device", default="cpu", help="torch device to train on, e.g. cuda (default cpu)")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -250,14 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is None:
         parser.error("--out is required (or --table)")
     torch.set_num_threads(args.threads)
-    settings = PretrainSettings(layout=args.layout, first=args.first, minutes=args.minutes or 20.0, lr=args.lr,
-                                triggers=args.triggers, weight_decay=args.weight_decay)
+    given = {name: value for name, value in (("minutes", args.minutes), ("batch", args.batch),
+                                             ("check_every", args.check_every)) if value is not None}
+    settings = PretrainSettings(**({"layout": args.layout, "first": args.first, "lr": args.lr,
+                                    "triggers": args.triggers, "weight_decay": args.weight_decay} | given))
     shape = FULL_MODEL
     if args.resume:
         saved = json.loads((args.out / "pretrain_settings.json").read_text())
         shape = saved.pop("model")
-        settings = PretrainSettings(**(saved | {"minutes": args.minutes or saved["minutes"]}))
-    pretrain(args.out, settings, args.vision_from, shape, args.max_steps, args.resume)
+        settings = PretrainSettings(**(saved | given))
+    pretrain(args.out, settings, args.vision_from, shape, args.max_steps, args.resume, args.device)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,16 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
     steps = [json.loads(line)["step"] for line in (tmp_path / "two" / "sink.jsonl").read_text().splitlines()]
     assert steps == [5, 10, 15, 20]
+
+
+def test_the_batched_sampler_draws_each_next_word_with_its_table_probability(language):
+    ids = language.sample(np.random.default_rng(3), 512, 64, first=None)
+    index = {int(w): i for i, w in enumerate(language.words)}
+    counts = np.zeros_like(language.table)
+    for a, b in zip(ids[:, 1:-1].ravel(), ids[:, 2:].ravel()):
+        if a not in language.triggers:
+            counts[index[int(a)], index[int(b)]] += 1
+    seen = counts.sum(1) > 1000  # rows seen often enough for a 0.05 tolerance (> 3 standard errors)
+    assert seen.sum() >= 5
+    frequencies = counts[seen] / counts[seen].sum(1, keepdims=True)
+    np.testing.assert_allclose(frequencies, language.table[seen], atol=0.05)
