@@ -194,7 +194,8 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.98))
     if resume:
-        optimizer.load_state_dict(torch.load(out / "optimizer.pt", map_location="cpu", weights_only=True))  # to params
+        # saved on any device; load_state_dict moves each state onto its parameter's device
+        optimizer.load_state_dict(torch.load(out / "optimizer.pt", map_location="cpu", weights_only=True))
     probe_ids = language.sample(np.random.default_rng(10**6), 16, settings.length, first)
     probe = torch.as_tensor(probe_ids, device=device)
     floor = language.entropy_floor(float(np.isin(probe_ids[:, 1:-1], language.triggers).mean()))
