@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers import LlavaForConditionalGeneration
 
 from analysis.diagnostics import eager_attention
-from analysis.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor
+from analysis.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor, decoder_shape
 
 
 @dataclass
@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
                         "or this from now on)")
     parser.add_argument("--check-every", type=int, help="steps between checks and checkpoints (default 100; "
                         "with --resume likewise)")
+    parser.add_argument("--decoder", nargs="*", default=[], metavar="FIELD=N",
+                        help="decoder shape overrides of train_model's (text_layers, text_heads, text_hidden, "
+                             "text_mlp), e.g. text_layers=1 text_heads=1 for the toy study's shape")
     parser.add_argument("--device", default="cpu", help="torch device to train on, e.g. cuda (default cpu)")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--threads", type=int, default=1)
@@ -265,7 +268,10 @@ def main(argv: list[str] | None = None) -> None:
                                              ("check_every", args.check_every)) if value is not None}
     settings = PretrainSettings(**({"layout": args.layout, "first": args.first, "lr": args.lr,
                                     "triggers": args.triggers, "weight_decay": args.weight_decay} | given))
-    shape = FULL_MODEL
+    try:
+        shape = FULL_MODEL | decoder_shape(args.decoder)
+    except ValueError as err:
+        parser.error(str(err))
     if args.resume:
         saved = json.loads((args.out / "pretrain_settings.json").read_text())
         shape = saved.pop("model")

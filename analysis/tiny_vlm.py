@@ -107,6 +107,22 @@ def build_processor(layout: str = "text-first", image_size: int = IMAGE_SIZE) ->
         chat_template=image_first_template(layout == "image-first") if image_first else CHAT_TEMPLATE)
 
 
+DECODER_FIELDS = ("text_layers", "text_heads", "text_hidden", "text_mlp")
+
+
+def decoder_shape(overrides: list[str]) -> dict[str, int]:
+    """Parse ``FIELD=N`` decoder-shape overrides (``--decoder`` of the training CLIs) into a dict for
+    `build_config`; ValueError naming the allowed fields on anything else."""
+    shape = {}
+    for item in overrides:
+        field, _, n = item.partition("=")
+        if field not in DECODER_FIELDS or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--decoder {item!r}: give FIELD=N with N >= 1 and FIELD one of "
+                             f"{', '.join(DECODER_FIELDS)}")
+        shape[field] = int(n)
+    return shape
+
+
 def build_config(processor: LlavaProcessor, *, text_layers: int = 6, text_heads: int = 4,
                  text_kv_heads: int | None = None, text_hidden: int = 128, text_mlp: int = 384,
                  vision_hidden: int = 128, vision_layers: int = 3, vision_heads: int = 4,

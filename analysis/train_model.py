@@ -52,7 +52,7 @@ from hap.run import chat_prompt
 from analysis.diagnostics import diagnose
 from analysis.scenes import (AUX_KINDS, COLORS, GRID, LETTERS, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES,
                              TRAIN_SEED_START, Question, Scene, heldout_items, make_questions, make_scene)
-from analysis.tiny_vlm import LAYOUTS, build_config, build_processor
+from analysis.tiny_vlm import LAYOUTS, build_config, build_processor, decoder_shape
 
 STAGE1_EVAL_START = 900_000  # held-out scenes for the stage-1 probe start here
 STAGE2_EVAL_START = 0  # held-out scenes for periodic stage-2 evaluation start here
@@ -686,10 +686,10 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
                         ("s2_text_weight", args.text_loss), ("s2_final_lr", args.final_lr)):
         if value is not None:
             setattr(settings, name, value)
-    for field, n in (d.split("=") for d in args.decoder):
-        if field not in ("text_layers", "text_heads", "text_hidden", "text_mlp"):
-            parser.error(f"--decoder {field}: choose text_layers, text_heads, text_hidden or text_mlp")
-        settings.model = settings.model | {field: int(n)}
+    try:
+        settings.model = settings.model | decoder_shape(args.decoder)
+    except ValueError as err:
+        parser.error(str(err))
     settings.layout, settings.vision_from, settings.init_from = args.layout, args.vision_from, args.init_from
     settings.s1_position = args.position_targets
     weights = {"relation": args.relation_weight} | {k: int(n) for k, n in (w.split("=") for w in args.kind_weight)}

@@ -8,7 +8,8 @@ from transformers import LlavaForConditionalGeneration
 
 from analysis.pretrain_text import (BigramBackcopy, PretrainSettings, first_token_readings, lm_loss, pretrain, table,
                                    uniform_share)
-from analysis.tiny_vlm import build_config, build_processor
+from analysis.pretrain_text import main as pretrain_main
+from analysis.tiny_vlm import build_config, build_processor, decoder_shape
 from analysis.train_model import SMOKE_MODEL, main as train_main
 
 WORDS = list(range(10, 40))
@@ -111,3 +112,26 @@ def test_the_batched_sampler_draws_each_next_word_with_its_table_probability(lan
     assert seen.sum() >= 5
     frequencies = counts[seen] / counts[seen].sum(1, keepdims=True)
     np.testing.assert_allclose(frequencies, language.table[seen], atol=0.05)
+
+
+def test_decoder_overrides_are_parsed_and_bad_ones_name_the_allowed_fields():
+    assert decoder_shape(["text_layers=1", "text_heads=2"]) == {"text_layers": 1, "text_heads": 2}
+    assert decoder_shape([]) == {}
+    for bad in ("vision_layers=2", "text_heads", "text_heads=0", "text_heads=two"):
+        with pytest.raises(ValueError, match="text_layers, text_heads, text_hidden, text_mlp"):
+            decoder_shape([bad])
+
+
+def test_the_cli_pretrains_the_decoder_shape_it_is_given_and_resume_keeps_it(tmp_path, capsys):
+    torch.set_num_threads(1)
+    out = tmp_path / "shallow"
+    pretrain_main(["--out", str(out), "--decoder", "text_layers=1", "text_heads=2", "--batch", "2",
+                   "--max-steps", "2", "--check-every", "1"])
+    pretrain_main(["--out", str(out), "--resume", "--max-steps", "3"])
+    config = LlavaForConditionalGeneration.from_pretrained(out).config.text_config
+    assert (config.num_hidden_layers, config.num_attention_heads) == (1, 2)
+    assert json.loads((out / "pretrain_settings.json").read_text())["model"]["text_layers"] == 1
+    assert [len(json.loads(line)["layers"]) for line in (out / "sink.jsonl").read_text().splitlines()] == [1, 1, 1]
+    with pytest.raises(SystemExit):
+        pretrain_main(["--out", str(tmp_path / "bad"), "--decoder", "text_depth=1"])
+    assert "text_layers, text_heads, text_hidden, text_mlp" in capsys.readouterr().err
