@@ -113,21 +113,37 @@ def lm_loss(model: LlavaForConditionalGeneration, ids: torch.Tensor) -> torch.Te
 @torch.no_grad()
 def first_token_readings(model: LlavaForConditionalGeneration, ids: torch.Tensor, triggers: np.ndarray,
                          skip: int = 8) -> list[dict]:
-    """Per decoder layer, on `ids [batch, length]`: the attention that non-trigger rows (past `skip`) put on
-    position 0 (mean over rows and batch; the busiest head's and the head mean), and position 0's input
-    hidden-state norm over the median norm of the other positions."""
+    """Per decoder layer, on `ids [batch, length]` (rows past `skip`; means over rows and batch):
+
+    - ``first [heads]``: the attention non-trigger rows put on position 0 (``max_head`` / ``mean_head``: the
+      busiest head's and the head mean);
+    - ``norm_ratio``: position 0's input hidden-state norm over the median norm of the other positions;
+    - ``entropy [heads]``: each head's attention entropy at non-trigger rows over its most, log(t + 1) (1: spread
+      uniformly, 0: on one token), which tells a head that parks (low) from one that spreads (near 1);
+    - ``copy [heads]``: the attention trigger rows put on the word before them (where the copy is fetched)."""
     with eager_attention(model):
         out = model.model.language_model(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    at_trigger = torch.isin(ids, torch.as_tensor(triggers, device=ids.device))
+    at_trigger[:, :skip] = False
     rows = ~torch.isin(ids, torch.as_tensor(triggers, device=ids.device))
     rows[:, :skip] = False
-    w = rows[:, None, :].float()  # [B, 1, T]
+    w, wt = rows[:, None, :].float(), at_trigger[:, None, :].float()  # [B, 1, T]
+    length = ids.shape[1]
+    most = torch.log(torch.arange(1, length + 1, device=ids.device, dtype=torch.float32)).clamp_min(1e-9)  # [T]
     readings = []
     for layer, attn in enumerate(out.attentions):  # [B, H, T, T]
+        attn = attn.float()
         on_first = (attn[..., 0] * w).sum((0, 2)) / w.sum((0, 2))  # [H]
+        entropy = -(attn * attn.clamp_min(1e-12).log()).sum(-1) / most  # [B, H, T]
+        on_previous = F.pad(attn.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))  # [B, H, T]: row t on t - 1
         norms = out.hidden_states[layer].norm(dim=-1)  # [B, T]
         ratio = (norms[:, 0] / norms[:, 1:].median(dim=-1).values).mean()
         readings.append({"layer": layer, "max_head": round(on_first.max().item(), 3),
-                         "mean_head": round(on_first.mean().item(), 3), "norm_ratio": round(ratio.item(), 2)})
+                         "mean_head": round(on_first.mean().item(), 3), "norm_ratio": round(ratio.item(), 2),
+                         "first": [round(x, 3) for x in on_first.tolist()],
+                         "entropy": [round(x, 3) for x in ((entropy * w).sum((0, 2)) / w.sum((0, 2))).tolist()],
+                         "copy": [round(x, 3) for x in
+                                  ((on_previous * wt).sum((0, 2)) / wt.sum((0, 2)).clamp_min(1)).tolist()]})
     return readings
 
 
@@ -165,6 +181,34 @@ def table(log: Path, every: int = 1) -> str:
     return "\n".join(lines)
 
 
+def run_language(settings: PretrainSettings, processor) -> tuple[BigramBackcopy, int | None, np.ndarray]:
+    """A run's language, what opens its sequences (None: a random word) and its fixed probe `[16, length]`."""
+    tok = processor.tokenizer
+    words = [i for w, i in tok.get_vocab().items() if w not in SPECIAL_TOKENS]
+    language = BigramBackcopy.make(words, n_triggers=settings.triggers, seed=settings.seed)
+    first = tok.convert_tokens_to_ids("<s>") if settings.first == "bos" else None
+    return language, first, language.sample(np.random.default_rng(10**6), 16, settings.length, first)
+
+
+def head_table(run: Path) -> str:
+    """A markdown table of a saved run's heads on its probe: per layer and head the attention non-trigger rows
+    put on position 0, their normalised entropy (near 1: spread; low: parked or focused) and the attention
+    trigger rows put on the word before them (the copy)."""
+    saved = json.loads((run / "pretrain_settings.json").read_text())
+    saved.pop("model")
+    settings = PretrainSettings(**saved)
+    model = LlavaForConditionalGeneration.from_pretrained(run).eval()
+    language, _, probe_ids = run_language(settings, build_processor(settings.layout))
+    step = json.loads((run / "state.json").read_text())["step"]
+    lines = [f"step {step}; uniform attention reads {uniform_share(settings.length):.3f} on position 0",
+             "| layer | head | non-trigger rows on position 0 | their entropy / most | trigger rows on the word before |",
+             "|---|---|---|---|---|"]
+    for r in first_token_readings(model, torch.as_tensor(probe_ids), language.triggers):
+        for h, (f, e, c) in enumerate(zip(r["first"], r["entropy"], r["copy"])):
+            lines.append(f"| {r['layer']} | {h} | {f:.3f} | {e:.3f} | {c:.3f} |")
+    return "\n".join(lines)
+
+
 def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, model_shape: dict,
              max_steps: int | None = None, resume: bool = False,
              device: str = "cpu") -> LlavaForConditionalGeneration:
@@ -185,10 +229,7 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
         donor = LlavaForConditionalGeneration.from_pretrained(vision_from)
         model.model.vision_tower.load_state_dict(donor.model.vision_tower.state_dict())
     model.to(device)
-    tok = processor.tokenizer
-    words = [i for w, i in tok.get_vocab().items() if w not in SPECIAL_TOKENS]
-    language = BigramBackcopy.make(words, n_triggers=settings.triggers, seed=settings.seed)
-    first = tok.convert_tokens_to_ids("<s>") if settings.first == "bos" else None
+    language, first, probe_ids = run_language(settings, processor)
     params = _decoder_params(model)
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": settings.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -196,7 +237,6 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
     if resume:
         # saved on any device; load_state_dict moves each state onto its parameter's device
         optimizer.load_state_dict(torch.load(out / "optimizer.pt", map_location="cpu", weights_only=True))
-    probe_ids = language.sample(np.random.default_rng(10**6), 16, settings.length, first)
     probe = torch.as_tensor(probe_ids, device=device)
     floor = language.entropy_floor(float(np.isin(probe_ids[:, 1:-1], language.triggers).mean()))
     out.mkdir(parents=True, exist_ok=True)
@@ -236,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Pretrain the tiny LLaVA's decoder on a bigram-backcopy language.")
     parser.add_argument("--out", type=Path, help="folder for the whole LLaVA and sink.jsonl")
     parser.add_argument("--table", type=Path, metavar="SINK_JSONL", help="print a run's checks as a table, and stop")
+    parser.add_argument("--heads", type=Path, metavar="RUN", help="print each head of a saved run on its probe "
+                        "(position 0, entropy, copy), and stop")
     parser.add_argument("--every", type=int, default=1, help="with --table: every n-th check (and the last)")
     parser.add_argument("--vision-from", type=Path, help="a saved LLaVA whose vision tower to keep")
     parser.add_argument("--layout", choices=LAYOUTS, default="image-question")
@@ -249,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
                         "--minutes may extend it)")
     parser.add_argument("--batch", type=int, help="sequences per step (default 32; with --resume the run's own, "
                         "or this from now on)")
+    parser.add_argument("--length", type=int, help="words per sequence (default 128; a head attending uniformly "
+                        "averages over about this many words)")
     parser.add_argument("--check-every", type=int, help="steps between checks and checkpoints (default 100; "
                         "with --resume likewise)")
     parser.add_argument("--decoder", nargs="*", default=[], metavar="FIELD=N",
@@ -261,11 +305,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.table:
         print(table(args.table, args.every))
         return
+    if args.heads:
+        print(head_table(args.heads))
+        return
     if args.out is None:
         parser.error("--out is required (or --table)")
     torch.set_num_threads(args.threads)
     given = {name: value for name, value in (("minutes", args.minutes), ("batch", args.batch),
-                                             ("check_every", args.check_every)) if value is not None}
+                                             ("check_every", args.check_every),
+                                             ("length", args.length)) if value is not None}
     settings = PretrainSettings(**({"layout": args.layout, "first": args.first, "lr": args.lr,
                                     "triggers": args.triggers, "weight_decay": args.weight_decay} | given))
     try:

@@ -84,7 +84,35 @@ def test_first_token_readings_match_uniform_attention_exactly():
     for r in readings:
         assert r["max_head"] == pytest.approx(expected, abs=1e-3)
         assert r["mean_head"] == pytest.approx(expected, abs=1e-3)
+        assert r["first"] == pytest.approx([expected] * SMOKE_MODEL["text_heads"], abs=1e-3)
         assert r["norm_ratio"] > 0
+        assert r["entropy"] == pytest.approx([1.0] * SMOKE_MODEL["text_heads"], abs=1e-3)  # spread evenly
+        assert r["copy"] == pytest.approx([1 / 11] * SMOKE_MODEL["text_heads"], abs=1e-3)  # trigger row 10: 1/11 each
+
+
+def test_a_head_that_parks_on_position_0_reads_low_entropy_and_one_that_copies_reads_copy():
+    """Build the attention by hand through the reading's own arithmetic: one head puts everything on position 0
+    at every row, the other everything on the word before; readings must tell them apart."""
+    model = LlavaForConditionalGeneration(build_config(build_processor("image-question"), **SMOKE_MODEL)).eval()
+    length = 16
+    parked = torch.zeros(length, length)
+    parked[:, 0] = 1.0
+    previous = torch.zeros(length, length)
+    previous[0, 0] = 1.0
+    previous[torch.arange(1, length), torch.arange(length - 1)] = 1.0
+    attn = torch.stack([parked, previous])[None]  # [1, 2, T, T]
+
+    class Out:
+        attentions = (attn,)
+        hidden_states = (torch.ones(1, length, 4),)
+
+    ids = torch.randint(10, 40, (1, length))
+    ids[0, 12] = 12
+    model.model.language_model.forward = lambda **_: Out()
+    (r,) = first_token_readings(model, ids, np.array([12]), skip=4)
+    assert r["first"] == [1.0, 0.0]
+    assert r["entropy"] == [0.0, 0.0]
+    assert r["copy"] == [0.0, 1.0]
 
 
 def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
@@ -132,6 +160,11 @@ def test_the_cli_pretrains_the_decoder_shape_it_is_given_and_resume_keeps_it(tmp
     assert (config.num_hidden_layers, config.num_attention_heads) == (1, 2)
     assert json.loads((out / "pretrain_settings.json").read_text())["model"]["text_layers"] == 1
     assert [len(json.loads(line)["layers"]) for line in (out / "sink.jsonl").read_text().splitlines()] == [1, 1, 1]
+    capsys.readouterr()  # the training's own progress lines
+    pretrain_main(["--heads", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("step 3; uniform attention reads")
+    assert [row.split(" | ")[:2] for row in printed[3:]] == [["| 0", "0"], ["| 0", "1"]]  # one row per head
     with pytest.raises(SystemExit):
         pretrain_main(["--out", str(tmp_path / "bad"), "--decoder", "text_depth=1"])
     assert "text_layers, text_heads, text_hidden, text_mlp" in capsys.readouterr().err
