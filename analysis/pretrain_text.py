@@ -120,6 +120,8 @@ def first_token_readings(model: LlavaForConditionalGeneration, ids: torch.Tensor
     - ``norm_ratio``: position 0's input hidden-state norm over the median norm of the other positions;
     - ``entropy [heads]``: each head's attention entropy at non-trigger rows over its most, log(t + 1) (1: spread
       uniformly, 0: on one token), which tells a head that parks (low) from one that spreads (near 1);
+    - ``value_ratio [heads]``: position 0's value vector norm over the median of the other positions' (a sink's
+      value drains towards 0, so that parking on it adds nothing);
     - ``copy [heads]``: the attention trigger rows put on the word before them (where the copy is fetched)."""
     with eager_attention(model):
         out = model.model.language_model(input_ids=ids, output_attentions=True, output_hidden_states=True)
@@ -138,9 +140,14 @@ def first_token_readings(model: LlavaForConditionalGeneration, ids: torch.Tensor
         on_previous = F.pad(attn.diagonal(offset=-1, dim1=-2, dim2=-1), (1, 0))  # [B, H, T]: row t on t - 1
         norms = out.hidden_states[layer].norm(dim=-1)  # [B, T]
         ratio = (norms[:, 0] / norms[:, 1:].median(dim=-1).values).mean()
+        block = model.model.language_model.layers[layer]
+        values = block.self_attn.v_proj(block.input_layernorm(out.hidden_states[layer]))  # [B, T, kv_heads * d]
+        v_norms = values.unflatten(-1, (-1, block.self_attn.head_dim)).norm(dim=-1)  # [B, T, kv_heads]
+        v_ratio = (v_norms[:, 0] / v_norms[:, 1:].median(dim=1).values).mean(0)  # [kv_heads]
         readings.append({"layer": layer, "max_head": round(on_first.max().item(), 3),
                          "mean_head": round(on_first.mean().item(), 3), "norm_ratio": round(ratio.item(), 2),
                          "first": [round(x, 3) for x in on_first.tolist()],
+                         "value_ratio": [round(x, 3) for x in v_ratio.tolist()],
                          "entropy": [round(x, 3) for x in ((entropy * w).sum((0, 2)) / w.sum((0, 2))).tolist()],
                          "copy": [round(x, 3) for x in
                                   ((on_previous * wt).sum((0, 2)) / wt.sum((0, 2)).clamp_min(1)).tolist()]})
@@ -201,11 +208,12 @@ def head_table(run: Path) -> str:
     language, _, probe_ids = run_language(settings, build_processor(settings.layout))
     step = json.loads((run / "state.json").read_text())["step"]
     lines = [f"step {step}; uniform attention reads {uniform_share(settings.length):.3f} on position 0",
-             "| layer | head | non-trigger rows on position 0 | their entropy / most | trigger rows on the word before |",
-             "|---|---|---|---|---|"]
+             "| layer | head | non-trigger rows on position 0 | their entropy / most | position-0 value norm / median "
+             "| trigger rows on the word before |", "|---|---|---|---|---|---|"]
     for r in first_token_readings(model, torch.as_tensor(probe_ids), language.triggers):
+        kv_group = len(r["first"]) // len(r["value_ratio"])  # heads sharing one value head
         for h, (f, e, c) in enumerate(zip(r["first"], r["entropy"], r["copy"])):
-            lines.append(f"| {r['layer']} | {h} | {f:.3f} | {e:.3f} | {c:.3f} |")
+            lines.append(f"| {r['layer']} | {h} | {f:.3f} | {e:.3f} | {r['value_ratio'][h // kv_group]:.3f} | {c:.3f} |")
     return "\n".join(lines)
 
 

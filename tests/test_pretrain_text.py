@@ -86,6 +86,7 @@ def test_first_token_readings_match_uniform_attention_exactly():
         assert r["mean_head"] == pytest.approx(expected, abs=1e-3)
         assert r["first"] == pytest.approx([expected] * SMOKE_MODEL["text_heads"], abs=1e-3)
         assert r["norm_ratio"] > 0
+        assert len(r["value_ratio"]) == SMOKE_MODEL["text_heads"] and min(r["value_ratio"]) > 0
         assert r["entropy"] == pytest.approx([1.0] * SMOKE_MODEL["text_heads"], abs=1e-3)  # spread evenly
         assert r["copy"] == pytest.approx([1 / 11] * SMOKE_MODEL["text_heads"], abs=1e-3)  # trigger row 10: 1/11 each
 
@@ -104,7 +105,7 @@ def test_a_head_that_parks_on_position_0_reads_low_entropy_and_one_that_copies_r
 
     class Out:
         attentions = (attn,)
-        hidden_states = (torch.ones(1, length, 4),)
+        hidden_states = (torch.ones(1, length, SMOKE_MODEL["text_hidden"]),)  # every position alike
 
     ids = torch.randint(10, 40, (1, length))
     ids[0, 12] = 12
@@ -113,6 +114,7 @@ def test_a_head_that_parks_on_position_0_reads_low_entropy_and_one_that_copies_r
     assert r["first"] == [1.0, 0.0]
     assert r["entropy"] == [0.0, 0.0]
     assert r["copy"] == [0.0, 1.0]
+    assert r["value_ratio"] == pytest.approx([1.0] * SMOKE_MODEL["text_heads"])  # equal inputs, equal values
 
 
 def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
