@@ -58,18 +58,30 @@ class BigramBackcopy:
             table[row, nxt] = rng.dirichlet(np.full(support, 0.5))
         return cls(ids, np.sort(triggers), table)
 
-    def entropy_floor(self, trigger_share: float) -> float:
-        """Nats per predicted word of an ideal model: the bigram rows' mean entropy at non-trigger positions
-        (copies are free). `trigger_share`: the measured share of positions holding a trigger."""
-        p = self.table
-        row_entropy = -(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)).sum(1).mean()
-        return float((1 - trigger_share) * row_entropy)
+    def _index(self) -> np.ndarray:
+        """Row of `table` for each token id (-1 for ids that are not words)."""
+        index = np.full(self.words.max() + 1, -1)
+        index[self.words] = np.arange(len(self.words))
+        return index
+
+    def entropy_floor(self, ids: np.ndarray) -> float:
+        """Nats per predicted word of the ideal model (one that knows the table and the copy rule) on the words
+        of `ids [batch, length]` drawn by `sample`, mean over the predicted positions 1..length-1: position 1 is
+        drawn uniformly from the plain words (log of their number), a word after a trigger is a copy (0 nats),
+        any other word costs -log of its table probability after its predecessor. On the same words as a
+        model's loss, so the difference is the model's excess, free of the draw's luck."""
+        index = self._index()
+        before, after = ids[:, 1:-1], ids[:, 2:]  # positions 2..length-1 and the words they follow
+        with np.errstate(divide="ignore"):
+            nats = -np.log(self.table[index[before], index[after]])
+        per_word = np.where(np.isin(before, self.triggers), 0.0, nats)
+        opening = np.log(len(self.words) - len(self.triggers)) * len(ids)
+        return float((opening + per_word.sum()) / (len(ids) * (ids.shape[1] - 1)))
 
     def sample(self, rng: np.random.Generator, batch: int, length: int, first: int | None) -> np.ndarray:
         """Token ids `[batch, length]`; position 0 is `first` (None: a random non-trigger word). Each
         position is drawn for the whole batch at once (inverse CDF of the current word's table row)."""
-        position = np.full(self.words.max() + 1, -1)
-        position[self.words] = np.arange(len(self.words))
+        position = self._index()
         plain = self.words[~np.isin(self.words, self.triggers)]
         cdf = np.cumsum(self.table, axis=1)
         out = np.empty((batch, length), dtype=np.int64)
@@ -172,8 +184,10 @@ def table(log: Path, every: int = 1) -> str:
     parks most on position 0 (share and layer), the head mean over all layers, and position 0's largest
     norm ratio (and layer); the first line says what a uniform head reads."""
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    settings = json.loads((log.parent / "pretrain_settings.json").read_text())
-    lines = [f"uniform attention reads {uniform_share(settings['length']):.3f} on position 0",
+    settings = _saved_settings(log.parent)
+    language, _, probe_ids = run_language(settings, build_processor(settings.layout))
+    floor = language.entropy_floor(probe_ids)  # recomputed: runs logged before 2026-12-04 under-counted it
+    lines = [f"uniform attention reads {uniform_share(settings.length):.3f} on position 0",
              "| step | minutes | loss above floor (nats) | busiest head on position 0 (layer) | head mean | "
              "position-0 norm / median (layer) |", "|---|---|---|---|---|---|"]
     for i, r in enumerate(records):
@@ -182,10 +196,16 @@ def table(log: Path, every: int = 1) -> str:
         busiest = max(r["layers"], key=lambda x: x["max_head"])
         massive = max(r["layers"], key=lambda x: x["norm_ratio"])
         mean = np.mean([x["mean_head"] for x in r["layers"]])
-        lines.append(f"| {r['step']} | {r['minutes']:.0f} | {r['probe_loss'] - r['floor']:.3f} | "
+        lines.append(f"| {r['step']} | {r['minutes']:.0f} | {r['probe_loss'] - floor:.3f} | "
                      f"{busiest['max_head']:.3f} ({busiest['layer']}) | {mean:.3f} | "
                      f"{massive['norm_ratio']:.2f} ({massive['layer']}) |")
     return "\n".join(lines)
+
+
+def _saved_settings(run: Path) -> PretrainSettings:
+    saved = json.loads((run / "pretrain_settings.json").read_text())
+    saved.pop("model")
+    return PretrainSettings(**saved)
 
 
 def run_language(settings: PretrainSettings, processor) -> tuple[BigramBackcopy, int | None, np.ndarray]:
@@ -201,9 +221,7 @@ def head_table(run: Path) -> str:
     """A markdown table of a saved run's heads on its probe: per layer and head the attention non-trigger rows
     put on position 0, their normalised entropy (near 1: spread; low: parked or focused) and the attention
     trigger rows put on the word before them (the copy)."""
-    saved = json.loads((run / "pretrain_settings.json").read_text())
-    saved.pop("model")
-    settings = PretrainSettings(**saved)
+    settings = _saved_settings(run)
     model = LlavaForConditionalGeneration.from_pretrained(run).eval()
     language, _, probe_ids = run_language(settings, build_processor(settings.layout))
     step = json.loads((run / "state.json").read_text())["step"]
@@ -246,7 +264,7 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
         # saved on any device; load_state_dict moves each state onto its parameter's device
         optimizer.load_state_dict(torch.load(out / "optimizer.pt", map_location="cpu", weights_only=True))
     probe = torch.as_tensor(probe_ids, device=device)
-    floor = language.entropy_floor(float(np.isin(probe_ids[:, 1:-1], language.triggers).mean()))
+    floor = language.entropy_floor(probe_ids)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pretrain_settings.json").write_text(json.dumps(asdict(settings) | {"model": model_shape}, indent=1))
     with open(out / "sink.jsonl", "a") as log:

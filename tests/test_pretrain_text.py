@@ -39,11 +39,17 @@ def test_the_language_copies_after_triggers_and_follows_its_table_elsewhere(lang
     assert ((language.table > 0).sum(1) == 4).all()
 
 
-def test_entropy_floor_counts_only_the_bigram_positions():
-    table = np.full((2, 2), 0.5)  # one bit per word
-    language = BigramBackcopy(np.array([5, 6]), np.array([6]), table)
-    assert language.entropy_floor(0.0) == pytest.approx(np.log(2))
-    assert language.entropy_floor(0.25) == pytest.approx(0.75 * np.log(2))
+def test_entropy_floor_counts_the_opening_word_and_the_bigram_positions_but_not_the_copies():
+    table = np.full((3, 3), 0.25)
+    table[:, 0] = 0.5  # after any word: 5 with 1/2, 6 and 7 with 1/4
+    language = BigramBackcopy(np.array([5, 6, 7]), np.array([7]), table)
+    ids = np.array([[1, 5, 7, 5, 6]])  # predicted: 5 (1 of 2 plain words), 7 (after 5), 5 (a copy), 6 (after 5)
+    assert language.entropy_floor(ids) == pytest.approx((np.log(2) + np.log(4) + 0 + np.log(4)) / 4)
+    drawn = language.sample(np.random.default_rng(0), 512, 40, first=1)
+    row_entropy = -(table[0] * np.log(table[0])).sum()
+    share = np.isin(drawn[:, 1:-1], language.triggers).mean()
+    expected = (np.log(2) + 38 * (1 - share) * row_entropy) / 39  # every row alike: the floor's expectation
+    assert language.entropy_floor(drawn) == pytest.approx(expected, abs=0.02)
 
 
 def test_pretraining_lowers_the_loss_and_saves_a_llava_stage_two_can_start_from(tmp_path):
@@ -55,7 +61,7 @@ def test_pretraining_lowers_the_loss_and_saves_a_llava_stage_two_can_start_from(
     printed = table(tmp_path / "bb" / "sink.jsonl").splitlines()
     assert printed[0] == f"uniform attention reads {uniform_share(24):.3f} on position 0"
     assert [row.split(" | ")[0] for row in printed[3:]] == ["| 15", "| 30"]
-    assert f"| {records[-1]['probe_loss'] - records[-1]['floor']:.3f} |" in printed[-1]
+    assert f"| {records[-1]['probe_loss'] - records[-1]['floor']:.3f} |" in printed[-1]  # the same floor
     assert records[-1]["probe_loss"] < np.log(len(model.get_input_embeddings().weight)) - 0.3
     assert len(records[-1]["layers"]) == SMOKE_MODEL["text_layers"]
     reloaded = LlavaForConditionalGeneration.from_pretrained(tmp_path / "bb")
