@@ -135,10 +135,14 @@ def test_text_rows_predict_every_next_token_of_a_block(layout):
     assert same == answer_only and with_text > answer_only
 
 
-def test_smoke_training_saves_and_reloads(tmp_path):
+def test_smoke_training_saves_and_reloads(tmp_path, capsys):
     from analysis.train_model import main
 
-    model = main(["--smoke", "--out", str(tmp_path)]).eval()
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--out", str(tmp_path), "--decoder", "text_heads=many"])
+    assert "FIELD=N with N >= 1 and FIELD one of text_layers, text_heads" in capsys.readouterr().err
+    model = main(["--smoke", "--out", str(tmp_path), "--decoder", "text_heads=4"]).eval()
+    assert model.config.text_config.num_attention_heads == 4  # the override reaches the decoder
     processor = AutoProcessor.from_pretrained(tmp_path)
     reloaded = LlavaForConditionalGeneration.from_pretrained(tmp_path).eval()
     inputs = processor(images=make_scene(3).image, text=chat_prompt(processor, "is there a red circle ?"),
