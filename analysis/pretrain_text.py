@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -137,11 +137,9 @@ def first_token_readings(model: LlavaForConditionalGeneration, ids: torch.Tensor
     - ``copy [heads]``: the attention trigger rows put on the word before them (where the copy is fetched)."""
     with eager_attention(model):
         out = model.model.language_model(input_ids=ids, output_attentions=True, output_hidden_states=True)
-    at_trigger = torch.isin(ids, torch.as_tensor(triggers, device=ids.device))
-    at_trigger[:, :skip] = False
-    rows = ~torch.isin(ids, torch.as_tensor(triggers, device=ids.device))
-    rows[:, :skip] = False
-    w, wt = rows[:, None, :].float(), at_trigger[:, None, :].float()  # [B, 1, T]
+    past = torch.arange(ids.shape[1], device=ids.device) >= skip  # [T]
+    is_trigger = torch.isin(ids, torch.as_tensor(triggers, device=ids.device))  # [B, T]
+    w, wt = (~is_trigger & past)[:, None, :].float(), (is_trigger & past)[:, None, :].float()  # [B, 1, T]
     length = ids.shape[1]
     most = torch.log(torch.arange(1, length + 1, device=ids.device, dtype=torch.float32)).clamp_min(1e-9)  # [T]
     readings = []
@@ -184,7 +182,7 @@ def table(log: Path, every: int = 1) -> str:
     parks most on position 0 (share and layer), the head mean over all layers, and position 0's largest
     norm ratio (and layer); the first line says what a uniform head reads."""
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    settings = _saved_settings(log.parent)
+    settings, _ = saved_run(log.parent)
     language, _, probe_ids = run_language(settings, build_processor(settings.layout))
     floor = language.entropy_floor(probe_ids)  # recomputed: runs logged before 2026-12-04 under-counted it
     lines = [f"uniform attention reads {uniform_share(settings.length):.3f} on position 0",
@@ -202,10 +200,11 @@ def table(log: Path, every: int = 1) -> str:
     return "\n".join(lines)
 
 
-def _saved_settings(run: Path) -> PretrainSettings:
+def saved_run(run: Path) -> tuple[PretrainSettings, dict]:
+    """A run's settings and decoder shape, as ``pretrain`` saved them (``pretrain_settings.json``)."""
     saved = json.loads((run / "pretrain_settings.json").read_text())
-    saved.pop("model")
-    return PretrainSettings(**saved)
+    shape = saved.pop("model")
+    return PretrainSettings(**saved), shape
 
 
 def run_language(settings: PretrainSettings, processor) -> tuple[BigramBackcopy, int | None, np.ndarray]:
@@ -218,10 +217,10 @@ def run_language(settings: PretrainSettings, processor) -> tuple[BigramBackcopy,
 
 
 def head_table(run: Path) -> str:
-    """A markdown table of a saved run's heads on its probe: per layer and head the attention non-trigger rows
-    put on position 0, their normalised entropy (near 1: spread; low: parked or focused) and the attention
-    trigger rows put on the word before them (the copy)."""
-    settings = _saved_settings(run)
+    """A markdown table of a saved run's heads on its probe (`first_token_readings`): per layer and head the
+    attention non-trigger rows put on position 0, their normalised entropy (near 1: spread; low: parked or
+    focused), position 0's value norm over the median and the attention trigger rows put on the word before."""
+    settings, _ = saved_run(run)
     model = LlavaForConditionalGeneration.from_pretrained(run).eval()
     language, _, probe_ids = run_language(settings, build_processor(settings.layout))
     step = json.loads((run / "state.json").read_text())["step"]
@@ -231,7 +230,8 @@ def head_table(run: Path) -> str:
     for r in first_token_readings(model, torch.as_tensor(probe_ids), language.triggers):
         kv_group = len(r["first"]) // len(r["value_ratio"])  # heads sharing one value head
         for h, (f, e, c) in enumerate(zip(r["first"], r["entropy"], r["copy"])):
-            lines.append(f"| {r['layer']} | {h} | {f:.3f} | {e:.3f} | {r['value_ratio'][h // kv_group]:.3f} | {c:.3f} |")
+            value = r["value_ratio"][h // kv_group]
+            lines.append(f"| {r['layer']} | {h} | {f:.3f} | {e:.3f} | {value:.3f} | {c:.3f} |")
     return "\n".join(lines)
 
 
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="folder for the whole LLaVA and sink.jsonl")
     parser.add_argument("--table", type=Path, metavar="SINK_JSONL", help="print a run's checks as a table, and stop")
     parser.add_argument("--heads", type=Path, metavar="RUN", help="print each head of a saved run on its probe "
-                        "(position 0, entropy, copy), and stop")
+                        "(position 0, entropy, value drain, copy), and stop")
     parser.add_argument("--every", type=int, default=1, help="with --table: every n-th check (and the last)")
     parser.add_argument("--vision-from", type=Path, help="a saved LLaVA whose vision tower to keep")
     parser.add_argument("--layout", choices=LAYOUTS, default="image-question")
@@ -347,9 +347,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     if args.resume:
-        saved = json.loads((args.out / "pretrain_settings.json").read_text())
-        shape = saved.pop("model")
-        settings = PretrainSettings(**(saved | given))
+        if args.decoder:
+            parser.error("--decoder with --resume: a run keeps the decoder shape it was started with")
+        settings, shape = saved_run(args.out)
+        settings = replace(settings, **given)
     pretrain(args.out, settings, args.vision_from, shape, args.max_steps, args.resume, args.device)
 
 

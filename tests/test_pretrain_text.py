@@ -176,3 +176,6 @@ def test_the_cli_pretrains_the_decoder_shape_it_is_given_and_resume_keeps_it(tmp
     with pytest.raises(SystemExit):
         pretrain_main(["--out", str(tmp_path / "bad"), "--decoder", "text_depth=1"])
     assert "text_layers, text_heads, text_hidden, text_mlp" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a run keeps its shape
+        pretrain_main(["--out", str(out), "--resume", "--decoder", "text_layers=2"])
+    assert "keeps the decoder shape it was started with" in capsys.readouterr().err
