@@ -283,7 +283,7 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
             elapsed += time.time() - t0
             if step % settings.check_every == 0 or elapsed >= settings.minutes * 60:
                 model.eval()
-                record = {"step": step, "minutes": round(elapsed / 60, 2), "batch": settings.batch,
+                record = {"step": step, "minutes": round(elapsed / 60, 2), "batch": settings.batch, "lr": settings.lr,
                           "loss": round(loss.item(), 4),
                           "probe_loss": round(lm_loss(model, probe).item(), 4), "floor": round(floor, 4),
                           "layers": first_token_readings(model, probe, language.triggers)}
@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--first", choices=("bos", "random"), default="random",
                         help="what opens each sequence: <s>, or a random word (a sink would belong to position 0)")
     parser.add_argument("--minutes", type=float, help="training-time budget (default 20; with --resume the run's own)")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, help="peak learning rate (default 1e-3; with --resume the run's own, "
+                        "or this from now on)")
     parser.add_argument("--triggers", type=int, default=3, help="how many words trigger a copy")
     parser.add_argument("--weight-decay", type=float, default=0.3, help="AdamW weight decay on the matrices")
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out (its settings; "
@@ -339,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     given = {name: value for name, value in (("minutes", args.minutes), ("batch", args.batch),
                                              ("check_every", args.check_every),
-                                             ("length", args.length)) if value is not None}
-    settings = PretrainSettings(**({"layout": args.layout, "first": args.first, "lr": args.lr,
+                                             ("length", args.length), ("lr", args.lr)) if value is not None}
+    settings = PretrainSettings(**({"layout": args.layout, "first": args.first,
                                     "triggers": args.triggers, "weight_decay": args.weight_decay} | given))
     try:
         shape = FULL_MODEL | decoder_shape(args.decoder)

@@ -159,15 +159,20 @@ def test_decoder_overrides_are_parsed_and_bad_ones_name_the_allowed_fields():
 
 
 def test_the_cli_pretrains_the_decoder_shape_it_is_given_and_resume_keeps_it(tmp_path, capsys):
+    """--resume keeps the shape and the language; the batch and the learning rate may change from then on, and
+    every check logs the ones it ran with."""
     torch.set_num_threads(1)
     out = tmp_path / "shallow"
     pretrain_main(["--out", str(out), "--decoder", "text_layers=1", "text_heads=2", "--batch", "2",
                    "--max-steps", "2", "--check-every", "1"])
-    pretrain_main(["--out", str(out), "--resume", "--max-steps", "3"])
+    pretrain_main(["--out", str(out), "--resume", "--max-steps", "3", "--lr", "3e-4", "--batch", "3"])
     config = LlavaForConditionalGeneration.from_pretrained(out).config.text_config
     assert (config.num_hidden_layers, config.num_attention_heads) == (1, 2)
-    assert json.loads((out / "pretrain_settings.json").read_text())["model"]["text_layers"] == 1
-    assert [len(json.loads(line)["layers"]) for line in (out / "sink.jsonl").read_text().splitlines()] == [1, 1, 1]
+    saved = json.loads((out / "pretrain_settings.json").read_text())
+    assert (saved["model"]["text_layers"], saved["lr"], saved["batch"], saved["length"]) == (1, 3e-4, 3, 128)
+    records = [json.loads(line) for line in (out / "sink.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["lr"], r["batch"], len(r["layers"])) for r in records] == [
+        (1, 1e-3, 2, 1), (2, 1e-3, 2, 1), (3, 3e-4, 3, 1)]
     capsys.readouterr()  # the training's own progress lines
     pretrain_main(["--heads", str(out)])
     printed = capsys.readouterr().out.splitlines()
