@@ -38,14 +38,18 @@ FOCUS = 0.3  # a head "focuses" on a token holding more than this share of its v
 
 
 def _forward(model, processor, scene: Scene, question: Question, mask: torch.Tensor | None = None):
+    """(input ids [T], the model's output) for one question, on the CPU whatever device the model is on; without
+    `mask` the output holds every layer's attentions and hidden states."""
     inputs = processor(images=[scene.image], text=[chat_prompt(processor, question.text)],
-                       return_tensors="pt")
+                       return_tensors="pt").to(model.device)
     kwargs = {}
     if mask is not None:
-        kwargs["attention_mask"] = mask
+        kwargs["attention_mask"] = mask.to(model.device)
     out = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
                 output_attentions=mask is None, output_hidden_states=mask is None, **kwargs)
-    return inputs["input_ids"][0], out
+    on_cpu = {k: v.cpu() if torch.is_tensor(v) else tuple(t.cpu() for t in v)
+              for k, v in out.items() if torch.is_tensor(v) or isinstance(v, tuple)}  # the cache left behind
+    return inputs["input_ids"][0].cpu(), type(out)(**on_cpu)
 
 
 def _keep_mask(length: int, image: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,9 @@ def answer(model, processor, images: list, questions: list[str], max_new_tokens:
     asked after its earlier ``(question, answer)`` turns in ``histories`` (default: none)."""
     histories = histories or [()] * len(questions)
     inputs = processor(images=images, text=[chat_prompt(processor, q, h) for q, h in zip(questions, histories)],
-                       padding=True, return_tensors="pt")
+                       padding=True, return_tensors="pt").to(model.device)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    new = out[:, inputs["input_ids"].shape[1]:]
+    new = out[:, inputs["input_ids"].shape[1]:].cpu()
     return [s.strip() for s in processor.batch_decode(new, skip_special_tokens=True)]
 
 

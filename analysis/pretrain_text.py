@@ -36,6 +36,7 @@ from transformers import LlavaForConditionalGeneration
 
 from analysis.diagnostics import eager_attention
 from analysis.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor, decoder_shape
+from hap.load import resolve_device
 
 
 @dataclass
@@ -237,7 +238,7 @@ def head_table(run: Path) -> str:
 
 def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, model_shape: dict,
              max_steps: int | None = None, resume: bool = False,
-             device: str = "cpu") -> LlavaForConditionalGeneration:
+             device: str | torch.device = "cpu") -> LlavaForConditionalGeneration:
     """Train the decoder on the language for `settings.minutes` (or `max_steps`) on `device`; save a whole
     LLaVA to `out` at every check (with the optimizer and the step, so that ``resume`` continues where it
     stopped, on any device)."""
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                                     "triggers": args.triggers, "weight_decay": args.weight_decay} | given))
     try:
         shape = FULL_MODEL | decoder_shape(args.decoder)
+        device = resolve_device(args.device)
     except ValueError as err:
         parser.error(str(err))
     if args.resume:
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--decoder with --resume: a run keeps the decoder shape it was started with")
         settings, shape = saved_run(args.out)
         settings = replace(settings, **given)
-    pretrain(args.out, settings, args.vision_from, shape, args.max_steps, args.resume, args.device)
+    pretrain(args.out, settings, args.vision_from, shape, args.max_steps, args.resume, device)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Train the tiny LLaVA on synthetic scenes (two-stage recipe, CPU, one thread).
+"""Train the tiny LLaVA on synthetic scenes (two-stage recipe; CPU with one thread, or ``--device cuda``).
 
     python -m analysis.train_model --out assets/tiny-llava --run-dir runs/v3 [options]   # a new run
     python -m analysis.train_model --out assets/tiny-llava --resume runs/v3               # continue it
@@ -25,7 +25,8 @@ trained at 0.1x lr. Time-based warmup + cosine schedule for each stage.
 Training seeds start at ``scenes.TRAIN_SEED_START``; held-out evaluation uses seeds below it.
 Checkpoints (model safetensors, head, optimizer, ``state.json``, and the run's ``settings.json``) go to
 ``--run-dir``; ``--resume RUN_DIR`` continues from the last one with the saved settings (a new
-``--stage1-minutes`` / ``--stage2-minutes`` may extend a stage's budget).
+``--stage1-minutes`` / ``--stage2-minutes`` may extend a stage's budget). A run may continue on another
+device than the one it started on: the scenes are drawn on the CPU, everything else runs on ``--device``.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,7 @@ from analysis.diagnostics import diagnose
 from analysis.scenes import (AUX_KINDS, COLORS, GRID, LETTERS, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES,
                              TRAIN_SEED_START, Question, Scene, heldout_items, make_questions, make_scene)
 from analysis.tiny_vlm import LAYOUTS, build_config, build_processor, decoder_shape
+from hap.load import resolve_device
 
 STAGE1_EVAL_START = 900_000  # held-out scenes for the stage-1 probe start here
 STAGE2_EVAL_START = 0  # held-out scenes for periodic stage-2 evaluation start here
@@ -236,7 +238,8 @@ def probe_objects(model, head: PatchHead, processor, seeds: range) -> dict[str, 
     hits = {"color": 0, "shape": 0, "letter": 0, "objects": 0, "dot": 0, "dots": 0, "bg_hit": 0, "bg": 0}
     for start in range(0, len(scenes), 32):
         chunk = scenes[start:start + 32]
-        preds = [out.argmax(-1).numpy() for out in head(patch_features(model, pixel_values(processor, chunk)))]
+        pixels = pixel_values(processor, chunk).to(model.device)
+        preds = [out.argmax(-1).cpu().numpy() for out in head(patch_features(model, pixels))]
         c_pred, s_pred, l_pred, d_pred = preds[:4]
         for i, scene in enumerate(chunk):
             if scene.dot_patch >= 0:
@@ -286,6 +289,9 @@ class PackedBatch:
     answer_rows: torch.Tensor
     text_rows: torch.Tensor
     text_targets: torch.Tensor
+
+    def to(self, device: torch.device) -> "PackedBatch":
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 class Packer:
@@ -381,7 +387,7 @@ def projected_tokens(model: LlavaForConditionalGeneration) -> Iterator[list[torc
 def patch_loss(head: "PatchHead", feats: torch.Tensor, scenes: list[Scene]) -> torch.Tensor:
     """Sum of the per-patch cross-entropies of ``head`` on feats [B, 144, D] (only the labels the head
     predicts: row/column with its position logits)."""
-    return sum(F.cross_entropy(out.flatten(0, 1), target.flatten())
+    return sum(F.cross_entropy(out.flatten(0, 1), target.to(out.device).flatten())
                for out, target in zip(head(feats), patch_labels(scenes)))
 
 
@@ -407,15 +413,16 @@ def packed_loss(model: LlavaForConditionalGeneration, batch: PackedBatch,
 class Trainer:
     """Runs both stages with time budgets, periodic evaluation and resumable checkpoints."""
 
-    def __init__(self, out: Path, run_dir: Path, settings: Settings, resume: bool):
-        self.out, self.run_dir, self.cfg = out, run_dir, settings
+    def __init__(self, out: Path, run_dir: Path, settings: Settings, resume: bool,
+                 device: torch.device = torch.device("cpu")):
+        self.out, self.run_dir, self.cfg, self.device = out, run_dir, settings, device
         run_dir.mkdir(parents=True, exist_ok=True)
         self.processor = build_processor(settings.layout)
-        self.model = LlavaForConditionalGeneration(build_config(self.processor, **settings.model))
-        self.head = PatchHead(self.model.config.vision_config.hidden_size, settings.s1_position)
+        self.model = LlavaForConditionalGeneration(build_config(self.processor, **settings.model)).to(device)
+        self.head = PatchHead(self.model.config.vision_config.hidden_size, settings.s1_position).to(device)
         # stage 2 (with s2_patch_weight): the same labels from the projected visual tokens, so that every
         # patch attribute the tower learned stays readable by the decoder
-        self.token_head = PatchHead(self.model.config.text_config.hidden_size, position=True)
+        self.token_head = PatchHead(self.model.config.text_config.hidden_size, position=True).to(device)
         self.token_optimizer = torch.optim.AdamW(self.token_head.parameters(), lr=settings.s2_lr)
         self.packer = Packer(self.processor, text_rows=settings.s2_text_weight > 0)
         self.state = State()
@@ -476,10 +483,13 @@ class Trainer:
         self.model.load_state_dict(loaded.state_dict())
         self.head.load_state_dict(load_file(str(self.run_dir / "head.safetensors")))
         self.optimizer = self._make_optimizer()
-        self.optimizer.load_state_dict(torch.load(self.run_dir / "optimizer.pt", weights_only=True))
+        # saved on any device; load_state_dict moves each state onto its parameter's device
+        self.optimizer.load_state_dict(torch.load(self.run_dir / "optimizer.pt", map_location="cpu",
+                                                  weights_only=True))
         if (self.run_dir / "token_head.safetensors").exists():  # runs before s2_patch_weight lack it
             self.token_head.load_state_dict(load_file(str(self.run_dir / "token_head.safetensors")))
-            self.token_optimizer.load_state_dict(torch.load(self.run_dir / "token_optimizer.pt", weights_only=True))
+            self.token_optimizer.load_state_dict(torch.load(self.run_dir / "token_optimizer.pt", map_location="cpu",
+                                                            weights_only=True))
         print(f"resumed: {self.state}", flush=True)
 
     def _adopt(self, folder: Path, whole: bool) -> None:
@@ -522,7 +532,8 @@ class Trainer:
         while st.elapsed < budget and st.step < (cfg.s1_max_steps or math.inf):
             t0 = time.time()
             scenes = next_scenes(st, cfg.s1_batch)
-            loss = patch_loss(self.head, patch_features(self.model, pixel_values(self.processor, scenes)), scenes)
+            pixels = pixel_values(self.processor, scenes).to(self.device)
+            loss = patch_loss(self.head, patch_features(self.model, pixels), scenes)
             self._set_lr(cfg.s1_lr, lr_factor(st.step, st.elapsed, cfg.s1_warmup, budget, 0.05))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -587,7 +598,7 @@ class Trainer:
                 questions = [make_questions(s, s.seed, cfg.s2_questions, cfg.s2_kinds) for s in scenes]
             histories = [followup_histories(qs, cfg.s2_followups, rng) for qs in questions]
             with projected_tokens(self.model) as projected:
-                loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions, histories),
+                loss, acc = packed_loss(self.model, self.packer.batch(scenes, questions, histories).to(self.device),
                                         cfg.s2_text_weight)
             if cfg.s2_patch_weight:
                 loss = loss + cfg.s2_patch_weight * patch_loss(self.token_head, projected[0], scenes)
@@ -641,6 +652,8 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     parser.add_argument("--stage1-minutes", type=float, help="stage-1 time budget")
     parser.add_argument("--stage2-minutes", type=float, help="stage-2 time budget")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu",
+                        help="torch device to train on, e.g. cuda (default cpu; a run may resume on another)")
     parser.add_argument("--layout", choices=LAYOUTS, default="text-first",
                         help="prompt layout: <s> USER: <image> q (text-first), <image> USER: q (image-first: the "
                              "marker patch at position 0), <image> q (image-question: no fixed text before q)")
@@ -688,6 +701,7 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
             setattr(settings, name, value)
     try:
         settings.model = settings.model | decoder_shape(args.decoder)
+        device = resolve_device(args.device)
     except ValueError as err:
         parser.error(str(err))
     settings.layout, settings.vision_from, settings.init_from = args.layout, args.vision_from, args.init_from
@@ -702,7 +716,7 @@ def main(argv: list[str] | None = None) -> LlavaForConditionalGeneration:
     run_dir = args.run_dir or (out / "_run" if args.smoke else Path("runs/train"))
     if args.resume and (run_dir / "settings.json").exists():
         settings = load_settings(run_dir / "settings.json", args.stage1_minutes, args.stage2_minutes)
-    trainer = Trainer(out, run_dir, settings, bool(args.resume))
+    trainer = Trainer(out, run_dir, settings, bool(args.resume), device)
     started = time.time()
     if trainer.state.stage == 1:
         trainer.stage1()

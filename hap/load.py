@@ -16,12 +16,20 @@ class ModelLoadError(OSError):
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """The torch device `device` names ("auto": the GPU when there is one); ValueError on a name torch does not
+    know, and on a GPU this machine lacks (saying which devices it has)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        target = torch.device(device)
     except RuntimeError as err:
         raise ValueError(f"device={device!r} is not a torch device (use 'auto', 'cpu', 'cuda', 'cuda:1', ...)") from err
+    if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
+        have = f"cuda:0..cuda:{torch.cuda.device_count() - 1}" if torch.cuda.is_available() else "no CUDA GPU"
+        raise ValueError(f"device={device!r}: this machine has {have}; use 'cpu' or 'auto'")
+    if target.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={device!r}: this machine has no MPS device; use 'cpu' or 'auto'")
+    return target
 
 
 def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str | None = None, device_map=None):

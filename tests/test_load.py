@@ -62,3 +62,8 @@ def test_weights_without_safetensors_are_refused(folder, tmp_path):
 def test_resolve_device():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="is not a torch device"):
+        resolve_device("gpu0")
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a machine without one)
+    with pytest.raises(ValueError, match="this machine has (no CUDA GPU|cuda:0..cuda:)"):
+        resolve_device(missing)

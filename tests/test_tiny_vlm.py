@@ -141,6 +141,9 @@ def test_smoke_training_saves_and_reloads(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--smoke", "--out", str(tmp_path), "--decoder", "text_heads=many"])
     assert "FIELD=N with N >= 1 and FIELD one of text_layers, text_heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one GPU past the last this machine has
+        main(["--smoke", "--out", str(tmp_path), "--device", f"cuda:{torch.cuda.device_count()}"])
+    assert "this machine has" in capsys.readouterr().err
     model = main(["--smoke", "--out", str(tmp_path), "--decoder", "text_heads=4"]).eval()
     assert model.config.text_config.num_attention_heads == 4  # the override reaches the decoder
     processor = AutoProcessor.from_pretrained(tmp_path)
@@ -150,6 +153,17 @@ def test_smoke_training_saves_and_reloads(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs).logits, reloaded(**inputs).logits, atol=0, rtol=0)
     assert (tmp_path / "model.safetensors").stat().st_size < 25e6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_smoke_training_on_a_gpu_resumes_on_the_cpu(tmp_path):
+    """Both stages on cuda (scenes drawn on the CPU, batches moved), then the checkpoint continues on the CPU."""
+    from analysis.train_model import main
+
+    run = tmp_path / "run"
+    model = main(["--smoke", "--out", str(tmp_path / "out"), "--run-dir", str(run), "--device", "cuda"])
+    assert model.device.type == "cuda" and (tmp_path / "out" / "config.json").exists()
+    assert main(["--out", str(tmp_path / "out"), "--resume", str(run), "--stage2-minutes", "0.5"]).device.type == "cpu"
 
 
 def test_resume_restores_state(tmp_path):
