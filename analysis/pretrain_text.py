@@ -178,17 +178,31 @@ def uniform_share(length: int, skip: int = 8) -> float:
     return float(np.mean(1.0 / np.arange(skip + 1, length + 1)))
 
 
+def _value_ratio(layer: dict, head: int) -> float:
+    """Position 0's value-norm ratio of `head` in one layer's readings (heads sharing a value head share it)."""
+    return layer["value_ratio"][head // (len(layer["first"]) // len(layer["value_ratio"]))]
+
+
+def _busiest(layer: dict) -> str:
+    """"entropy / value ratio" of the layer's head parking most on position 0 ("–" in logs that predate them)."""
+    if "entropy" not in layer:
+        return "–"
+    h = int(np.argmax(layer["first"]))
+    return f"{layer['entropy'][h]:.2f} / {_value_ratio(layer, h):.2f}"
+
+
 def table(log: Path, every: int = 1) -> str:
     """A markdown table of a run's checks (``sink.jsonl``): the loss above the language's floor, the head that
-    parks most on position 0 (share and layer), the head mean over all layers, and position 0's largest
+    parks most on position 0 (share and layer; its entropy over the most and position 0's value norm over the
+    median, which drains first when a sink forms), the head mean over all layers, and position 0's largest
     norm ratio (and layer); the first line says what a uniform head reads."""
     records = [json.loads(line) for line in log.read_text().splitlines()]
     settings, _ = saved_run(log.parent)
     language, _, probe_ids = run_language(settings, build_processor(settings.layout))
     floor = language.entropy_floor(probe_ids)  # recomputed: runs logged before 2026-12-04 under-counted it
     lines = [f"uniform attention reads {uniform_share(settings.length):.3f} on position 0",
-             "| step | minutes | loss above floor (nats) | busiest head on position 0 (layer) | head mean | "
-             "position-0 norm / median (layer) |", "|---|---|---|---|---|---|"]
+             "| step | minutes | loss above floor (nats) | busiest head on position 0 (layer) | its entropy / value "
+             "ratio | head mean | position-0 norm / median (layer) |", "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(records):
         if i % every and i != len(records) - 1:
             continue
@@ -196,7 +210,7 @@ def table(log: Path, every: int = 1) -> str:
         massive = max(r["layers"], key=lambda x: x["norm_ratio"])
         mean = np.mean([x["mean_head"] for x in r["layers"]])
         lines.append(f"| {r['step']} | {r['minutes']:.0f} | {r['probe_loss'] - floor:.3f} | "
-                     f"{busiest['max_head']:.3f} ({busiest['layer']}) | {mean:.3f} | "
+                     f"{busiest['max_head']:.3f} ({busiest['layer']}) | {_busiest(busiest)} | {mean:.3f} | "
                      f"{massive['norm_ratio']:.2f} ({massive['layer']}) |")
     return "\n".join(lines)
 
@@ -229,10 +243,8 @@ def head_table(run: Path) -> str:
              "| layer | head | non-trigger rows on position 0 | their entropy / most | position-0 value norm / median "
              "| trigger rows on the word before |", "|---|---|---|---|---|---|"]
     for r in first_token_readings(model, torch.as_tensor(probe_ids), language.triggers):
-        kv_group = len(r["first"]) // len(r["value_ratio"])  # heads sharing one value head
         for h, (f, e, c) in enumerate(zip(r["first"], r["entropy"], r["copy"])):
-            value = r["value_ratio"][h // kv_group]
-            lines.append(f"| {r['layer']} | {h} | {f:.3f} | {e:.3f} | {value:.3f} | {c:.3f} |")
+            lines.append(f"| {r['layer']} | {h} | {f:.3f} | {e:.3f} | {_value_ratio(r, h):.3f} | {c:.3f} |")
     return "\n".join(lines)
 
 

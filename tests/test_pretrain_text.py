@@ -62,6 +62,9 @@ def test_pretraining_lowers_the_loss_and_saves_a_llava_stage_two_can_start_from(
     assert printed[0] == f"uniform attention reads {uniform_share(24):.3f} on position 0"
     assert [row.split(" | ")[0] for row in printed[3:]] == ["| 15", "| 30"]
     assert f"| {records[-1]['probe_loss'] - records[-1]['floor']:.3f} |" in printed[-1]  # the same floor
+    busiest = max(records[-1]["layers"], key=lambda x: x["max_head"])
+    h = busiest["first"].index(busiest["max_head"])
+    assert f"| {busiest['entropy'][h]:.2f} / {busiest['value_ratio'][h]:.2f} |" in printed[-1]
     assert records[-1]["probe_loss"] < np.log(len(model.get_input_embeddings().weight)) - 0.3
     assert len(records[-1]["layers"]) == SMOKE_MODEL["text_layers"]
     reloaded = LlavaForConditionalGeneration.from_pretrained(tmp_path / "bb")
