@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -106,10 +107,24 @@ class PretrainSettings:
     length: int = 128
     lr: float = 1e-3
     warmup: int = 100
+    decay_from: int = 0  # the step a cosine decay of the learning rate starts at
+    decay_steps: int = 0  # how long it lasts (0: the rate stays at lr after warmup)
+    lr_end: float = 0.0  # where it ends, and stays
     weight_decay: float = 0.3
     minutes: float = 20.0
     check_every: int = 100
     seed: int = 0
+
+
+def learning_rate(settings: PretrainSettings, step: int) -> float:
+    """The rate of optimizer step `step` (0-based): a linear warmup to ``lr`` over ``warmup`` steps, then, when
+    ``decay_steps`` > 0, a half cosine from ``lr`` at step ``decay_from`` to ``lr_end`` at ``decay_from +
+    decay_steps``, held there (a decay that starts during the warmup caps it: the lower of the two)."""
+    rate = settings.lr * min(1.0, (step + 1) / settings.warmup)
+    if settings.decay_steps <= 0 or step < settings.decay_from:
+        return rate
+    done = min(1.0, (step - settings.decay_from) / settings.decay_steps)
+    return min(rate, settings.lr_end + (settings.lr - settings.lr_end) * 0.5 * (1.0 + math.cos(math.pi * done)))
 
 
 def _decoder_params(model: LlavaForConditionalGeneration) -> list[torch.nn.Parameter]:
@@ -285,8 +300,9 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
         while elapsed < settings.minutes * 60 and step < (max_steps or 10**9):
             t0 = time.time()
             ids = torch.as_tensor(language.sample(rng, settings.batch, settings.length, first), device=device)
+            rate = learning_rate(settings, step)
             for group in optimizer.param_groups:
-                group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup)
+                group["lr"] = rate
             loss = lm_loss(model, ids)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -296,7 +312,7 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
             elapsed += time.time() - t0
             if step % settings.check_every == 0 or elapsed >= settings.minutes * 60:
                 model.eval()
-                record = {"step": step, "minutes": round(elapsed / 60, 2), "batch": settings.batch, "lr": settings.lr,
+                record = {"step": step, "minutes": round(elapsed / 60, 2), "batch": settings.batch, "lr": round(rate, 7),
                           "loss": round(loss.item(), 4),
                           "probe_loss": round(lm_loss(model, probe).item(), 4), "floor": round(floor, 4),
                           "layers": first_token_readings(model, probe, language.triggers)}
@@ -338,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decoder", nargs="*", default=[], metavar="FIELD=N",
                         help="decoder shape overrides of train_model's (text_layers, text_heads, text_hidden, "
                              "text_mlp), e.g. text_layers=1 text_heads=1 for the toy study's shape")
+    parser.add_argument("--decay-steps", type=int, help="decay the learning rate along a half cosine over this "
+                        "many steps, from the step the run starts or resumes at, to --lr-end (default: no decay)")
+    parser.add_argument("--lr-end", type=float, help="with --decay-steps: the rate it ends at (default lr / 10)")
     parser.add_argument("--device", default="cpu", help="torch device to train on, e.g. cuda (default cpu)")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--threads", type=int, default=1)
@@ -361,11 +380,19 @@ def main(argv: list[str] | None = None) -> None:
         device = resolve_device(args.device)
     except ValueError as err:
         parser.error(str(err))
+    if args.lr_end is not None and args.decay_steps is None:
+        parser.error("--lr-end needs --decay-steps (how long the decay to it lasts)")
     if args.resume:
         if args.decoder:
             parser.error("--decoder with --resume: a run keeps the decoder shape it was started with")
         settings, shape = saved_run(args.out)
         settings = replace(settings, **given)
+    if args.decay_steps is not None:
+        if args.decay_steps <= 0:
+            parser.error(f"--decay-steps must be a positive number of steps, not {args.decay_steps}")
+        start = json.loads((args.out / "state.json").read_text())["step"] if args.resume else settings.warmup
+        settings = replace(settings, decay_from=start, decay_steps=args.decay_steps,
+                           lr_end=settings.lr / 10 if args.lr_end is None else args.lr_end)
     pretrain(args.out, settings, args.vision_from, shape, args.max_steps, args.resume, device)
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
-from analysis.pretrain_text import (BigramBackcopy, PretrainSettings, first_token_readings, lm_loss, pretrain, table,
-                                   uniform_share)
+from analysis.pretrain_text import (BigramBackcopy, PretrainSettings, first_token_readings, learning_rate, lm_loss,
+                                   pretrain, table, uniform_share)
 from analysis.pretrain_text import main as pretrain_main
 from analysis.tiny_vlm import build_config, build_processor, decoder_shape
 from analysis.train_model import SMOKE_MODEL, main as train_main
@@ -163,7 +163,7 @@ def test_decoder_overrides_are_parsed_and_bad_ones_name_the_allowed_fields():
 
 def test_the_cli_pretrains_the_decoder_shape_it_is_given_and_resume_keeps_it(tmp_path, capsys):
     """--resume keeps the shape and the language; the batch and the learning rate may change from then on, and
-    every check logs the ones it ran with."""
+    every check logs the ones its last step ran with (the rate still warming up: 100 steps to the peak)."""
     torch.set_num_threads(1)
     out = tmp_path / "shallow"
     pretrain_main(["--out", str(out), "--decoder", "text_layers=1", "text_heads=2", "--batch", "2",
@@ -175,7 +175,7 @@ def test_the_cli_pretrains_the_decoder_shape_it_is_given_and_resume_keeps_it(tmp
     assert (saved["model"]["text_layers"], saved["lr"], saved["batch"], saved["length"]) == (1, 3e-4, 3, 128)
     records = [json.loads(line) for line in (out / "sink.jsonl").read_text().splitlines()]
     assert [(r["step"], r["lr"], r["batch"], len(r["layers"])) for r in records] == [
-        (1, 1e-3, 2, 1), (2, 1e-3, 2, 1), (3, 3e-4, 3, 1)]
+        (1, 1e-5, 2, 1), (2, 2e-5, 2, 1), (3, 9e-6, 3, 1)]
     capsys.readouterr()  # the training's own progress lines
     pretrain_main(["--heads", str(out)])
     printed = capsys.readouterr().out.splitlines()
@@ -187,3 +187,35 @@ def test_the_cli_pretrains_the_decoder_shape_it_is_given_and_resume_keeps_it(tmp
     with pytest.raises(SystemExit):  # a run keeps its shape
         pretrain_main(["--out", str(out), "--resume", "--decoder", "text_layers=2"])
     assert "keeps the decoder shape it was started with" in capsys.readouterr().err
+
+
+def test_the_learning_rate_warms_up_then_follows_a_half_cosine_to_its_end_and_stays():
+    flat = PretrainSettings(lr=1e-3, warmup=10)
+    assert [learning_rate(flat, step) for step in (0, 4, 9, 10**6)] == pytest.approx([1e-4, 5e-4, 1e-3, 1e-3])
+    decay = PretrainSettings(lr=1e-3, warmup=10, decay_from=100, decay_steps=50, lr_end=1e-4)
+    assert [learning_rate(decay, step) for step in (0, 99, 100, 125, 150, 10**6)] == pytest.approx(
+        [1e-4, 1e-3, 1e-3, 5.5e-4, 1e-4, 1e-4])
+    rates = [learning_rate(decay, step) for step in range(100, 151)]
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+    early = PretrainSettings(lr=1e-3, warmup=10, decay_from=2, decay_steps=4, lr_end=0.0)
+    assert [learning_rate(early, step) for step in range(7)] == pytest.approx(  # the ramp, capped by the cosine
+        [1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 1.464e-4, 0.0], abs=1e-7)
+
+
+def test_the_cli_decays_the_rate_from_the_step_it_resumes_at(tmp_path, capsys):
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    pretrain_main(["--out", str(out), "--decoder", "text_layers=1", "text_heads=1", "--batch", "2", "--length", "16",
+                   "--max-steps", "2", "--check-every", "1", "--lr", "1e-2"])
+    pretrain_main(["--out", str(out), "--resume", "--max-steps", "6", "--decay-steps", "2", "--lr-end", "1e-4"])
+    saved = json.loads((out / "pretrain_settings.json").read_text())
+    assert (saved["decay_from"], saved["decay_steps"], saved["lr_end"]) == (2, 2, 1e-4)
+    rates = [json.loads(line)["lr"] for line in (out / "sink.jsonl").read_text().splitlines()]
+    # warming up over 100 steps to 1e-2; the cosine from step 2 (1e-2, 5.05e-3, then 1e-4 held) caps the ramp
+    assert rates == pytest.approx([1e-4, 2e-4, 3e-4, 4e-4, 1e-4, 1e-4])
+    capsys.readouterr()
+    for bad, message in ((["--decay-steps", "0"], "positive number of steps"),
+                         (["--lr-end", "1e-4"], "--lr-end needs --decay-steps")):
+        with pytest.raises(SystemExit):
+            pretrain_main(["--out", str(out), "--resume", "--max-steps", "7"] + bad)
+        assert message in capsys.readouterr().err
