@@ -312,8 +312,8 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
             elapsed += time.time() - t0
             if step % settings.check_every == 0 or elapsed >= settings.minutes * 60:
                 model.eval()
-                record = {"step": step, "minutes": round(elapsed / 60, 2), "batch": settings.batch, "lr": round(rate, 7),
-                          "loss": round(loss.item(), 4),
+                record = {"step": step, "minutes": round(elapsed / 60, 2), "batch": settings.batch,
+                          "lr": round(rate, 7), "loss": round(loss.item(), 4),
                           "probe_loss": round(lm_loss(model, probe).item(), 4), "floor": round(floor, 4),
                           "layers": first_token_readings(model, probe, language.triggers)}
                 model.train()
