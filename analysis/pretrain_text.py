@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from transformers import LlavaForConditionalGeneration
 
 from analysis.diagnostics import eager_attention
+from analysis.train_model import FULL_MODEL, half_cosine
 from analysis.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor, decoder_shape
 from hap.load import resolve_device
 
@@ -123,8 +123,7 @@ def learning_rate(settings: PretrainSettings, step: int) -> float:
     rate = settings.lr * min(1.0, (step + 1) / settings.warmup)
     if settings.decay_steps <= 0 or step < settings.decay_from:
         return rate
-    done = min(1.0, (step - settings.decay_from) / settings.decay_steps)
-    return min(rate, settings.lr_end + (settings.lr - settings.lr_end) * 0.5 * (1.0 + math.cos(math.pi * done)))
+    return min(rate, half_cosine((step - settings.decay_from) / settings.decay_steps, settings.lr, settings.lr_end))
 
 
 def _decoder_params(model: LlavaForConditionalGeneration) -> list[torch.nn.Parameter]:
@@ -237,6 +236,11 @@ def saved_run(run: Path) -> tuple[PretrainSettings, dict]:
     return PretrainSettings(**saved), shape
 
 
+def saved_state(run: Path) -> dict:
+    """Where a saved run stands (``state.json``): its step, elapsed seconds and the language's random state."""
+    return json.loads((run / "state.json").read_text())
+
+
 def run_language(settings: PretrainSettings, processor) -> tuple[BigramBackcopy, int | None, np.ndarray]:
     """A run's language, what opens its sequences (None: a random word) and its fixed probe `[16, length]`."""
     tok = processor.tokenizer
@@ -253,7 +257,7 @@ def head_table(run: Path) -> str:
     settings, _ = saved_run(run)
     model = LlavaForConditionalGeneration.from_pretrained(run).eval()
     language, _, probe_ids = run_language(settings, build_processor(settings.layout))
-    step = json.loads((run / "state.json").read_text())["step"]
+    step = saved_state(run)["step"]
     lines = [f"step {step}; uniform attention reads {uniform_share(settings.length):.3f} on position 0",
              "| layer | head | non-trigger rows on position 0 | their entropy / most | position-0 value norm / median "
              "| trigger rows on the word before |", "|---|---|---|---|---|---|"]
@@ -275,7 +279,7 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
     step, elapsed = 0, 0.0
     if resume:
         model = LlavaForConditionalGeneration.from_pretrained(out)
-        state = json.loads((out / "state.json").read_text())
+        state = saved_state(out)
         step, elapsed, rng.bit_generator.state = state["step"], state["elapsed"], state["rng"]
     else:
         model = LlavaForConditionalGeneration(build_config(processor, **model_shape))
@@ -326,8 +330,6 @@ def pretrain(out: Path, settings: PretrainSettings, vision_from: Path | None, mo
 
 
 def main(argv: list[str] | None = None) -> None:
-    from analysis.train_model import FULL_MODEL  # the decoder shape stage 2 builds
-
     parser = argparse.ArgumentParser(description="Pretrain the tiny LLaVA's decoder on a bigram-backcopy language.")
     parser.add_argument("--out", type=Path, help="folder for the whole LLaVA and sink.jsonl")
     parser.add_argument("--table", type=Path, metavar="SINK_JSONL", help="print a run's checks as a table, and stop")
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.decay_steps is not None:
         if args.decay_steps <= 0:
             parser.error(f"--decay-steps must be a positive number of steps, not {args.decay_steps}")
-        start = json.loads((args.out / "state.json").read_text())["step"] if args.resume else settings.warmup
+        start = saved_state(args.out)["step"] if args.resume else settings.warmup
         settings = replace(settings, decay_from=start, decay_steps=args.decay_steps,
                            lr_end=settings.lr / 10 if args.lr_end is None else args.lr_end)
     pretrain(args.out, settings, args.vision_from, shape, args.max_steps, args.resume, device)

@@ -142,11 +142,15 @@ class State:
     best: float = -1.0  # best min-over-types held-out accuracy in stage 2
 
 
+def half_cosine(progress: float, start: float, end: float) -> float:
+    """The value a half cosine from ``start`` (progress 0) to ``end`` (progress 1) has at ``progress``; held at
+    ``end`` past 1."""
+    return end + (start - end) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
 def lr_factor(step: int, elapsed: float, warmup: int, budget_s: float, floor: float) -> float:
     """Linear warmup over ``warmup`` steps, then cosine over the time budget down to ``floor``."""
-    warm = min(1.0, (step + 1) / warmup)
-    progress = min(1.0, elapsed / budget_s)
-    return warm * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return min(1.0, (step + 1) / warmup) * half_cosine(elapsed / budget_s, 1.0, floor)
 
 
 def pixel_values(processor: LlavaProcessor, scenes: list[Scene]) -> torch.Tensor:
