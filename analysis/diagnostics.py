@@ -9,6 +9,9 @@ For a fixed list of (scene, question) items, one eager forward each gives, per d
   * PAQ and head classes (docs/method.md §2-3) with the norm sink test and with the
     attention-consensus sink test (`consensus_sinks`);
   * Spearman(PAQ, ground-truth grounding) over heads;
+  * the share of each head's visual attention on the fixed marker patch (visual token 0, the one token
+    every image shares), over all questions and over the image-irrelevant ``text`` kind alone: a head
+    that parks where it has nothing to read puts its attention there;
   * where attention parks outside the image: per layer, the share of the prompt rows' attention on the
     text before the image, on the image, and on the text after it (the question), and the largest
     hidden-state norm of any prompt token over the median visual norm with the token holding it
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 from analysis.ground_truth import head_grounding, spearman
-from analysis.scenes import Question, Scene
+from analysis.scenes import MARKER_PATCH, Question, Scene
 from hap.fusion import fusion_weights
 from hap.heads import classify, consensus_sinks, head_stats, sink_tokens, visual_distribution
 from hap.run import chat_prompt
@@ -162,6 +165,7 @@ def _summarise(per_item: list[dict]) -> dict:
         classes = Counter(c for p in per_item for layer in p["stats"][name]["classes"] for c in layer)
         total = sum(classes.values())
         out[f"classes_{name}"] = {c: round(classes[c] / total, 3) for c in ("sink", "dispersed", "optimal")}
+    out["marker_attention"] = marker_attention(dists, [p["question"].qtype for p in per_item])
     disp = torch.stack([p["stats"]["norm"]["dispersion"] for p in per_item]).flatten().numpy()
     out["entropy_histogram"] = np.histogram(disp, bins=10, range=(0, 1))[0].tolist()
     paq, ground = [], []
@@ -171,6 +175,24 @@ def _summarise(per_item: list[dict]) -> dict:
             paq.append(p["stats"]["consensus"]["paq"].numpy()), ground.append(g)
     if paq:
         out["grounding_spearman"] = round(spearman(np.mean(paq, 0).ravel(), np.mean(ground, 0).ravel()), 3)
+    return out
+
+
+def marker_attention(dists: torch.Tensor, kinds: list[str]) -> dict:
+    """`dists [Q, L, H, V]` (each head's visual distribution per question), `kinds` the Q question kinds ->
+    the share on visual token 0 (`MARKER_PATCH`) of the busiest head (mean over questions, with its
+    [layer, head]) and the mean over heads, for all questions and for the ``text`` kind (present only when
+    asked); ``uniform`` is 1 / V, what a head spreading evenly puts there."""
+    def reading(d: torch.Tensor) -> dict:
+        share = d[..., MARKER_PATCH].mean(0)  # [L, H]
+        busiest = int(share.argmax())
+        return {"busiest": round(float(share.max()), 3), "head": list(divmod(busiest, share.shape[1])),
+                "mean": round(float(share.mean()), 3)}
+
+    out = {"uniform": round(1 / dists.shape[-1], 4), "all": reading(dists)}
+    text = torch.tensor([k == "text" for k in kinds])
+    if text.any():
+        out["text"] = reading(dists[text])
     return out
 
 
@@ -207,8 +229,9 @@ def table(records: list[dict], fractions: tuple[float, ...] | None = (0.3, 0.6, 
     rows = ["| training | step | accuracy (min kind) | follow-up accuracy | max/median norm per layer "
             "| focused on one token | classes norm / consensus (sink, dispersed, optimal) "
             "| Spearman(PAQ, grounding) | probe @8: PAQ / uniform / oracle "
-            "| largest prompt-token norm / median visual (where) | row attention before / on / after the image |",
-            "|---" * 11 + "|"]
+            "| largest prompt-token norm / median visual (where) | row attention before / on / after the image "
+            "| marker patch, busiest head: all / text questions (uniform) |",
+            "|---" * 12 + "|"]
     chosen = records if fractions is None else [min(records, key=lambda r: abs(r["fraction"] - f))
                                                  for f in fractions]
     for r in {r["step"]: r for r in chosen}.values():
@@ -225,7 +248,7 @@ def table(records: list[dict], fractions: tuple[float, ...] | None = (0.3, 0.6, 
             f"| {d['share_focused_on_one_token']:.2f} | {classes('norm')} / {classes('consensus')} "
             f"| {d.get('grounding_spearman', float('nan')):.2f} "
             f"| {d['probe']['paq']:.2f} / {d['probe']['uniform']:.2f} / {d['probe']['oracle']:.2f} "
-            f"| {_massive_cell(d)} | {_parking_cell(d)} |")
+            f"| {_massive_cell(d)} | {_parking_cell(d)} | {_marker_cell(d)} |")
     return "\n".join(rows)
 
 
@@ -235,6 +258,15 @@ def _massive_cell(d: dict) -> str:
         return "–"
     top = max(d["massive_per_layer"], key=lambda m: m["ratio"])
     return f"{top['ratio']:.1f} ({top['token']})"
+
+
+def _marker_cell(d: dict) -> str:
+    """The busiest head's share on the marker patch, all questions / text questions, or "–" in older logs."""
+    if "marker_attention" not in d:
+        return "–"
+    m = d["marker_attention"]
+    text = f"{m['text']['busiest']:.2f}" if "text" in m else "–"
+    return f"{m['all']['busiest']:.2f} / {text} ({m['uniform']:.3f})"
 
 
 def _parking_cell(d: dict) -> str:

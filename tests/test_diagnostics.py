@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
-from analysis.diagnostics import _parking, diagnose, table
+from analysis.diagnostics import _parking, diagnose, marker_attention, table
 from analysis.tiny_vlm import VOCAB, build_config, build_processor
 from analysis.train_model import diagnostic_items
 
@@ -49,9 +49,33 @@ def test_table_reads_old_and_new_logs(diagnosed):
     record = {"step": 10, "minutes": 1.0, "fraction": 0.5, "followup": 0.5,
               "accuracy": {"color": 0.5, "shape": 0.25, "overall": 0.4, "n": {}}, "diagnostics": diagnosed}
     old = {**record, "step": 5, "diagnostics": {k: v for k, v in diagnosed.items()
-                                                if k not in ("massive_per_layer", "row_attention_per_layer")}}
+                                                if k not in ("massive_per_layer", "row_attention_per_layer", "marker_attention")}}
     lines = table([old, record], None).splitlines()
-    assert len(lines) == 4 and all(line.count("|") == 12 for line in lines)
-    assert lines[2].endswith("| – | – |")
+    assert len(lines) == 4 and all(line.count("|") == 13 for line in lines)
+    assert lines[2].endswith("| – | – | – |")
     top = max(diagnosed["massive_per_layer"], key=lambda m: m["ratio"])
     assert f"{top['ratio']:.1f} ({top['token']})" in lines[3]
+    assert f"{diagnosed['marker_attention']['all']['busiest']:.2f} / " in lines[3]
+
+
+def test_marker_attention_finds_the_head_that_parks_on_the_marker_patch_when_the_image_is_irrelevant():
+    """Head (1, 0) puts 0.8 of its visual attention on token 0 for the text questions only; the rest spread evenly."""
+    Q, L, H, V = 4, 2, 3, 10
+    dists = torch.full((Q, L, H, V), 1 / V)
+    kinds = ["color", "text", "text", "dot"]
+    dists[1:3, 1, 0] = torch.tensor([0.8] + [0.2 / (V - 1)] * (V - 1))
+    got = marker_attention(dists, kinds)
+    assert got["uniform"] == pytest.approx(0.1)
+    assert got["text"]["head"] == [1, 0] and got["text"]["busiest"] == pytest.approx(0.8)
+    assert got["text"]["mean"] == pytest.approx((0.8 + 5 * 0.1) / 6, abs=1e-3)
+    assert got["all"]["head"] == [1, 0] and got["all"]["busiest"] == pytest.approx((0.8 * 2 + 0.1 * 2) / 4)
+    assert "text" not in marker_attention(dists[[0, 3]], ["color", "dot"])
+
+
+def test_diagnose_reports_the_marker_patch_reading(diagnosed):
+    marker = diagnosed["marker_attention"]
+    assert marker["uniform"] == pytest.approx(1 / 144, abs=1e-4)
+    for part in ("all", "text"):  # diagnostic_items asks every kind, text included
+        layer, head = marker[part]["head"]
+        assert 0 <= layer < 2 and 0 <= head < 2
+        assert 0 <= marker[part]["mean"] <= marker[part]["busiest"] <= 1
