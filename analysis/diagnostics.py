@@ -185,8 +185,8 @@ def marker_attention(dists: torch.Tensor, kinds: list[str]) -> dict:
     asked); ``uniform`` is 1 / V, what a head spreading evenly puts there."""
     def reading(d: torch.Tensor) -> dict:
         share = d[..., MARKER_PATCH].mean(0)  # [L, H]
-        busiest = int(share.argmax())
-        return {"busiest": round(float(share.max()), 3), "head": list(divmod(busiest, share.shape[1])),
+        value, index = share.flatten().max(0)
+        return {"busiest": round(float(value), 3), "head": list(divmod(int(index), share.shape[1])),
                 "mean": round(float(share.mean()), 3)}
 
     out = {"uniform": round(1 / dists.shape[-1], 4), "all": reading(dists)}
