@@ -4,7 +4,7 @@
     python -m analysis.speed --shape llava-7b                  # LLaVA-1.5-7B shape, bf16 on a GPU
     python -m analysis.speed --shape qwen2.5-vl-7b             # Qwen2.5-VL-7B shape (M-RoPE, GQA)
     python -m analysis.speed --shape llava-7b --layers 4       # the 7B width at reduced depth, on a CPU
-    python -m analysis.speed --shape llava-7b qwen2.5-vl-7b    # both 7B shapes (python -m analysis.gpu_check: all of it)
+    python -m analysis.speed --shape llava-7b qwen2.5-vl-7b    # both 7B shapes (python -m app.gpu_check: all of it)
     python -m analysis.speed --shape llava-small qwen2.5-vl-small --repeats 1   # the smoke shapes, seconds on a CPU
 
 Random weights (no download): speed does not depend on them. The visual tokens are random

@@ -1,11 +1,11 @@
-"""Training diagnostics (analysis/diagnostics.py): attention parking, massive activations, the table."""
+"""Training diagnostics (analysis/training/diagnostics.py): attention parking, massive activations, the table."""
 import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
-from analysis.diagnostics import _parking, diagnose, marker_attention, table
-from analysis.tiny_vlm import VOCAB, build_config, build_processor
-from analysis.train_model import diagnostic_items
+from analysis.training.diagnostics import _parking, diagnose, marker_attention, table
+from analysis.training.tiny_vlm import VOCAB, build_config, build_processor
+from analysis.training.train_model import diagnostic_items
 
 
 def test_parking_splits_each_row_into_before_on_and_after_the_image():

@@ -1,4 +1,4 @@
-"""analysis.gpu_check: `--smoke` runs the GPU check's code on small shapes on the CPU (so it cannot rot) and writes the
+"""app.gpu_check: `--smoke` runs the GPU check's code on small shapes on the CPU (so it cannot rot) and writes the
 binding keys per shape and method; the 7B shapes build on the meta device, each with a processor that matches it."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from analysis import gpu_check, speed
+from analysis import speed
 from analysis.sweep import METHODS as SWEPT_METHODS
+from app import gpu_check
 from hap.run import chat_prompt
 
 BINDING = {"speedup", "ideal", "peak_memory_bytes", "seconds"}

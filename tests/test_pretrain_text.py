@@ -1,4 +1,4 @@
-"""Text-only pretraining of the tiny decoder on the bigram-backcopy language (analysis/pretrain_text.py)."""
+"""Text-only pretraining of the tiny decoder on the bigram-backcopy language (analysis/training/pretrain_text.py)."""
 import json
 
 import numpy as np
@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
-from analysis.pretrain_text import (BigramBackcopy, PretrainSettings, first_token_readings, learning_rate, lm_loss,
+from analysis.training.pretrain_text import (BigramBackcopy, PretrainSettings, first_token_readings, learning_rate, lm_loss,
                                    pretrain, table, uniform_share)
-from analysis.pretrain_text import main as pretrain_main
-from analysis.tiny_vlm import build_config, build_processor, decoder_shape
-from analysis.train_model import SMOKE_MODEL, main as train_main
+from analysis.training.pretrain_text import main as pretrain_main
+from analysis.training.tiny_vlm import build_config, build_processor, decoder_shape
+from analysis.training.train_model import SMOKE_MODEL, main as train_main
 
 WORDS = list(range(10, 40))
 

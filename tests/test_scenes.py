@@ -156,7 +156,7 @@ def test_patch_labels():
 
 
 def test_seed_ranges_disjoint():
-    from analysis import train_model as T
+    from analysis.training import train_model as T
 
     assert T.State().next_seed == TRAIN_SEED_START  # training draws seeds upward from here
     assert T.STAGE1_EVAL_START + T.Settings(model={}).s1_probe_scenes <= TRAIN_SEED_START

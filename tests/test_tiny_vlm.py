@@ -8,7 +8,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 from analysis.evaluate import evaluate
 from hap.run import chat_prompt
 from analysis.scenes import TRAIN_SEED_START, heldout_items, make_questions, make_scene
-from analysis.tiny_vlm import build_config, build_processor
+from analysis.training.tiny_vlm import build_config, build_processor
 
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "tiny-llava"
 NOT_LEARNED = ("relation", "letter")  # at chance in the shipped model (its card)
@@ -80,7 +80,7 @@ def test_packing_matches_single_prompts(processor, followups):
     conversations (the chat template over an earlier turn, then the question) for follow-up blocks."""
     import numpy as np
 
-    from analysis.train_model import Packer, followup_histories
+    from analysis.training.train_model import Packer, followup_histories
 
     model = tiny_model(processor)
     scenes = [make_scene(TRAIN_SEED_START + i) for i in range(2)]
@@ -113,7 +113,7 @@ def test_text_rows_predict_every_next_token_of_a_block(layout):
     """With ``text_rows`` every block token before the answer's predecessor predicts the next one at its
     own position: the targets, read back, spell the block (question and template words) after its first
     token; the answer and </s> rows are the same as without them."""
-    from analysis.train_model import Packer, packed_loss
+    from analysis.training.train_model import Packer, packed_loss
 
     processor = build_processor(layout)
     scenes = [make_scene(TRAIN_SEED_START + i) for i in range(2)]
@@ -136,7 +136,7 @@ def test_text_rows_predict_every_next_token_of_a_block(layout):
 
 
 def test_smoke_training_saves_and_reloads(tmp_path, capsys):
-    from analysis.train_model import main
+    from analysis.training.train_model import main
 
     with pytest.raises(SystemExit):
         main(["--smoke", "--out", str(tmp_path), "--decoder", "text_heads=many"])
@@ -158,7 +158,7 @@ def test_smoke_training_saves_and_reloads(tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_smoke_training_on_a_gpu_resumes_on_the_cpu(tmp_path):
     """Both stages on cuda (scenes drawn on the CPU, batches moved), then the checkpoint continues on the CPU."""
-    from analysis.train_model import main
+    from analysis.training.train_model import main
 
     run = tmp_path / "run"
     model = main(["--smoke", "--out", str(tmp_path / "out"), "--run-dir", str(run), "--device", "cuda"])
@@ -167,7 +167,7 @@ def test_smoke_training_on_a_gpu_resumes_on_the_cpu(tmp_path):
 
 
 def test_resume_restores_state(tmp_path):
-    from analysis.train_model import Trainer, smoke_settings
+    from analysis.training.train_model import Trainer, smoke_settings
 
     trainer = Trainer(tmp_path / "out", tmp_path / "run", smoke_settings(), resume=False)
     trainer.stage1()  # ends with a checkpoint at the start of stage 2
@@ -179,7 +179,7 @@ def test_resume_restores_state(tmp_path):
 
 def test_resume_reads_the_runs_settings(tmp_path):
     """--resume RUN_DIR continues with the settings the run started with; a new stage budget extends it."""
-    from analysis.train_model import Trainer, load_settings, smoke_settings
+    from analysis.training.train_model import Trainer, load_settings, smoke_settings
 
     settings = smoke_settings()
     settings.s2_relation_stage, settings.s2_kinds = 0.4, ("relation", "dot")
@@ -193,7 +193,7 @@ def test_resume_reads_the_runs_settings(tmp_path):
 
 def test_learning_rate_schedule_warms_up_then_decays_to_its_floor():
     """Linear warmup, then cosine over the time budget to the floor; a floor of 1 (--final-lr 1) is constant."""
-    from analysis.train_model import lr_factor
+    from analysis.training.train_model import lr_factor
 
     assert lr_factor(0, 0.0, warmup=10, budget_s=100.0, floor=0.05) == pytest.approx(0.1)
     assert lr_factor(50, 50.0, warmup=10, budget_s=100.0, floor=0.05) == pytest.approx(0.525)
@@ -203,8 +203,8 @@ def test_learning_rate_schedule_warms_up_then_decays_to_its_floor():
 
 def test_init_from_keeps_every_known_word(tmp_path, monkeypatch):
     """A donor with a smaller vocabulary: every weight and every word's embedding it knows carry over."""
-    from analysis import tiny_vlm
-    from analysis.train_model import Trainer, smoke_settings
+    from analysis.training import tiny_vlm
+    from analysis.training.train_model import Trainer, smoke_settings
 
     full = list(tiny_vlm.VOCAB)
     monkeypatch.setattr(tiny_vlm, "VOCAB", [w for w in full if w not in ("dot", "letter", "z")])
@@ -243,7 +243,7 @@ def test_shipped_model_answers_heldout_questions():
 def test_projected_tokens_are_what_the_decoder_reads(processor):
     """The stage-2 patch loss sees the projector's output for every image: [B, 144, text hidden], the
     visual rows of the decoder's input embeddings; the hook is gone afterwards."""
-    from analysis.train_model import PatchHead, patch_loss, projected_tokens
+    from analysis.training.train_model import PatchHead, patch_loss, projected_tokens
 
     model = tiny_model(processor)
     scenes = [make_scene(TRAIN_SEED_START + i) for i in range(2)]

@@ -10,7 +10,7 @@
 # The checkpoint the first run continues is in the history (commit 233c80e) since its continuation replaced it:
 #   git checkout 233c80e -- results/tiny-llava-training/text-pretraining/bb-bos-t8-lr3/checkpoint
 # The first run then went on alone on the GPU for 4.2 more minutes (to step 14,713; bb-bos-t8-lr3-b512/checkpoint):
-#   python -m analysis.pretrain_text --out runs/gpu-text/bb-bos-t8-lr3-b512 --resume --minutes 112.8 \
+#   python -m analysis.training.pretrain_text --out runs/gpu-text/bb-bos-t8-lr3-b512 --resume --minutes 112.8 \
 #     --batch 512 --check-every 1000 --device cuda
 set -u
 out=$1 minutes=$2 device=${3:-cuda}
@@ -20,13 +20,13 @@ cp -r results/tiny-llava-training/text-pretraining/bb-bos-t8-lr3/checkpoint "$ru
 total=$(python3 -c "import json; print(json.load(open('$runs/bb-bos-t8-lr3-b512/state.json'))['elapsed'] / 60 + $minutes)")
 common=(--batch 512 --check-every 500 --device "$device" --threads 2)
 fresh=(--vision-from assets/tiny-llava --minutes "$minutes")
-python3 -m analysis.pretrain_text --out "$runs/bb-bos-t8-lr3-b512" --resume --minutes "$total" "${common[@]}" \
+python3 -m analysis.training.pretrain_text --out "$runs/bb-bos-t8-lr3-b512" --resume --minutes "$total" "${common[@]}" \
   >"$runs/bb-bos-t8-lr3-b512.log" 2>&1 &
-python3 -m analysis.pretrain_text --out "$runs/b512-bos-t8-lr3" --first bos --triggers 8 --lr 3e-3 --weight-decay 0.1 \
+python3 -m analysis.training.pretrain_text --out "$runs/b512-bos-t8-lr3" --first bos --triggers 8 --lr 3e-3 --weight-decay 0.1 \
   "${fresh[@]}" "${common[@]}" >"$runs/b512-bos-t8-lr3.log" 2>&1 &
-python3 -m analysis.pretrain_text --out "$runs/b512-random-t8-lr3" --first random --triggers 8 --lr 3e-3 \
+python3 -m analysis.training.pretrain_text --out "$runs/b512-random-t8-lr3" --first random --triggers 8 --lr 3e-3 \
   --weight-decay 0.1 "${fresh[@]}" "${common[@]}" >"$runs/b512-random-t8-lr3.log" 2>&1 &
-python3 -m analysis.pretrain_text --out "$runs/b512-bos-t3" --first bos --triggers 3 --lr 1e-3 --weight-decay 0.3 \
+python3 -m analysis.training.pretrain_text --out "$runs/b512-bos-t3" --first bos --triggers 3 --lr 1e-3 --weight-decay 0.3 \
   "${fresh[@]}" "${common[@]}" >"$runs/b512-bos-t3.log" 2>&1 &
 wait
 for run in bb-bos-t8-lr3-b512 b512-bos-t8-lr3 b512-random-t8-lr3 b512-bos-t3; do

@@ -1,8 +1,8 @@
 """One prepared GPU check: what a GPU user depends on, on random-weight models at the real shapes, in minutes.
 
-    python -m analysis.gpu_check              # on a GPU: LLaVA-1.5-7B and Qwen2.5-VL-7B shapes, bf16, SDPA
-    python -m analysis.gpu_check --shapes llava-7b   # one shape (half the time)
-    python -m analysis.gpu_check --smoke      # the same code on small shapes, float32 on the CPU (< 2 min; tested)
+    python -m app.gpu_check              # on a GPU: LLaVA-1.5-7B and Qwen2.5-VL-7B shapes, bf16, SDPA
+    python -m app.gpu_check --shapes llava-7b   # one shape (half the time)
+    python -m app.gpu_check --smoke      # the same code on small shapes, float32 on the CPU (< 2 min; tested)
 
 No download: each model is built from its config with random weights directly on the device in bfloat16 (the
 decoder at its real shape, a one-layer stand-in vision tower: `analysis.speed.random_vlm`) and paired with a processor
@@ -45,7 +45,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.processing_utils import ProcessorMixin  # noqa: E402
 
 from analysis import causal_speed, speed  # noqa: E402
-from analysis.tiny_vlm import CHAT_TEMPLATE, build_processor, build_tokenizer  # noqa: E402
+from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_processor, build_tokenizer  # noqa: E402
+from app import handler  # noqa: E402
+from app.settings import Settings  # noqa: E402
 from hap.knobs import KNOBS  # noqa: E402
 from hap.patch.decoder import decoder_shape  # noqa: E402
 
@@ -111,9 +113,6 @@ def causal_stage(model, device: str, repeats: int) -> dict:
 def app_stage(model, processor, name: str, device: str, new_tokens: int) -> tuple[dict, dict]:
     """(`/analyze`, `/sweep`) through the app's handler with `model` as the loaded one: seconds, peak memory and
     what they reported."""
-    from app import handler
-    from app.settings import Settings
-
     layers = decoder_shape(model).layers
     knobs = {k.name: k.resolve(layers) for k in KNOBS}
     image = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / ("gpu_check_smoke" if args.smoke else "gpu_check")
-    report = {"command": "python -m analysis.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
+    report = {"command": "python -m app.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
               "smoke": args.smoke, "device": device, "dtype": str(dtype).removeprefix("torch."),
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
               "transformers": transformers.__version__, "repeats": repeats, "new_tokens": new_tokens, "shapes": {}}

@@ -278,7 +278,7 @@ def _parking_cell(d: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m analysis.diagnostics --log RUN/diagnostics.jsonl` prints the training table;
+    """`python -m analysis.training.diagnostics --log RUN/diagnostics.jsonl` prints the training table;
     `--model DIR --per-kind N` runs the diagnostics on held-out scenes of a saved model."""
     import argparse
     import json
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.log) as f:
             print(table([json.loads(line) for line in f if line.strip()], None if args.every else (0.3, 0.6, 1.0)))
     if args.model:
-        from analysis.train_model import diagnostic_items
+        from analysis.training.train_model import diagnostic_items
 
         processor = AutoProcessor.from_pretrained(args.model)
         model = LlavaForConditionalGeneration.from_pretrained(args.model)

@@ -1,7 +1,7 @@
 """Pretrain the tiny LLaVA's decoder on text alone first, as LLaVA's decoder was (a language model before a VLM).
 
-    python -m analysis.pretrain_text --out runs/bb --vision-from assets/tiny-llava --layout image-question
-    python -m analysis.train_model --init-from runs/bb --stage1-minutes 0 --layout image-question ...  # then
+    python -m analysis.training.pretrain_text --out runs/bb --vision-from assets/tiny-llava --layout image-question
+    python -m analysis.training.train_model --init-from runs/bb --stage1-minutes 0 --layout image-question ...  # then
 
 The text is the bigram-backcopy language of the active-dormant-head study of attention sinks (the model
 card's "Tries for sink heads" lists the studies and what each run showed): over the scene words, each
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlavaForConditionalGeneration
 
-from analysis.diagnostics import eager_attention
-from analysis.train_model import FULL_MODEL, half_cosine
-from analysis.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor, decoder_shape
+from analysis.training.diagnostics import eager_attention
+from analysis.training.train_model import FULL_MODEL, half_cosine
+from analysis.training.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor, decoder_shape
 from hap.load import resolve_device
 
 

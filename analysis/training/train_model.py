@@ -1,8 +1,8 @@
 """Train the tiny LLaVA on synthetic scenes (two-stage recipe; CPU with one thread, or ``--device cuda``).
 
-    python -m analysis.train_model --out assets/tiny-llava --run-dir runs/v3 [options]   # a new run
-    python -m analysis.train_model --out assets/tiny-llava --resume runs/v3               # continue it
-    python -m analysis.train_model --smoke                                                # < 60 s check
+    python -m analysis.training.train_model --out assets/tiny-llava --run-dir runs/v3 [options]   # a new run
+    python -m analysis.training.train_model --out assets/tiny-llava --resume runs/v3               # continue it
+    python -m analysis.training.train_model --smoke                                                # < 60 s check
 
 Stage 1: dense per-patch supervision of the CLIP tower. A linear head on the last hidden
 state (CLS dropped) predicts each patch's colour (5 + background) and shape (3 + background),
@@ -50,10 +50,10 @@ from transformers.utils import logging as hf_logging
 
 from analysis.evaluate import evaluate
 from hap.run import chat_prompt
-from analysis.diagnostics import diagnose
+from analysis.training.diagnostics import diagnose
 from analysis.scenes import (AUX_KINDS, COLORS, GRID, LETTERS, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES,
                              TRAIN_SEED_START, Question, Scene, heldout_items, make_questions, make_scene)
-from analysis.tiny_vlm import LAYOUTS, build_config, build_processor, decoder_shape
+from analysis.training.tiny_vlm import LAYOUTS, build_config, build_processor, decoder_shape
 from hap.load import resolve_device
 
 STAGE1_EVAL_START = 900_000  # held-out scenes for the stage-1 probe start here
@@ -92,7 +92,7 @@ class Settings:
     s2_text_weight: float = 0.0  # weight of the next-token loss on every text token of a block (0: answer only)
     s2_letter_stage: float = 0.0  # fraction of stage-2 time on one-object scenes, letter and position only
     s1_position: bool = False  # stage 1 also predicts each patch's row and column
-    layout: str = "text-first"  # the prompt layout (analysis.tiny_vlm.LAYOUTS)
+    layout: str = "text-first"  # the prompt layout (analysis.training.tiny_vlm.LAYOUTS)
     vision_from: str | None = None  # a saved LLaVA whose vision tower replaces stage 1
     init_from: str | None = None  # a saved LLaVA whose whole weights stage 2 continues from
     s2_weight_decay: float = 0.3  # on the matrices (sinks grow with weight decay, head-heterogeneity note)
