@@ -1,4 +1,4 @@
-"""Shared test set-up: offline, quiet, one torch thread (see README, 'Testing')."""
+"""Shared test set-up: offline, quiet, one torch thread (see the README's 'Tests and layout')."""
 import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
