@@ -29,6 +29,8 @@ class CutTrace:
     kept: torch.Tensor  # long [batch, k] original visual indices, ascending
     paq: torch.Tensor | None = None  # [batch, scored layers, heads] the PAQ that weighted this cut
     weights: torch.Tensor | None = None  # [batch, scored layers, heads] the fusion weights the cut used
+    recycled: torch.Tensor | None = None  # bool [batch, k]: the entries of `kept` that are recycled cluster means
+    #                                       (SparseVLM, AutoPrune), each at its cluster centre's index; None: none
 
 
 @dataclass
@@ -103,6 +105,8 @@ class Group:
     paq: list[list[float]]  # [scored_by][heads] the PAQ that weighted this cut (for a cut before layer 0:
     #                         layer 0 over all tokens, unlike `Result.paq[0]`, taken on the tokens it kept)
     weights: list[list[float]]  # [scored_by][heads] the fusion weights the method used (uniform for baselines)
+    recycled: list[int] = field(default_factory=list)  # SparseVLM / AutoPrune: the cluster centre of each recycled
+    #                                     token the group also runs on (a mean of dropped tokens, not in `kept`)
 
 
 @dataclass
@@ -263,7 +267,9 @@ def _groups(outcome: Outcome, N: int) -> tuple[list[Group], tuple[torch.Tensor, 
     for g, (layers, cut) in enumerate(zip(outcome.schedule.ranges, outcome.cuts)):
         cut = _sample(cut, 0)
         paq, weights = ([] if t is None else t.tolist() for t in (cut.paq, cut.weights))
-        groups.append(Group(g, layers, cut.scored_layers, cut.kept.tolist(), paq, weights))
+        kept, recycled = cut.kept, torch.zeros_like(cut.kept, dtype=torch.bool) if cut.recycled is None else cut.recycled
+        groups.append(Group(g, layers, cut.scored_layers, kept[~recycled].tolist(), paq, weights,
+                            kept[recycled].tolist()))
         if outcome.tracer is not None and cut.layer in outcome.tracer.cut_maps:
             maps[:, g] = torch.stack([m[0] for m in outcome.tracer.cut_maps[cut.layer]])
     return groups, (maps[0], maps[1])
