@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from . import autoprune
 from .budget import FLOPS_CONVENTION, DecoderShape, Schedule
 from .config import HAPConfig
 from .fusion import group_map, head_fusion, token_scores
@@ -153,6 +154,10 @@ class Result:
     notes: list[str] = field(default_factory=list)
     history: list[list[str]] = field(default_factory=list)  # earlier [question, answer] turns; prompt_text has them all
     flops_convention: str = FLOPS_CONVENTION
+    official_tokens: float | None = None  # sparsevlm / autoprune: their own accounting (visual tokens after each
+    #                                       layer's drop, layer average), beside `retained_tokens` (what ran)
+    curve: dict | None = None  # autoprune: the curve it chose (`hap.autoprune.Curve`: MI_0, MI_1, slope, fractions,
+    #                            counts after each layer's drop)
 
     def kept_mask(self, group: int) -> torch.Tensor:
         """bool [visual] of the tokens group `group` runs on."""
@@ -189,6 +194,7 @@ class Outcome:
     schedule: Schedule | None
     cuts: list[CutTrace]
     tracer: Tracer | None
+    curve: autoprune.Curve | None = None  # AutoPrune's chosen curve
 
 
 def to_result(outcome: Outcome, answer: str, text: str, grid: tuple[int, int], notes: list[str]) -> Result:
@@ -231,6 +237,8 @@ def to_result(outcome: Outcome, answer: str, text: str, grid: tuple[int, int], n
         ),
         timings={},
         notes=notes + (schedule.notes if schedule else []),
+        official_tokens=schedule.official_tokens if schedule and schedule.budget is not None else None,
+        curve=None if outcome.curve is None else asdict(outcome.curve),
     )
 
 

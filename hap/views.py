@@ -592,8 +592,8 @@ def sweep_plotly(sweep: dict, title: str) -> go.Figure:
             mode="lines+markers", line=dict(color=color, dash=SWEEP_DASHES[i % len(SWEEP_DASHES)], width=2),
             marker=dict(symbol=SWEEP_SYMBOLS[i % len(SWEEP_SYMBOLS)], size=9, line=dict(width=1, color="white")),
             hovertemplate=f"{name}: retain %{{customdata:.3g}}<br>p = %{{y:.3f}}<extra></extra>"), 1, 1)
-    answers = [[a or "(empty)" for a in methods[n]["answers"]] for n in names]
-    same = [[float(same_answer(a, reference)) for a in methods[n]["answers"]] for n in names]
+    answers = [["(out of reach)" if a is None else a or "(empty)" for a in methods[n]["answers"]] for n in names]
+    same = [[np.nan if a is None else float(same_answer(a, reference)) for a in methods[n]["answers"]] for n in names]
     probs = [[np.nan if p is None else p for p in methods[n]["answer_prob"]] for n in names]
     columns = [f"{r:.3g}" for r in retain]
     fig.add_trace(go.Heatmap(
