@@ -163,7 +163,7 @@ class PruneState:
 
     def decode_shift(self, layer: int) -> int:
         """Tokens taken off a decode step's positions in the group from cut `layer`: under a renumbering policy
-        (`pdrop`, `visionzip`) the prompt tokens dropped up to that cut, so the step follows the group's renumbered
+        (`pdrop`, `visionzip`, `sparsevlm`, `autoprune`) the prompt tokens dropped up to that cut (net of recycled ones), so the step follows the group's renumbered
         prompt 0..T_group-1 (the official PyramidDrop lowers its decode positions so; VisionZip's decoder only sees
         the shorter sequence); 0 where kept tokens keep their original positions."""
         return self.prompt_len - self.segment_index[layer].shape[1] if self.policy.renumber else 0

@@ -17,9 +17,9 @@ of one `Patch` object, one per step of a forward:
   positions (no RoPE shift), except under a policy that renumbers (`pdrop`, `visionzip`, `sparsevlm`,
   `autoprune`, as their official code does): positions 0..T'-1 after each cut. SparseVLM and AutoPrune also
   append their recycled tokens right after the kept visual ones; SparseVLM picks its raters at layer 0's input.
-- `layer_decode`: layers after a cut get a mask sized to their own cache; under a renumbering policy also the
-  step's positions lowered by the prompt tokens dropped so far (each layer's position is its own cache length), so a generated token follows its group's
-  renumbered prompt (elsewhere the unpruned positions).
+- `layer_decode`: layers after a cut get a mask sized to their own cache; under `pdrop`, `visionzip`, `sparsevlm` and
+  `autoprune` also the step's positions lowered by the prompt tokens dropped so far (each layer's position is its own
+  cache length), so a generated token follows its group's renumbered prompt (elsewhere the unpruned positions).
 - `query_done`: a captured layer's prompt-row queries, taken from its own q projection (not recomputed).
 - `layer_done`: the capture, once the layer cached its keys, reads them there.
 - `decoder_done`: the prefill's wall time.
