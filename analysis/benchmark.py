@@ -50,7 +50,9 @@ import torch
 
 import hap
 from hap import causal, utility
+from hap.budget import smallest_retain
 from hap.knobs import knob
+from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt, template_tail
 from analysis.ground_truth import head_grounding, spearman
 from analysis.scenes import N_PATCHES, QTYPES, heldout_items
@@ -88,12 +90,14 @@ def run_batch(model, processor, batch, config: hap.HAPConfig, trace: bool, max_n
 
 def layer_recall(state, sample: int, target: np.ndarray) -> float:
     """Share of the queried object's patches present in each decoder layer, averaged over the layers
-    (the same layer average as the retained-token budget, so schedules compare fairly)."""
+    (the same layer average as the retained-token budget, so schedules compare fairly); a recycled cluster mean
+    (SparseVLM, AutoPrune) counts as no patch."""
     if state is None or state.schedule is None:
         return 1.0
     present = np.ones(state.schedule.num_layers)
     for (start, end), cut in zip(state.schedule.ranges, state.cuts):
-        present[start:end] = target[cut.kept[sample].numpy()].sum() / target.sum()
+        kept = cut.kept[sample] if cut.recycled is None else cut.kept[sample][~cut.recycled[sample]]  # patches only
+        present[start:end] = target[kept.numpy()].sum() / target.sum()
     return float(present.mean())
 
 
@@ -164,6 +168,9 @@ def run_parser(doc: str, seeds: str, out: str, retains: tuple[float, ...], knobs
 def parser() -> argparse.ArgumentParser:
     p = run_parser(__doc__, "500000:500200", "results/benchmark", RETAINS, KNOB_FLAGS)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=CHOICES)
+    p.add_argument("--accuracy-only", action="store_true",
+                   help="only accuracy and kept recall (no grounding, norms, causal truth or head utility): a new "
+                        "method's rows beside a stored full run")
     return p
 
 
@@ -190,31 +197,58 @@ class Tally:
                              if q.target_mask.any()]
 
 
-def evaluate(model, processor, batches: list, base: dict, methods: list[str], retains: list[float]) -> Tally:
-    """Answer every batch unpruned (traced, for the head grounding) and with each method at each budget."""
+def evaluate(model, processor, batches: list, base: dict, methods: list[str], retains: list[float],
+             extras: bool = True) -> Tally:
+    """Answer every batch unpruned (traced, for the head grounding) and with each method at each budget; without
+    `extras` only the accuracy and the kept recall (no grounding, norms, causal truth or head utility)."""
+    if not extras and "oracle_causal" in methods:
+        raise ValueError("oracle_causal ranks by the causal token importance, which --accuracy-only skips")
     tally = Tally()
     for batch in batches:
         truth = [q.answer for _, q in batch]
-        answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=True)
+        answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=extras)
         tally.correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
-        for k, v in grounding(state, batch).items():
-            tally.heads[k].append(v)
-        other = hap.HAPConfig(method="none", **{**base, "rows": other_rows(base["rows"])})
-        _, state_other = run_batch(model, processor, batch, other, trace=True)
-        for k, v in grounding(state_other, batch).items():
-            tally.heads_other[k].append(v)
-        tally.norms.append(norm_ratios(model, processor, batch))
-        tokens = causal_truth(model, processor, batch, tally.heads["paq"][-1], tally)
-        for scene, question in batch:
-            found = utility.utility(model, processor, scene.image, question.text, rows=base["rows"],
-                                    config=hap.HAPConfig(**base))
-            tally.utility[question.qtype].append(utility_row(found))
+        tokens = extras_of(model, processor, batch, base, state, tally) if extras else None
         for retain in retains:
             for method in methods:
                 config, priority = method_run(method, retain, base, batch, tokens)
-                answers, state = run_batch(model, processor, batch, config, trace=False, priority=priority)
-                tally.add((method, retain), batch, answers, state)
+                if not reachable(model, config):
+                    continue  # out of reach: no accuracy at this budget (a NaN in the report)
+                for part in split(batch, config):
+                    answers, state = run_batch(model, processor, part, config, trace=False, priority=priority)
+                    tally.add((method, retain), part, answers, state)
     return tally
+
+
+def extras_of(model, processor, batch, base: dict, state, tally: Tally) -> torch.Tensor:
+    """The unpruned traced run's head grounding (both row choices), norm ratios, causal truth and head utility of
+    `batch` into `tally`; returns the causal token importance `[questions, visual]` (the oracle_causal priority)."""
+    for k, v in grounding(state, batch).items():
+        tally.heads[k].append(v)
+    other = hap.HAPConfig(method="none", **{**base, "rows": other_rows(base["rows"])})
+    _, state_other = run_batch(model, processor, batch, other, trace=True)
+    for k, v in grounding(state_other, batch).items():
+        tally.heads_other[k].append(v)
+    tally.norms.append(norm_ratios(model, processor, batch))
+    tokens = causal_truth(model, processor, batch, tally.heads["paq"][-1], tally)
+    for scene, question in batch:
+        found = utility.utility(model, processor, scene.image, question.text, rows=base["rows"],
+                                config=hap.HAPConfig(**base))
+        tally.utility[question.qtype].append(utility_row(found))
+    return tokens
+
+
+def reachable(model, config: hap.HAPConfig) -> bool:
+    """Whether `config`'s budget is reachable on `model` (the official methods cannot prune before layer 0, so on the
+    6-layer model layer 0 alone averages 1/6 of the tokens: `hap.budget.smallest_retain`)."""
+    shape = decoder_shape(model)
+    return config.retain is None or config.retain >= smallest_retain(config, shape, N_PATCHES) - 1e-12
+
+
+def split(batch: list, config: hap.HAPConfig) -> list[list]:
+    """`batch` as it runs under `config`: one question at a time for autoprune (its schedule follows each prompt's
+    mutual information), else whole."""
+    return [[item] for item in batch] if config.method == "autoprune" else [batch]
 
 
 def causal_truth(model, processor, batch, paq: np.ndarray, tally: Tally) -> torch.Tensor:
@@ -280,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     model, processor, items, batches, base = load_run(args, KNOB_FLAGS)
     t0 = time.perf_counter()
-    tally = evaluate(model, processor, batches, base, args.methods, args.retain)
+    tally = evaluate(model, processor, batches, base, args.methods, args.retain, extras=not args.accuracy_only)
     seconds = time.perf_counter() - t0
     correct, recall = tally.correct, tally.recall
 
@@ -305,18 +339,22 @@ def main(argv: list[str] | None = None) -> dict:
         "accuracy_by_type": {m: {str(r): {t: acc((m, r), t) for t in QTYPES} for r in args.retain} for m in args.methods},
         "num_visual": N_PATCHES,
         "retained_tokens": {str(r): r * N_PATCHES for r in args.retain},
-        "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) for r in args.retain} for m in args.methods},
-        "norm_ratio": np.median(np.concatenate(tally.norms), 0).tolist(),
-        "causal_spearman": float(np.mean(tally.causal_rho)) if tally.causal_rho else None,
-        "causal_token_precision": float(np.mean(sum(tally.causal_precision.values(), []))) if tally.causal_precision
-        else None,
-        "causal_token_precision_by_type": {t: float(np.mean(tally.causal_precision[t])) for t in QTYPES
-                                           if t in tally.causal_precision},
+        "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) if recall[(m, r)] else math.nan
+                            for r in args.retain} for m in args.methods},
         "seconds": seconds,
-        **utility_report(tally.utility),
     }
-    report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()},
-                              {k: np.concatenate(v) for k, v in tally.heads_other.items()}, hap.HAPConfig(**base)))
+    if not args.accuracy_only:
+        report.update({
+            "norm_ratio": np.median(np.concatenate(tally.norms), 0).tolist(),
+            "causal_spearman": float(np.mean(tally.causal_rho)) if tally.causal_rho else None,
+            "causal_token_precision": float(np.mean(sum(tally.causal_precision.values(), [])))
+            if tally.causal_precision else None,
+            "causal_token_precision_by_type": {t: float(np.mean(tally.causal_precision[t])) for t in QTYPES
+                                               if t in tally.causal_precision},
+            **utility_report(tally.utility),
+        })
+        report.update(head_report({k: np.concatenate(v) for k, v in tally.heads.items()},
+                                  {k: np.concatenate(v) for k, v in tally.heads_other.items()}, hap.HAPConfig(**base)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmark.json").write_text(json.dumps(report, indent=1))
     (args.out / "benchmark.md").write_text(markdown(report))
@@ -385,9 +423,24 @@ def markdown(r: dict) -> str:
              f"{r['unpruned_accuracy']:.3f}; cells: accuracy (relative to unpruned) / recall of the "
              "queried object's patches among the tokens present, averaged over decoder layers", "", head, rule]
     for m, row in r["accuracy"].items():
-        cells = [f"{v:.3f} ({r['relative'][m][k]:.3f}) / {r['kept_recall'][m][k]:.2f}" for k, v in row.items()]
+        cells = ["out of reach" if math.isnan(v) else f"{v:.3f} ({r['relative'][m][k]:.3f}) / {r['kept_recall'][m][k]:.2f}"
+                 for k, v in row.items()]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += [
+    if "head_paq" in r:
+        lines += extras_markdown(r)
+    kinds = list(r["unpruned_by_type"])
+    for retain in r["retained_tokens"]:
+        lines += ["", f"Accuracy by question kind at retain {retain} (unpruned: "
+                  + ", ".join(f"{k} {_cell(r['unpruned_by_type'][k])}" for k in kinds) + ")", "",
+                  "| method | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        lines += [f"| {m} | " + " | ".join(_cell(by[retain][k]) for k in kinds) + " |"
+                  for m, by in r["accuracy_by_type"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def extras_markdown(r: dict) -> list[str]:
+    """The lines of a full run's grounding, norm, causal and head-utility figures."""
+    return [
         "",
         f"Spearman(PAQ, grounding) across {len(r['head_paq']) * len(r['head_paq'][0])} heads: "
         f"{r['grounding_spearman']:.3f} (PAQ from rows={r['grounding_rows']}); "
@@ -415,14 +468,6 @@ def markdown(r: dict) -> str:
         *(f"| {key.removeprefix('utility_')} | " + " | ".join(_cell(v) for v in r[f"{key}_by_type"].values()) + " |"
           for key in UTILITY_KEYS),
     ]
-    kinds = list(r["unpruned_by_type"])
-    for retain in r["retained_tokens"]:
-        lines += ["", f"Accuracy by question kind at retain {retain} (unpruned: "
-                  + ", ".join(f"{k} {_cell(r['unpruned_by_type'][k])}" for k in kinds) + ")", "",
-                  "| method | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
-        lines += [f"| {m} | " + " | ".join(_cell(by[retain][k]) for k in kinds) + " |"
-                  for m, by in r["accuracy_by_type"].items()]
-    return "\n".join(lines) + "\n"
 
 
 def _cell(value: float) -> str:
@@ -450,6 +495,8 @@ def plots(r: dict, out: Path) -> None:
     fig.savefig(out / "accuracy.png", dpi=120)
     plt.close(fig)
 
+    if "head_paq" not in r:
+        return
     paq, grd = np.array(r["head_paq"]), np.array(r["head_grounding"])
     fig, ax = plt.subplots(figsize=(5, 4))
     sc = ax.scatter(paq.ravel(), grd.ravel(), c=np.repeat(np.arange(paq.shape[0]), paq.shape[1]), cmap="viridis")

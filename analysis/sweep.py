@@ -5,7 +5,9 @@ with the reason.
 
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
-token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). The answer comes from
+token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). SparseVLM and
+AutoPrune (`OFFICIAL`) run their official schedules, whose first cut comes after layer 0, so their floor is at least
+1 / layers: they do not set the grid, and at a budget below their floor they have no answer (None, "out of reach"). The answer comes from
 `hap.run` (untraced), cut at its end (`short_answer`: end of sequence, end of line, or `ANSWER_WORDS` words), the
 unpruned one included, since a pruned run may ramble on until the token limit. The probability of the
 unpruned answer is teacher-forced: the product of the pruned model's next-token probabilities of that (cut)
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 import hap
+from hap.budget import OFFICIAL
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits, load_image
 from hap.patch import refusal
@@ -29,6 +32,7 @@ from hap.run import build_inputs
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
+GRID = [m for m in METHODS if m not in OFFICIAL]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
 
 
@@ -42,7 +46,7 @@ def short_answer(text: str, words: int = ANSWER_WORDS) -> str:
 
 
 def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int,
-                    methods: Sequence[str] = METHODS) -> float:
+                    methods: Sequence[str] = GRID) -> float:
     """The smallest retain every method of `methods` reaches on `shape`: the largest of their floors (the first K
     full layers keep every token, every later layer one; `hap.budget.smallest_retain`)."""
     return max(floor_retain(replace(config, method=m, retain=None, flops_ratio=None), shape, num_visual)
@@ -50,7 +54,7 @@ def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: 
 
 
 def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, points: int = POINTS,
-            methods: Sequence[str] = METHODS) -> list[float]:
+            methods: Sequence[str] = GRID) -> list[float]:
     """`points` retains from 1.0 down to `smallest_retain` of `methods`, evenly spaced on a log scale."""
     return [float(r) for r in np.geomspace(1.0, smallest_retain(config, shape, num_visual, methods), points)]
 
@@ -85,7 +89,7 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
           on_step: Callable[[float, str], None] | None = None) -> dict:
     """`{"retain": [R], "methods": {name: {"answers": [R], "answer_prob": [R]}}, "unpruned": {...}, "refused": {name:
     why}}` for every method of METHODS the model takes (`refused`) at `budgets(...)`, `config`'s other knobs unchanged
-    (its method and budget are replaced)."""
+    (its method and budget are replaced); None for both where a budget is below a method's floor (out of reach)."""
     step = on_step or (lambda fraction, description: None)
     image = load_image(image, limits)
 
@@ -103,14 +107,18 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     refusals = refused(model, config)
     methods = [m for m in METHODS if m not in refusals]
-    retains = budgets(config, decoder_shape(model), num_visual, methods=methods)
+    shape = decoder_shape(model)
+    retains = budgets(config, shape, num_visual, methods=[m for m in methods if m in GRID] or methods)
     stock = answer_probability(model, inputs, reference_config(config), answer_ids)
     out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
            "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals}
     for i, method in enumerate(methods):
         step(i / len(methods), f"{method}: {len(retains)} budgets")
+        floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
         for retain in retains:
             cfg = replace(config, method=method, retain=retain, flops_ratio=None)
-            out["methods"][method]["answers"].append(answer(cfg)[0])
-            out["methods"][method]["answer_prob"].append(answer_probability(model, inputs, cfg, answer_ids))
+            reach = retain >= floor - 1e-12  # else out of reach (an official schedule below its floor)
+            out["methods"][method]["answers"].append(answer(cfg)[0] if reach else None)
+            out["methods"][method]["answer_prob"].append(answer_probability(model, inputs, cfg, answer_ids)
+                                                         if reach else None)
     return out

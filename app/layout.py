@@ -116,6 +116,7 @@ def answer_column() -> dict[str, gr.components.Component]:
         out = {k: gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}", container=True) for k in CARDS}
     out.update(conversation_section())
     out["kept_masks"] = plot("kept_masks")
+    out["token_counts"] = plot("token_counts")  # beside the groups: what each layer ran on (AutoPrune: its curve)
     with gr.Accordion("What am I looking at?", open=True):
         out["explanation"] = gr.Markdown(TEACHING, elem_id="explanation")
     return out

@@ -79,8 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         f"retained visual tokens (layer average): {result.retained_tokens:.2f} = {result.retain:.4f} "
         f"(target {result.target_retain})   prefill FLOPs ratio: {result.flops_ratio:.4f}"
     )
+    if result.official_tokens is not None:
+        print(f"{result.method}'s own accounting (tokens after each layer's drop): {result.official_tokens:.2f}; "
+              f"processed per layer: {result.visual_per_layer}")
+    if result.curve is not None:
+        c = result.curve
+        print(f"autoprune curve: budget {c['budget']}, S {c['first_keep']}, MI_0 {c['mi0']:.4f}, MI_1 {c['mi1']:.4f}, "
+              f"slope {c['slope']:.3f}, scale {c['scale']:.3f}")
     for g in result.groups:
-        print(f"  group {g.index}: layers [{g.layers[0]}, {g.layers[1]}) keep {len(g.kept)} (scored by {g.scored_by})")
+        recycled = f" + {len(g.recycled)} recycled" if g.recycled else ""
+        print(f"  group {g.index}: layers [{g.layers[0]}, {g.layers[1]}) keep {len(g.kept)}{recycled} "
+              f"(scored by {g.scored_by})")
     for note in result.notes:
         print(f"note: {note}")
     print("timings: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in result.timings.items()))

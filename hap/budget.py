@@ -20,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import HAPConfig
+from . import autoprune, sparsevlm
 from .methods import policy_for
 from .visionzip import MIN_TOKENS as VISIONZIP_MIN
 
+OFFICIAL = ("sparsevlm", "autoprune")  # methods whose schedule is their official code's, solved on its budget T
 FLOPS_CONVENTION = "MACs per layer: 2nd^2 + 2n*d*d_kv + 2n^2d + 3ndm (= 4nd^2+2n^2d+3ndm without GQA)"
 
 
@@ -57,7 +59,8 @@ class Schedule:
     """Which decoder layers run on how many visual tokens.
 
     `cuts[g]` is the first layer of group g; group g spans layers [cuts[g], cuts[g+1]) (the last
-    one ends at the last layer) and keeps `kept[g]` of the visual tokens present before it.
+    one ends at the last layer) and keeps `kept[g]` of the visual tokens present before it, plus `recycled[g]`
+    cluster means of the dropped ones (SparseVLM, AutoPrune; `hap.recycle`).
     """
 
     num_visual: int
@@ -66,15 +69,26 @@ class Schedule:
     kept: list[int]
     target_retain: float | None = None
     notes: list[str] = field(default_factory=list)
+    recycled: list[int] = field(default_factory=list)  # [groups] recycled tokens added at each cut; empty: none
+    budget: int | None = None  # the official budget T of sparsevlm / autoprune (their accounting, `official_tokens`)
+    last_drop: int | None = None  # visual tokens after the last layer's own drop (AutoPrune cuts there too)
 
     @property
     def visual_per_layer(self) -> list[int]:
-        """[layers] visual tokens present in each decoder layer."""
+        """[layers] visual tokens present in each decoder layer (what it processes; recycled tokens included)."""
         counts = [self.num_visual] * self.num_layers
         for g, start in enumerate(self.cuts):
             end = self.cuts[g + 1] if g + 1 < len(self.cuts) else self.num_layers
-            counts[start:end] = [self.kept[g]] * (end - start)
+            counts[start:end] = [self.kept[g] + (self.recycled[g] if self.recycled else 0)] * (end - start)
         return counts
+
+    @property
+    def official_tokens(self) -> float:
+        """The SparseVLM / AutoPrune accounting: visual tokens after each layer's drop, averaged over the layers
+        (a cut layer counted at its post-drop count, not at what it processed)."""
+        per = self.visual_per_layer
+        after = per[1:] + [per[-1] if self.last_drop is None else self.last_drop]
+        return sum(after) / self.num_layers
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -202,11 +216,60 @@ def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: i
     policy = policy_for(config)
     if not policy.groups:
         return None
+    if config.method in OFFICIAL:
+        return solve_budget(config, shape, num_visual, text_tokens)
     schedule = solve_schedule(num_visual, shape, first_layers=_full_layers(config), groups=policy.groups,
                               decay=config.decay, retain=config.retain, flops_ratio=config.flops_ratio,
                               text_tokens=text_tokens)
     if policy.vision:
         _check_visionzip(config, shape, schedule, text_tokens)
+    return schedule
+
+
+def sparsevlm_schedule(budget: int, num_visual: int, num_layers: int) -> Schedule:
+    """SparseVLM v1.5's schedule for the official budget `budget`: a cut after each of `sparsevlm.prune_layers`."""
+    kept, recycled = sparsevlm.stage_counts(budget, num_visual)
+    cuts = [l + 1 for l in sparsevlm.prune_layers(num_layers)]
+    return Schedule(num_visual, num_layers, cuts, kept, recycled=recycled, budget=budget)
+
+
+def autoprune_schedule(curve: autoprune.Curve, num_visual: int, num_layers: int) -> Schedule:
+    """AutoPrune's schedule from its `curve`: a cut after every layer, S after layer 0 (nothing recycled there)."""
+    recycled = [0] + [n - k for n, k in zip(curve.counts[1:], curve.keeps)]
+    return Schedule(num_visual, num_layers, list(range(1, num_layers)), [curve.first_keep, *curve.keeps[:-1]],
+                    recycled=recycled[:-1], budget=curve.budget, last_drop=curve.counts[-1])
+
+
+def official_schedule(method: str, budget: int, num_visual: int, num_layers: int) -> Schedule:
+    """The schedule of `method` ("sparsevlm" or "autoprune") at the official budget `budget`; AutoPrune's before
+    layer 1 sets its curve, at MI_1 = 0 (the steepest curve: the most tokens processed for the budget)."""
+    if method == "sparsevlm":
+        return sparsevlm_schedule(budget, num_visual, num_layers)
+    return autoprune_schedule(autoprune.curve(budget, num_visual, num_layers, mi1=0.0), num_visual, num_layers)
+
+
+def solve_budget(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: int) -> Schedule:
+    """The schedule of sparsevlm / autoprune at the largest official budget T (an integer, by bisection) whose
+    tokens processed per layer stay within `config`'s retain or FLOPs ratio, counted like every other method's
+    (what each layer runs on, not the official post-drop accounting; docs/method.md §7)."""
+    if config.retain is not None:
+        name, target = "retain", config.retain
+        achieved = lambda s: s.retain
+    else:
+        name, target = "flops_ratio", config.flops_ratio
+        achieved = lambda s: s.flops_ratio(text_tokens, shape)
+    build = lambda t: official_schedule(config.method, t, num_visual, shape.layers)
+    lowest = build(1)
+    if achieved(lowest) > target * (1 + 1e-12):
+        raise ValueError(f"{name}={target:g} is unreachable for method={config.method!r}: its smallest budget "
+                         f"processes {lowest.retained_tokens:.1f} of {num_visual} visual tokens per layer "
+                         f"({name} {achieved(lowest):.4f}); raise {name}")
+    lo, hi = 1, num_visual
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if achieved(build(mid)) <= target * (1 + 1e-12) else (lo, mid - 1)
+    schedule = build(lo)
+    schedule.target_retain = config.retain
     return schedule
 
 
@@ -235,6 +298,8 @@ def smallest_retain(config: HAPConfig, shape: DecoderShape, num_visual: int) -> 
     policy = policy_for(config)
     if not policy.groups:
         return 1.0
+    if config.method in OFFICIAL:
+        return official_schedule(config.method, 1, num_visual, shape.layers).retain
     full = _full_layers(config)
     group_cuts(shape.layers, full, policy.groups)  # refuses the layouts `plan` refuses, naming the knob
     least = VISIONZIP_MIN if policy.vision else 1

@@ -60,6 +60,13 @@ def token_scores(fused: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
     return rows.norm(dim=1)
 
 
+def row_mean(fused: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
+    """s_v = mean over the valid prompt rows (SparseVLM, AutoPrune): `fused [batch, P, V]`, `row_valid [batch, P]`
+    -> `[batch, V]`."""
+    valid = row_valid[:, :, None].to(torch.float32)
+    return (fused.float() * valid).sum(1) / valid.sum(1).clamp_min(1)
+
+
 def select_top(scores: torch.Tensor, k: int, priority: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the k highest scores per sample, ties broken by position, in ascending order.
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-METHODS = ("hap", "uniform", "fastv", "pdrop", "pdrop_ours", "random", "visionzip", "none")
+METHODS = ("hap", "uniform", "fastv", "pdrop", "pdrop_ours", "random", "visionzip", "sparsevlm", "autoprune", "none")
 ROWS = ("prompt", "last", "question")
 HEAD_WEIGHTS = ("paq", "paq_visual")
 SINK_RANKINGS = ("keep", "mask", "mask_keep_one")

@@ -37,6 +37,9 @@ As in `llava_hf`, `--model llava_hf_hap` resolves to the chat implementation (`L
 `doc_to_messages`); add `--force_simple` for the simple one (`LlavaHfHap`, `doc_to_text`/`doc_to_visual`).
 Stock `llava_hf` logs a failed `generate` and scores an empty answer; here a failure (a pruning error,
 out of memory) fails the run instead of silently scoring "", so a pruning bug cannot pass for low accuracy.
+`method=sparsevlm` and `method=autoprune` run their official rules (docs/method.md §7) with the budget read as every
+method's, the visual tokens processed per layer (their papers' "64 tokens" of LLaVA-1.5 is their own post-drop
+accounting: retain=0.1428 for SparseVLM's, 0.1423 for AutoPrune's); autoprune needs --batch_size 1.
 Loglikelihood tasks are refused while pruning (the pruned forward returns fewer logits than its labels).
 """
 
@@ -89,6 +92,9 @@ class _HAPMixin:
     def __init__(self, **kwargs) -> None:
         knobs = {name: kwargs.pop(name) for name in HAP_KNOBS if name in kwargs}
         self.hap_config = config_from_args(knobs)  # before the slow model load
+        if self.hap_config.method == "autoprune" and int(kwargs.get("batch_size") or 1) > 1:
+            raise ValueError(f"method=autoprune prunes one prompt at a time (its schedule follows each prompt's "
+                             f"mutual information); run --batch_size 1, not {kwargs['batch_size']}")
         if kwargs.get("device_map", "") == "" and PartialState().num_processes == 1:
             # LlavaHf passes its default device_map="" to from_pretrained, which transformers 5 rejects;
             # one process means one device: load there (data parallel keeps "", LlavaHf's DDP switch).

@@ -12,12 +12,18 @@ cut, and how heads are weighted:
     fastv     1 (at K)   last token            layer K-1                  uniform                    original
     random    G          -                     -                          seeded uniform choice      original
     visionzip 1, at 0    -                     - (the vision tower's [CLS] attention, `hap.visionzip`)  renumbered
+    sparsevlm 3 (official) raters, mean          the layer that just ran    uniform, + recycling  renumbered
+    autoprune L-1 (every)  all text rows, mean   the layer that just ran    uniform, + [CLS] prior at layer 0,
+                                                                          MI-driven schedule, + recycling  renumbered
     none      no cuts
 
 `pdrop` and `visionzip` follow their official code (docs/method.md §7): PyramidDrop scores the cut entering
 layer l with layer l's own norm, q/k projections and RoPE applied to the tokens about to enter it, and both
 renumber positions 0..T'-1 after a drop (RoPE distances between the remaining tokens shrink); HAP and the
-other methods keep each token's original position. `pdrop_ours` is our earlier PyramidDrop variant, reported as
+other methods keep each token's original position. `sparsevlm` (v1.5) and `autoprune` follow theirs too
+(`hap.sparsevlm`, `hap.autoprune`, `hap.recycle`): each cut is scored by the attention of the layer that just ran,
+averaged over heads and then over the scoring rows (not the L2 norm over rows), its dropped tokens are partly
+recycled into cluster means placed after the kept ones, and positions are renumbered. `pdrop_ours` is our earlier PyramidDrop variant, reported as
 ours: FastV's rule at every cut of the pyramid (the last token's attention in the layer that just ran), original
 positions kept (on the shipped model it scored above the official rule, docs/method.md §7).
 
@@ -34,13 +40,13 @@ from dataclasses import dataclass
 import torch
 
 from .config import HAPConfig
-from .fusion import fuse, fusion_weights, token_scores
+from .fusion import fuse, fusion_weights, row_mean, token_scores
 
 
 @dataclass(frozen=True)
 class Policy:
     groups: int  # 0 = no pruning
-    rows: str  # "prompt", "last" or "question"
+    rows: str  # "prompt", "last", "question" or "raters" (SparseVLM's, chosen among the prompt rows before layer 0)
     whole_segment: bool  # score with every layer of the previous segment, else only its last layer
     temperature: float  # inf = plain head averaging
     random: bool = False
@@ -51,6 +57,9 @@ class Policy:
     vision: bool = False  # VisionZip: one cut before layer 0 from the vision tower's [CLS] attention
     lookahead: bool = False  # score every cut with the next layer's attention on the tokens about to enter it
     renumber: bool = False  # positions 0..T'-1 after each cut (the official PyramidDrop / VisionZip), else original
+    mean_rows: bool = False  # a token's score is the mean over the scoring rows (SparseVLM, AutoPrune), else the L2 norm
+    recycle: bool = False  # the dropped tokens' cluster means join the kept ones (SparseVLM, AutoPrune; hap.recycle)
+    autoprune: bool = False  # the layer-0 cut adds the [CLS] prior and MI_0, layer 1's MI_1 sets the schedule
 
     @property
     def needs_maps(self) -> bool:
@@ -60,7 +69,7 @@ class Policy:
     @property
     def needs_cls(self) -> bool:
         """Whether a cut uses the vision tower's [CLS] attention (VisionZip, or first_cut="vision")."""
-        return self.vision or (self.groups > 0 and self.first_cut == "vision")
+        return self.vision or self.autoprune or (self.groups > 0 and self.first_cut == "vision")
 
 
 def policy_for(config: HAPConfig) -> Policy:
@@ -79,6 +88,9 @@ def policy_for(config: HAPConfig) -> Policy:
         return Policy(1 if m == "fastv" else config.groups, "last", False, math.inf)
     if m == "visionzip":
         return Policy(1, config.rows, False, math.inf, vision=True, renumber=True)
+    if m in ("sparsevlm", "autoprune"):  # the groups come from their official schedule (hap.budget.solve_budget)
+        return Policy(1, "raters" if m == "sparsevlm" else "prompt", False, math.inf, renumber=True, mean_rows=True,
+                      recycle=True, autoprune=m == "autoprune")
     return Policy(config.groups, config.rows, False, math.inf, random=True)
 
 
@@ -102,6 +114,11 @@ def looks_ahead(policy: Policy, segment: tuple[int, int]) -> bool:
     """Whether the cut after `segment` = [start, end) is scored by layer `end` before it runs (on the tokens about
     to enter it), rather than by layers that ran: always for a lookahead policy, and for a cut before layer 0."""
     return policy.lookahead or segment[0] == segment[1]
+
+
+def recycles(policy: Policy, cut_index: int) -> bool:
+    """Whether cut `cut_index` recycles its dropped tokens: every cut of SparseVLM, AutoPrune's but its layer-0 one."""
+    return policy.recycle and not (policy.autoprune and cut_index == 0)
 
 
 def head_weights(policy: Policy, paq: torch.Tensor, visual_share: torch.Tensor) -> torch.Tensor:
@@ -142,5 +159,6 @@ def cut_scores(
     if policy.random:
         gen = torch.Generator().manual_seed(seed * 1009 + cut_index)
         return torch.rand(num_visual, generator=gen).expand(row_valid.shape[0], -1)
-    scores = token_scores(fuse(attn, weights), row_valid)
+    fused = fuse(attn, weights)
+    scores = row_mean(fused, row_valid) if policy.mean_rows else token_scores(fused, row_valid)
     return scores if sink is None else rank_sinks(scores, sink, policy.sink_ranking)

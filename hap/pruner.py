@@ -14,17 +14,21 @@ ending `gap + 1` before the end, whatever was cut.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .budget import DecoderShape, Schedule, plan
+from . import autoprune
+from .budget import DecoderShape, Schedule, autoprune_schedule, plan
 from .config import HAPConfig
 from .fusion import select_top
 from .heads import HeadStats, detect_sinks, head_stats
 from .merge import key_bias, merge_dropped
-from .methods import Policy, cut_scores, head_weights, looks_ahead, policy_for, scoring_layers
+from .methods import Policy, cut_scores, head_weights, looks_ahead, policy_for, recycles, scoring_layers
+from .recycle import recycle
+from .sparsevlm import raters
 from .trace import CutTrace, Tracer
 from .visionzip import VisionCues, select
 
@@ -54,6 +58,11 @@ class PruneState:
     #                                     hidden states after the cut: VisionZip's block, merge's kept ones
     sizes: torch.Tensor | None = None  # with a merge: [B, N_cur] original tokens each visual token stands for
     key_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> [B, T_group] log-size bias per key
+    recycled: torch.Tensor | None = None  # bool [B, N_cur] the visual tokens that are recycled cluster means (their
+    #                                     kept_orig is the cluster centre's); None for a policy that does not recycle
+    appended: torch.Tensor | None = None  # [B, c, D] recycled tokens of the cut just made, for the adapter to append
+    curve: autoprune.Curve | None = None  # the schedule AutoPrune chose (MI_0, MI_1, slope, fractions)
+    mi0: float = math.nan  # AutoPrune's MI_0, from its layer-0 cut
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0  # time in the capture (timed by the adapter) and in the cuts
@@ -94,6 +103,9 @@ class PruneState:
         N = int(counts[0])
         if N == 0:
             raise ValueError("the input holds no visual tokens: the prompt must contain exactly one image")
+        if config.method == "autoprune" and B > 1:
+            raise ValueError(f"method='autoprune' prunes one prompt at a time (its schedule follows each prompt's mutual "
+                             f"information, as the official code's batch of 1); got a batch of {B}")
         if priority is not None and tuple(priority.shape) != (B, N):
             raise ValueError(f"priority must be [batch, visual] = [{B}, {N}]; got {list(priority.shape)}")
         device = visual_mask.device
@@ -122,6 +134,7 @@ class PruneState:
             prompt_len=T,
             priority=None if priority is None else priority.float().to(device),
             sizes=None if policy.merge == "none" else torch.ones(B, N, device=device),
+            recycled=torch.zeros(B, N, dtype=torch.bool, device=device) if policy.recycle else None,
         )
 
     # --- queries the adapter asks at each layer -------------------------------------------------
@@ -150,7 +163,7 @@ class PruneState:
 
     def decode_shift(self, layer: int) -> int:
         """Tokens taken off a decode step's positions in the group from cut `layer`: under a renumbering policy
-        (`pdrop`, `visionzip`) the prompt tokens dropped up to that cut, so the step follows the group's renumbered
+        (`pdrop`, `visionzip`, `sparsevlm`, `autoprune`) the prompt tokens dropped up to that cut (net of recycled ones), so the step follows the group's renumbered
         prompt 0..T_group-1 (the official PyramidDrop lowers its decode positions so; VisionZip's decoder only sees
         the shorter sequence); 0 where kept tokens keep their original positions."""
         return self.prompt_len - self.segment_index[layer].shape[1] if self.policy.renumber else 0
@@ -168,6 +181,14 @@ class PruneState:
         return self.attention_mask.gather(1, self.seq_index).bool()
 
     # --- capture and cuts -------------------------------------------------------------------------
+    def choose_raters(self, embeds: torch.Tensor) -> None:
+        """SparseVLM's raters from the decoder's input embeddings `embeds [batch, T, D]` (`hap.sparsevlm.raters`):
+        from here on only their rows score (the head statistics too)."""
+        rows = self.row_positions(embeds.shape[1]).to(embeds.device)
+        gather = lambda pos: embeds.gather(1, pos[..., None].expand(-1, -1, embeds.shape[-1]))
+        chosen = raters(gather(self.visual_pos.to(embeds.device)), gather(rows), self.row_valid.to(embeds.device))
+        self.row_valid = chosen.to(self.row_valid.device)
+
     def record(self, layer: int, rows: torch.Tensor, hidden: torch.Tensor, lookahead: bool = False) -> None:
         """Store layer `layer`'s prompt rows.
 
@@ -214,7 +235,10 @@ class PruneState:
             patches, tokens = select(self._cues(), k)
             chosen = torch.arange(k, device=self.visual_pos.device).expand(self.visual_pos.shape[0], -1)
         else:
-            if scored or self.policy.random:
+            if self.policy.autoprune and g < 2:  # the layer-0 cut's prior; layer 1's MI sets the schedule
+                scores = self._autoprune(g, attn)
+                k = min(self.schedule.kept[g], n_cur)
+            elif scored or self.policy.random:
                 scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
             else:  # HAP's first cut before layer 0 by the [CLS] attention (first_cut="vision", §10)
                 scores = self._cues().cls_attention
@@ -226,6 +250,7 @@ class PruneState:
         keep.scatter_(1, self.visual_pos.gather(1, chosen), True)
         kept_positions = keep.nonzero()[:, 1].view(B, -1)  # rows keep the same count: equal budgets
         new_pos = keep.long().cumsum(1) - 1
+        orig_before = self.kept_orig
         self.visual_pos = new_pos.gather(1, self.visual_pos.gather(1, chosen))
         self.kept_orig = self.kept_orig.gather(1, chosen)
         if self.policy.vision:  # the [CLS] slot stays in the sequence but is no patch: out of the visual maps
@@ -237,14 +262,62 @@ class PruneState:
                 self.merged = (self.visual_pos, merged)
             if self.policy.merge == "proportional" and (k < n_cur or self.key_bias):  # this cut or one before merged
                 self.key_bias[layer] = key_bias(self.sizes, self.visual_pos, kept_positions.shape[1])
-        self.seq_index = self.seq_index.gather(1, kept_positions)
+        order = source = kept_positions
+        if self.recycled is not None:
+            self.recycled = self.recycled.gather(1, chosen)
+        if recycles(self.policy, g):
+            order, source = self._recycle(visual_embeds, scores, chosen, kept_positions, T, orig_before)
+        self.seq_index = self.seq_index.gather(1, source)
         self.segment_index[layer] = self.seq_index
         self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(),
-                                  None if weights is None else weights.cpu()))
+                                  None if weights is None else weights.cpu(),
+                                  None if self.recycled is None else self.recycled.cpu()))
         for key in keys:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0
-        return kept_positions
+        return order
+
+    def _autoprune(self, g: int, attn: torch.Tensor) -> torch.Tensor:
+        """AutoPrune's scores at its first two cuts (batch 1; `hap.autoprune`). The layer-0 cut: the [CLS] prior (mean
+        over the tower's heads) plus 0.3 MI_0 times the text rows' head-mean attention. The layer-1 cut: MI_1 sets the
+        curve, which replaces the planned schedule (same budget T), then the plain head-mean row-mean scores."""
+        a = attn[0, 0][:, self.row_valid[0]]  # [H, n, V] the text rows of the scoring layer
+        if g == 0:
+            cues = self._cues()
+            scores, mi0 = autoprune.first_cut_scores(cues.cls_attention[0] / cues.heads, a)
+            self.mi0 = float(mi0)
+            return scores[None]
+        mi1 = float(autoprune.mutual_information(a).sum())
+        s = self.schedule
+        self.curve = autoprune.curve(s.budget, s.num_visual, s.num_layers, mi1, self.mi0)
+        planned = autoprune_schedule(self.curve, s.num_visual, s.num_layers)
+        s.kept, s.recycled, s.last_drop = planned.kept, planned.recycled, planned.last_drop
+        return a.mean(0).mean(0)[None]
+
+    def _recycle(self, visual_embeds: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor,
+                 kept_positions: torch.Tensor, T: int, orig_before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recycle the cut's dropped tokens (`hap.recycle`) right after the kept visual tokens: updates the visual
+        lists (`orig_before` long [B, N_prev]: the original indices before the cut, for the centres) and leaves the
+        tokens in `appended`. Returns (order, source), long [B, T']: the new sequence as indices into the T current
+        tokens, T + j for the j-th recycled one; and the same with each recycled token read as the last kept visual
+        token (its original position, for the padding mask)."""
+        recycled, centres = recycle(visual_embeds, scores.to(visual_embeds.device), chosen.to(visual_embeds.device))
+        c = recycled.shape[1]
+        if c == 0:
+            return kept_positions, kept_positions
+        device = kept_positions.device
+        B, n = kept_positions.shape
+        start = self.visual_pos[:, -1:] + 1  # [B, 1] right after the last kept visual token
+        idx = torch.arange(n + c, device=device).expand(B, -1)
+        inside = (idx >= start) & (idx < start + c)
+        source = kept_positions.gather(1, torch.where(idx < start, idx, idx - c).clamp(0, n - 1))
+        source = torch.where(inside, kept_positions.gather(1, start - 1), source)
+        order = torch.where(inside, T + idx - start, source)
+        self.visual_pos = torch.cat([self.visual_pos, start + torch.arange(c, device=device)], 1)
+        self.kept_orig = torch.cat([self.kept_orig, orig_before.gather(1, centres.to(device))], 1)
+        self.recycled = torch.cat([self.recycled, torch.ones(B, c, dtype=torch.bool, device=device)], 1)
+        self.appended = recycled
+        return order, source
 
     def _cues(self) -> VisionCues:
         """This prefill's vision cues, their tensors on the pruner's device."""
@@ -252,7 +325,8 @@ class PruneState:
         if cues is None or cues.cls_attention.shape != self.visual_pos.shape:
             raise ValueError("the vision tower's [CLS] attention of this prefill is missing: pass pixel_values")
         device = self.visual_pos.device
-        return VisionCues(cues.cls_attention.to(device), cues.keys.to(device), cues.features.to(device), cues.project)
+        return VisionCues(cues.cls_attention.to(device), cues.keys.to(device), cues.features.to(device), cues.project,
+                          cues.heads)
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.

@@ -142,7 +142,7 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
     grid = adapter_for(model).visual_grid(model, inputs, N)
     shape, st = decoder_shape(model), patch.state
     facts = Outcome(config.resolved(shape.layers), shape, model.config.text_config.num_attention_heads, N, T,
-                st.schedule if st else None, st.cuts if st else [], st.tracer if st else None)
+                st.schedule if st else None, st.cuts if st else [], st.tracer if st else None, st.curve if st else None)
     result = to_result(facts, answer, text, grid, notes)
     result.history = [list(turn) for turn in history]
     result.timings = {

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from . import autoprune
 from .budget import FLOPS_CONVENTION, DecoderShape, Schedule
 from .config import HAPConfig
 from .fusion import group_map, head_fusion, token_scores
@@ -29,6 +30,8 @@ class CutTrace:
     kept: torch.Tensor  # long [batch, k] original visual indices, ascending
     paq: torch.Tensor | None = None  # [batch, scored layers, heads] the PAQ that weighted this cut
     weights: torch.Tensor | None = None  # [batch, scored layers, heads] the fusion weights the cut used
+    recycled: torch.Tensor | None = None  # bool [batch, k]: the entries of `kept` that are recycled cluster means
+    #                                       (SparseVLM, AutoPrune), each at its cluster centre's index; None: none
 
 
 @dataclass
@@ -103,6 +106,8 @@ class Group:
     paq: list[list[float]]  # [scored_by][heads] the PAQ that weighted this cut (for a cut before layer 0:
     #                         layer 0 over all tokens, unlike `Result.paq[0]`, taken on the tokens it kept)
     weights: list[list[float]]  # [scored_by][heads] the fusion weights the method used (uniform for baselines)
+    recycled: list[int] = field(default_factory=list)  # SparseVLM / AutoPrune: the cluster centre of each recycled
+    #                                     token the group also runs on (a mean of dropped tokens, not in `kept`)
 
 
 @dataclass
@@ -149,6 +154,10 @@ class Result:
     notes: list[str] = field(default_factory=list)
     history: list[list[str]] = field(default_factory=list)  # earlier [question, answer] turns; prompt_text has them all
     flops_convention: str = FLOPS_CONVENTION
+    official_tokens: float | None = None  # sparsevlm / autoprune: their own accounting (visual tokens after each
+    #                                       layer's drop, layer average), beside `retained_tokens` (what ran)
+    curve: dict | None = None  # autoprune: the curve it chose (`hap.autoprune.Curve`: MI_0, MI_1, slope, fractions,
+    #                            counts after each layer's drop)
 
     def kept_mask(self, group: int) -> torch.Tensor:
         """bool [visual] of the tokens group `group` runs on."""
@@ -185,6 +194,7 @@ class Outcome:
     schedule: Schedule | None
     cuts: list[CutTrace]
     tracer: Tracer | None
+    curve: autoprune.Curve | None = None  # AutoPrune's chosen curve
 
 
 def to_result(outcome: Outcome, answer: str, text: str, grid: tuple[int, int], notes: list[str]) -> Result:
@@ -227,6 +237,8 @@ def to_result(outcome: Outcome, answer: str, text: str, grid: tuple[int, int], n
         ),
         timings={},
         notes=notes + (schedule.notes if schedule else []),
+        official_tokens=schedule.official_tokens if schedule and schedule.budget is not None else None,
+        curve=None if outcome.curve is None else asdict(outcome.curve),
     )
 
 
@@ -263,7 +275,9 @@ def _groups(outcome: Outcome, N: int) -> tuple[list[Group], tuple[torch.Tensor, 
     for g, (layers, cut) in enumerate(zip(outcome.schedule.ranges, outcome.cuts)):
         cut = _sample(cut, 0)
         paq, weights = ([] if t is None else t.tolist() for t in (cut.paq, cut.weights))
-        groups.append(Group(g, layers, cut.scored_layers, cut.kept.tolist(), paq, weights))
+        kept, recycled = cut.kept, torch.zeros_like(cut.kept, dtype=torch.bool) if cut.recycled is None else cut.recycled
+        groups.append(Group(g, layers, cut.scored_layers, kept[~recycled].tolist(), paq, weights,
+                            kept[recycled].tolist()))
         if outcome.tracer is not None and cut.layer in outcome.tracer.cut_maps:
             maps[:, g] = torch.stack([m[0] for m in outcome.tracer.cut_maps[cut.layer]])
     return groups, (maps[0], maps[1])

@@ -149,6 +149,8 @@ class ViewData:
     merged: bool = False  # the dropped tokens were folded into the kept ones (HAP+ merge, docs/method.md §10)
     layer: int = 0  # the layer whose per-head maps are drawn
     truth: Truth | None = None  # the scene's ground truth, when the image carries it for this prompt
+    visual_per_layer: Sequence[int] = ()  # [layers] visual tokens each layer processed (empty: every token)
+    curve: dict | None = None  # AutoPrune's chosen curve (`Result.curve`), None for the other methods
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -171,6 +173,7 @@ class ViewData:
             group_maps=_array(result.maps.group), group_uniform=_array(result.maps.group_uniform),
             groups=result.groups, method=result.method, temperature=result.config["temperature"],
             merged=result.method == "hap" and result.config["merge"] != "none",
+            visual_per_layer=list(result.visual_per_layer), curve=result.curve,
         )
         return data.at_layer(default_layer(result.groups, stats[..., 0]) if layer is None else layer)
 
@@ -194,10 +197,14 @@ class ViewData:
         return [(g.layers[0], f"group {g.index}: {len(g.kept)} of {self.shape[2]} tokens") for g in self.groups]
 
     def title_fields(self) -> dict[str, str]:
-        """What view titles may name: {method}, {temperature}, {layer}, {classes}, {grounding}."""
+        """What view titles may name: {method}, {temperature}, {layer}, {classes}, {grounding}, {curve}."""
         counts = class_counts(self.head_class)
+        c = self.curve
+        curve = "" if c is None else (f"; AutoPrune MI_1 {c['mi1']:.3f} -> slope {c['slope']:.3f} "
+                                      f"(budget {c['budget']}, S {c['first_keep']})")
         return dict(method=self.method, temperature=f"{self.temperature:g}", layer=str(self.layer),
-                    classes=", ".join(f"{n} {c}" for c, n in counts.items()), grounding=grounding_caption(self.truth))
+                    classes=", ".join(f"{n} {c}" for c, n in counts.items()), grounding=grounding_caption(self.truth),
+                    curve=curve)
 
 
 def _array(values) -> np.ndarray:
@@ -592,8 +599,8 @@ def sweep_plotly(sweep: dict, title: str) -> go.Figure:
             mode="lines+markers", line=dict(color=color, dash=SWEEP_DASHES[i % len(SWEEP_DASHES)], width=2),
             marker=dict(symbol=SWEEP_SYMBOLS[i % len(SWEEP_SYMBOLS)], size=9, line=dict(width=1, color="white")),
             hovertemplate=f"{name}: retain %{{customdata:.3g}}<br>p = %{{y:.3f}}<extra></extra>"), 1, 1)
-    answers = [[a or "(empty)" for a in methods[n]["answers"]] for n in names]
-    same = [[float(same_answer(a, reference)) for a in methods[n]["answers"]] for n in names]
+    answers = [["(out of reach)" if a is None else a or "(empty)" for a in methods[n]["answers"]] for n in names]
+    same = [[np.nan if a is None else float(same_answer(a, reference)) for a in methods[n]["answers"]] for n in names]
     probs = [[np.nan if p is None else p for p in methods[n]["answer_prob"]] for n in names]
     columns = [f"{r:.3g}" for r in retain]
     fig.add_trace(go.Heatmap(
@@ -703,6 +710,65 @@ def panels_draw(multiples: Panels, title: str) -> Figure:
     return fig
 
 
+# --- visual tokens per layer -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenCounts:
+    """What each decoder layer ran on, and for AutoPrune the curve it chose."""
+
+    processed: list[int]  # [layers] visual tokens each layer processed (recycled ones included)
+    after_drop: list[int] | None  # AutoPrune: [layers] visual tokens after each layer's own drop (its accounting)
+    planned: list[float] | None  # AutoPrune: [layers - 1] (S - 1) x kp_l, the tokens its curve keeps after layer l
+
+
+def token_counts(data: ViewData) -> TokenCounts:
+    """The per-layer counts of `data` (every token in every layer for a run without cuts)."""
+    layers, _, visual = data.shape
+    processed = list(data.visual_per_layer) or [visual] * layers
+    c = data.curve
+    if c is None:
+        return TokenCounts(processed, None, None)
+    return TokenCounts(processed, list(c["counts"]), [(c["first_keep"] - 1) * f for f in c["fractions"]])
+
+
+def _count_series(counts: TokenCounts) -> list[tuple[str, list[int], list[float]]]:
+    """(name, layers, values) of each line to draw."""
+    layers = list(range(len(counts.processed)))
+    series = [("processed", layers, counts.processed)]
+    if counts.after_drop is not None:
+        series.append(("after the layer's drop (AutoPrune's accounting)", layers, counts.after_drop))
+    if counts.planned is not None:
+        series.append(("curve: (S - 1) x kp_l", layers[1:], counts.planned))
+    return series
+
+
+def counts_plotly(counts: TokenCounts, title: str) -> go.Figure:
+    """Visual tokens per decoder layer (and AutoPrune's curve), one line each."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure([go.Scatter(x=x, y=y, name=name, mode="lines+markers", line=dict(shape="hv" if i < 2 else
+                                                                                        "linear"))
+                     for i, (name, x, y) in enumerate(_count_series(counts))])
+    fig.update_layout(title=dict(text=title, font=dict(size=13)), xaxis_title="decoder layer",
+                      yaxis_title="visual tokens", height=300, margin=dict(l=50, r=20, t=50, b=40),
+                      legend=dict(orientation="h", y=-0.3))
+    return fig
+
+
+def counts_draw(counts: TokenCounts, title: str) -> Figure:
+    """The matplotlib twin of `counts_plotly`."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.2), layout="constrained")
+    ax = fig.subplots()
+    for i, (name, x, y) in enumerate(_count_series(counts)):
+        ax.plot(x, y, marker="o", label=name, drawstyle="steps-post" if i < 2 else "default")
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("visual tokens")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
+    return fig
+
+
 # --- the one list of views -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class View:
@@ -732,6 +798,8 @@ class View:
 VIEWS: tuple[View, ...] = (
     View("kept_masks", "Kept visual tokens per group", "Kept visual tokens ({method})",
          mask_panels, panels_plotly, panels_draw),
+    View("token_counts", "Visual tokens per layer", "Visual tokens each layer processed ({method}){curve}",
+         token_counts, counts_plotly, counts_draw),
     View("head_classes", "Head classes", "Head classes: {classes}", class_grid, class_grid_plotly, class_grid_draw),
     View("paq", "PAQ", "PAQ = (1 - sink share) x (1 - dispersion); dashed: token cuts", paq_grid, paq_plotly,
          paq_draw),

@@ -33,6 +33,7 @@ class VisionCues:
     keys: torch.Tensor  # [batch, N, d] the patches' keys averaged over heads
     features: torch.Tensor  # [batch, 1 + N, Dv] the layer's output, [CLS] first
     project: Callable[[torch.Tensor], torch.Tensor]  # tower features [batch, n, Dv] -> decoder embeddings [batch, n, D]
+    heads: int  # the feature layer's attention heads (cls_attention / heads is their mean: AutoPrune's prior)
 
 
 def split_budget(k: int, dominant_share: float = DOMINANT_SHARE) -> tuple[int, int]:

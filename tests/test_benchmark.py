@@ -80,10 +80,14 @@ def test_layer_recall_averages_over_decoder_layers():
     from hap.budget import Schedule
 
     schedule = Schedule(num_visual=6, num_layers=4, cuts=[1, 3], kept=[3, 1])
-    cuts = [SimpleNamespace(kept=torch.tensor([[0, 1, 4]])), SimpleNamespace(kept=torch.tensor([[4]]))]
+    cuts = [SimpleNamespace(kept=torch.tensor([[0, 1, 4]]), recycled=None),
+            SimpleNamespace(kept=torch.tensor([[4]]), recycled=None)]
     target = np.array([True, True, False, False, False, False])
     # layer 0: all tokens (1.0); layers 1-2: both target patches (1.0); layer 3: none (0.0)
     assert layer_recall(SimpleNamespace(schedule=schedule, cuts=cuts), 0, target) == 0.75
+    # a recycled cluster mean standing at patch 1 (SparseVLM, AutoPrune) is no patch: layers 1-2 hold one of two
+    cuts[0].recycled = torch.tensor([[False, True, False]])
+    assert layer_recall(SimpleNamespace(schedule=schedule, cuts=cuts), 0, target) == 0.25 + 0.5 * 0.5
 
 
 def test_the_ablation_runs_every_knob_alone_and_together(tmp_path):

@@ -20,7 +20,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1150"]
 ARTIFACTS = ROOT / "test-artifacts"
 # elem_id plot-<name> of the gr.Plot outputs: one per view of hap.views.VIEWS, then the head inspector
-PLOTS = ["kept_masks", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq",
+PLOTS = ["kept_masks", "token_counts", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq",
          "inspector"]
 
 

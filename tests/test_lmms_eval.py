@@ -113,6 +113,13 @@ def test_bad_knob_fails_before_loading(pretrained):
         build("llava_hf_hap", pretrained, "retain=0.2,first_layers=2")
 
 
+def test_autoprune_refuses_a_batch_before_loading():
+    plugin.register()
+    cls = models.get_model("llava_hf_hap", force_simple=True)
+    with pytest.raises(ValueError, match="autoprune prunes one prompt at a time.*--batch_size 1, not 2"):
+        cls.create_from_arg_string("pretrained=/nonexistent,method=autoprune", {"batch_size": 2, "device": "cpu"})
+
+
 def test_generate_until_prunes_and_none_is_stock(pretrained):
     stock = build("llava_hf", pretrained)
     assert type(stock).__name__ == "LlavaHf"

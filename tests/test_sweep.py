@@ -7,7 +7,7 @@ from PIL import Image
 from tiny_models import CASES, tiny_llava
 
 import hap
-from analysis.sweep import METHODS, answer_probability, budgets, refused, short_answer, smallest_retain, sweep
+from analysis.sweep import GRID, METHODS, answer_probability, budgets, refused, short_answer, smallest_retain, sweep
 from hap.inputs import DEFAULT_LIMITS
 from hap.run import build_inputs
 
@@ -22,18 +22,34 @@ def test_every_pruning_method_is_swept():
 def test_the_smallest_budget_is_reached_by_every_method(first_layers, floor):
     low = smallest_retain(hap.HAPConfig(first_layers=first_layers), LLAVA, 576)
     assert floor < low < floor + 0.01  # the first K layers keep everything, the groups a token or so each
-    for method in METHODS:  # each one plans it, every group keeping at least one token
+    for method in GRID:  # each one plans it, every group keeping at least one token
         assert min(hap.plan(hap.HAPConfig(method=method, first_layers=first_layers, retain=low), LLAVA, 576).kept) >= 1
 
 
 def test_methods_a_model_refuses_are_named_and_leave_the_floor():
-    """Qwen2-VL takes neither VisionZip (no [CLS] token) nor PyramidDrop (renumbered M-RoPE positions): the sweep
+    """Qwen2-VL takes neither VisionZip nor AutoPrune (no [CLS] token) nor PyramidDrop and SparseVLM (renumbered M-RoPE
+    positions): the sweep
     leaves them out with the adapter's reason, and its smallest budget is that of the methods it runs."""
     qwen, _ = CASES["qwen2-vl"]()
-    assert set(refused(qwen, hap.HAPConfig())) == {"visionzip", "pdrop"} and not hasattr(qwen, "_hap")
+    assert set(refused(qwen, hap.HAPConfig())) == {"visionzip", "pdrop", "sparsevlm", "autoprune"}
+    assert not hasattr(qwen, "_hap")
     assert "[CLS]" in refused(qwen, hap.HAPConfig())["visionzip"] and refused(tiny_llava()[0], hap.HAPConfig()) == {}
-    config, rest = hap.HAPConfig(first_layers=0), [m for m in METHODS if m != "visionzip"]
+    config, rest = hap.HAPConfig(first_layers=0), [m for m in GRID if m != "visionzip"]
     assert smallest_retain(config, LLAVA, 576, rest) < smallest_retain(config, LLAVA, 576)  # VisionZip keeps 2
+
+
+def test_official_schedules_leave_the_grid_and_are_out_of_reach_below_their_floor():
+    """SparseVLM and AutoPrune cut after layer 0 at the earliest: on 32 layers their floor is above 1/32, so the grid
+    goes lower without them and the sweep marks their lower budgets out of reach (None)."""
+    config = hap.HAPConfig(first_layers=0)
+    assert set(METHODS) - set(GRID) == {"sparsevlm", "autoprune"}
+    assert smallest_retain(config, LLAVA, 576) < 1 / 32 < smallest_retain(config, LLAVA, 576, ["sparsevlm"])
+    model, processor = tiny_llava(layers=4)
+    out = sweep(model, processor, Image.new("RGB", (64, 48), "teal"), "what color ?", config, 2, DEFAULT_LIMITS)
+    for method in ("sparsevlm", "autoprune"):
+        row = out["methods"][method]
+        assert row["answers"][0] is not None and row["answers"][-1] is None and row["answer_prob"][-1] is None
+    assert all(a is not None for a in out["methods"]["hap"]["answers"])
 
 
 def test_budgets_run_from_everything_down_to_the_smallest():
@@ -91,5 +107,6 @@ def test_every_probability_is_of_the_unpruned_answer(monkeypatch):
     out = sweep(model, processor, Image.new("RGB", (64, 48), "teal"), "what color ?",
                 hap.HAPConfig(first_layers=0, groups=2), 2, DEFAULT_LIMITS)
     red = processor.tokenizer("red", add_special_tokens=False).input_ids
-    assert len(forced) == 1 + len(METHODS) * len(out["retain"]) and all(ids == red for ids in forced)
+    reached = sum(p is not None for m in METHODS for p in out["methods"][m]["answer_prob"])
+    assert len(forced) == 1 + reached and all(ids == red for ids in forced)
     assert out["methods"]["hap"]["answers"][0].startswith("blue hap")

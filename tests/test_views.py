@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -43,7 +44,7 @@ def heatmaps(fig) -> list:
 
 def test_one_list_of_views_with_unique_names_and_titles():
     names = [v.name for v in V.VIEWS]
-    assert names == ["kept_masks", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps",
+    assert names == ["kept_masks", "token_counts", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps",
                      "uniform_vs_paq"]
     assert len({v.title for v in V.VIEWS}) == len({v.label for v in V.VIEWS}) == len(V.VIEWS)
     assert set(V.figures(data())) == set(names)
@@ -167,7 +168,7 @@ def test_from_result_reads_every_array_into_place():
     result = SimpleNamespace(  # the fields of a hap.Result the views read
         paq=tensor(d.stats[..., 0]), sink_share=tensor(d.stats[..., 1]), dispersion=tensor(d.stats[..., 2]),
         visual_share=tensor(d.stats[..., 3]), visual_grid=GRID, head_class=HEAD_CLASS, groups=GROUPS,
-        method="fastv", config={"temperature": 0.5},
+        method="fastv", config={"temperature": 0.5}, visual_per_layer=[N] + [2] * (L - 1), curve=None,
         maps=SimpleNamespace(head=tensor(d.head_maps), head_attention=tensor(d.head_attention),
                              layer=tensor(d.layer_maps), group=tensor(d.group_maps),
                              group_uniform=tensor(d.group_uniform)),
@@ -181,9 +182,25 @@ def test_from_result_reads_every_array_into_place():
     assert got.image.shape == (V.VIEW_PIXELS, V.VIEW_PIXELS, 3) and got.image[..., 2].min() == 255
     assert V.ViewData.from_result(result, layer=3).layer == 3
     assert not got.merged  # a baseline never merges
+    assert list(got.visual_per_layer) == [N] + [2] * (L - 1) and got.curve is None
     for merge, merged in (("proportional", True), ("average", True), ("none", False)):
         hap_run = SimpleNamespace(**{**vars(result), "method": "hap", "config": {"temperature": 0.1, "merge": merge}})
         assert V.ViewData.from_result(hap_run).merged is merged
+
+
+def test_token_counts_show_what_each_layer_ran_on_and_autoprunes_curve():
+    counts = V.token_counts(replace(data(), visual_per_layer=[N, 3, 3, 3]))
+    assert counts.processed == [N, 3, 3, 3] and counts.after_drop is None and counts.planned is None
+    assert V.token_counts(data()).processed == [N] * L  # no cuts recorded: every token everywhere
+    curve = {"budget": 2, "first_keep": 5, "mi0": 0.1, "mi1": 0.5, "slope": 0.3, "scale": 1.2,
+             "fractions": [0.5, 0.25, 0.25], "keeps": [2, 1, 1], "counts": [5, 3, 2, 2]}
+    run = replace(data(), visual_per_layer=[N, 5, 3, 2], curve=curve)
+    counts = V.token_counts(run)
+    assert counts.after_drop == [5, 3, 2, 2] and counts.planned == [2.0, 1.0, 1.0]  # (S - 1) x kp_l
+    fig = V.VIEW["token_counts"].figure(run)
+    assert [t.name for t in fig.data] == ["processed", "after the layer's drop (AutoPrune's accounting)",
+                                          "curve: (S - 1) x kp_l"]
+    assert "MI_1 0.500 -> slope 0.300" in fig.layout.title.text
 
 
 def test_default_layer_without_a_scored_cut_is_the_first_captured():

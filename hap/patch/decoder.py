@@ -14,11 +14,12 @@ of one `Patch` object, one per step of a forward:
   own norm, q/k projections and RoPE); at a cut, gathers the kept tokens of the hidden states, the
   RoPE (cos, sin), the position ids and rebuilds the mask for the shorter sequence, then hands those to
   every later layer, so each later layer writes a shorter KV cache. Kept tokens keep their original
-  positions (no RoPE shift), except under a policy that renumbers (`pdrop`, `visionzip`, as their official
-  code does): positions 0..T'-1 after each cut.
-- `layer_decode`: layers after a cut get a mask sized to their own cache; under `pdrop` and `visionzip` also the
-  step's positions lowered by the prompt tokens dropped so far, so a generated token follows its group's
-  renumbered prompt (elsewhere the unpruned positions).
+  positions (no RoPE shift), except under a policy that renumbers (`pdrop`, `visionzip`, `sparsevlm`,
+  `autoprune`, as their official code does): positions 0..T'-1 after each cut. SparseVLM and AutoPrune also
+  append their recycled tokens right after the kept visual ones; SparseVLM picks its raters at layer 0's input.
+- `layer_decode`: layers after a cut get a mask sized to their own cache; under `pdrop`, `visionzip`, `sparsevlm` and
+  `autoprune` also the step's positions lowered by the prompt tokens dropped so far (each layer's position is its own
+  cache length), so a generated token follows its group's renumbered prompt (elsewhere the unpruned positions).
 - `query_done`: a captured layer's prompt-row queries, taken from its own q projection (not recomputed).
 - `layer_done`: the capture, once the layer cached its keys, reads them there.
 - `decoder_done`: the prefill's wall time.
@@ -163,6 +164,8 @@ class Patch:
         (deferred to `layer_done` when the layer writes its keys to the cache). Returns the hidden states."""
         st = self.state
         self.cache = kwargs.get("cache")
+        if index == 0 and st.policy.rows == "raters":  # SparseVLM's raters, from the input embeddings
+            st.choose_raters(hidden)
         if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
             t0 = time.perf_counter()
             _lookahead(st, layer, index, hidden, kwargs, rope=st.policy.first_cut != "prerope")
@@ -317,7 +320,10 @@ def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor,
 @torch.no_grad()
 def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Apply the cut entering layer `index` to the hidden states and the layer kwargs (in place)."""
-    keep = st.cut(index, _take(hidden, st.visual_pos) if st.sizes is not None else None)  # [B, T']
+    needs = st.sizes is not None or st.recycled is not None
+    keep = st.cut(index, _take(hidden, st.visual_pos) if needs else None)  # [B, T']
+    if st.appended is not None:  # SparseVLM's / AutoPrune's recycled tokens: indices T.. in `keep`
+        hidden, st.appended = torch.cat([hidden, st.appended.to(hidden)], 1), None
     hidden = _take(hidden, keep)
     if st.merged is not None:  # VisionZip's block, or the kept tokens a merge folded the dropped ones into
         positions, merged = st.merged

@@ -35,7 +35,7 @@ def cls_layer(model) -> torch.nn.Module:
     tower has no [CLS] token (SigLIP), the features keep it ("full" strategy) or are not one layer's output."""
     tower = model.model.vision_tower
     if not hasattr(getattr(tower, "embeddings", None), "class_embedding"):
-        raise ValueError(f"visionzip and first_cut='vision' need a [CLS] token: the vision tower "
+        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the vision tower "
                          f"{type(tower).__name__} has no [CLS] token")
     config = model.config
     feature = config.vision_feature_layer
@@ -63,7 +63,7 @@ def capture_cls(patch: decoder.Patch, project, layer, args, kwargs, output) -> N
     k = attn.k_proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)  # [B, H, T, hd]
     row = (q.float() @ k.float().transpose(-1, -2) * attn.scale).softmax(-1)[:, :, 0]  # [B, H, T]
     features = output[0] if isinstance(output, tuple) else output
-    cues = VisionCues(row[:, :, 1:].sum(1), k[:, :, 1:].float().mean(1), features, project)
+    cues = VisionCues(row[:, :, 1:].sum(1), k[:, :, 1:].float().mean(1), features, project, row.shape[1])
     if patch.mode == "prefill":
         patch.state.vision = cues
     else:
@@ -72,7 +72,7 @@ def capture_cls(patch: decoder.Patch, project, layer, args, kwargs, output) -> N
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch`, plus the [CLS] capture for `visionzip`."""
+    """`decoder.apply_patch`, plus the [CLS] capture for `visionzip` and `autoprune`."""
     layer = cls_layer(model) if policy_for(config).needs_cls else None
     patch = decoder.apply_patch(model, config, trace, priority, tail, lead=lead)
     if layer is not None:

@@ -40,7 +40,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
     """`decoder.apply_patch` with M-RoPE positions for decode steps given none; the [CLS] cues (visionzip,
     first_cut="vision") are refused."""
     if policy_for(config).needs_cls:
-        raise ValueError(f"visionzip and first_cut='vision' need a [CLS] token: the {type(model).__name__} vision "
+        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the {type(model).__name__} vision "
                          "tower has no [CLS] token")
     if policy_for(config).renumber:
         raise ValueError(f"method={config.method!r} renumbers positions 0..T-1 after each drop, as its official LLaVA "
