@@ -223,6 +223,23 @@ def classifier_report(plan: Plan, head_class: list[list[str]]) -> dict:
     return report
 
 
+def plant_line(report: dict) -> str:
+    """One line on a planted run (`Planting.report` with its classifier entry): the plan and what the classifier
+    found of it."""
+    parts = [f"PLANTED heads (hap.plant, not the model's own): {len(report['sink'])} sink, {len(report['dispersed'])} "
+             f"dispersed, strength {report['strength']}, sink tokens {report['sink_tokens_used']}"]
+    for kind in ("sink", "dispersed"):
+        c = report["classifier"][kind]
+        if c["planted"]:
+            parts.append(f"classified {kind}: {len(c['found'])} of {c['planted']} planted (recall {_num(c['recall'])}, "
+                         f"precision {_num(c['precision'])})")
+    return "; ".join(parts)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 PLANTED: WeakKeyDictionary = WeakKeyDictionary()
 """decoder layer module -> `capture(attn [batch, heads, P, T], visual_pos [batch, N], kept_orig [batch, N])`, the
 planted version of the prompt rows HAP captured at that layer, while a plan is planted on its model."""
