@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import logging
 import socket
 from collections import OrderedDict
@@ -49,12 +50,14 @@ from hap.causal import resolve_setting
 from hap.compare import compare
 from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.knobs import KNOBS
+from hap.planting import Plan
 from hap.run import free_memory, run
 
 from . import causal as causal_section
 from . import conversation as chat
 from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
+from .lab import NO_PLAN, lab_configs, lab_text, mark_planted, plan_from_share
 from .settings import Settings, check_model, is_local, resolve
 
 
@@ -70,7 +73,7 @@ CARDS = ("unpruned", "pruned", "uniform")  # the answer cards, in `Comparison.it
 INSPECTOR = ("inspector", "inspector_stats")  # the head inspector: one head's map and its numbers
 EDIT = ("edit_diff", "edit_diff_plot")  # the run on the edited image against the run on the original
 CONVERSATION = ("history", "conversation", "turn")  # the turns as the next history, as chat messages, the turn picker
-OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "summary", "ground_truth",
+OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "lab", "summary", "ground_truth",
            *causal_section.CAUSAL, *INSPECTOR, *EDIT, *CONVERSATION, "state", "turns")
 TURN_OUTPUTS = OUTPUTS[: OUTPUTS.index("history")] + ("state",)  # what picking a turn shows again
 SWEPT = ("method", "retain", "flops_ratio")  # knobs /sweep varies itself: not among its parameters
@@ -157,37 +160,54 @@ def check_settings(settings: dict) -> hap.HAPConfig:
     return hap.HAPConfig(**values, seed=SEED)
 
 
-@gpu(lambda call: zerogpu.answers(runs=4, traced=1, new_tokens=MAX_NEW_TOKENS))  # compare's three, one again
+def planted(plan: Plan):
+    """`hap.plant` of `plan` on the loaded model, for a block (the empty plan plants nothing)."""
+    return hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength)
+
+
+@gpu(lambda call: zerogpu.answers(runs=6, traced=1, new_tokens=MAX_NEW_TOKENS))  # compare's three, one again, lab's
 def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
-             history: list[tuple[str, str]]):
-    """The GPU part: the three runs on the loaded model, then the chosen method untraced. Returns (comparison
-    with the traced run, for the figures; the three results to report, untraced, for fair latencies).
+             history: list[tuple[str, str]], plan: Plan = Plan()):
+    """The GPU part: the three runs on the loaded model, then the chosen method untraced, each with `plan` planted.
+    Returns (comparison with the traced run, for the figures; the three results to report, untraced, for fair
+    latencies; with a plan, the head lab's four answers: unpruned, uniform, the paper's HAP and HAP+).
 
     On ZeroGPU this runs in a forked worker, so the model is loaded before (in the main process,
     where it persists between calls) and read from LOADED here, not loaded inside.
     """
-    comparison = compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
-                         lambda fraction, description: progress(fraction, desc=description), limits, history)
-    progress(0.8, desc=f"{config.method} again, untraced, for its latency")
-    untraced = run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=False, limits=limits,
-                   history=history)
-    return comparison, {label: untraced if r is comparison.pruned else r for label, r in comparison.items()}
+    with planted(plan):
+        comparison = compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
+                             lambda fraction, description: progress(fraction, desc=description), limits, history)
+        progress(0.8, desc=f"{config.method} again, untraced, for its latency")
+        untraced = run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=False,
+                       limits=limits, history=history)
+        lab = {}
+        if not plan.empty:
+            progress(0.85, desc="head lab: the paper's HAP and HAP+ with the plan")
+            lab = {"unpruned": comparison.unpruned.answer, "uniform": comparison.uniform.answer}
+            for label, cfg in lab_configs(config).items():
+                lab[label] = run(LOADED.model, LOADED.processor, image, prompt, cfg, MAX_NEW_TOKENS, trace=False,
+                                 limits=limits, history=history).answer
+    return comparison, {label: untraced if r is comparison.pruned else r for label, r in comparison.items()}, lab
 
 
 @gpu(lambda call: zerogpu.answers(runs=1, traced=1, new_tokens=MAX_NEW_TOKENS))
 def _original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits,
-              history: list[tuple[str, str]]) -> hap.Result:
-    """The GPU part of an edit's comparison: the chosen method, traced, on the original image."""
-    return run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=True, limits=limits,
-               history=history)
+              history: list[tuple[str, str]], plan: Plan = Plan()) -> hap.Result:
+    """The GPU part of an edit's comparison: the chosen method, traced, on the original image (`plan` planted)."""
+    with planted(plan):
+        return run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=True, limits=limits,
+                   history=history)
 
 
 @gpu(zerogpu.causal_work)
 def _causal(image: Image.Image, prompt: str, setting: str | None, limits: InputLimits,
-            history: list[tuple[str, str]], config: hap.HAPConfig, cuts: list[int]):
-    """The GPU part of the "Is PAQ right?" section (`app.causal.analyze`; see `_compare` for ZeroGPU)."""
-    return causal_section.analyze(LOADED.model, LOADED.processor, image, prompt, setting, limits, history, config,
-                                  cuts)
+            history: list[tuple[str, str]], config: hap.HAPConfig, cuts: list[int], plan: Plan = Plan()):
+    """The GPU part of the "Is PAQ right?" section (`app.causal.analyze`; see `_compare` for ZeroGPU), `plan`
+    planted."""
+    with planted(plan):
+        return causal_section.analyze(LOADED.model, LOADED.processor, image, prompt, setting, limits, history,
+                                      config, cuts)
 
 
 @gpu(lambda call: zerogpu.sweep_work(MAX_NEW_TOKENS))
@@ -246,12 +266,15 @@ class Handler:
     @user_errors
     def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True), *,
                 history: list | str | None = None, turns: list[chat.Turn] | None = None, causal: str | None = None,
-                **settings) -> dict[str, object]:
+                plant: dict | str | None = None, **settings) -> dict[str, object]:
         """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`). `image` is an upload
         or the page's editor value (`app.edit.image_input`); `causal` the "Is PAQ right?" setting (`hap.causal.SETTINGS`,
         None: auto; the JSON gains "causal" and "head_utility" unless off); `history` the earlier `[question, answer]`
         turns about the image (None or []: a first question), `turns` the page's stored conversation
-        (`app.conversation`).
+        (`app.conversation`); `plant` a head lab plan (`hap.planting.Plan.from_json`: a JSON object or its text,
+        empty = none), planted for every run of the request, whose views are then all marked PLANTED and whose
+        JSON gains "plant" (the plan, the sink tokens used, the classifier's precision / recall on it, the lab's
+        answers).
 
         Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer and head sliders, every view
         of `hap.views.VIEWS`, the explanation, the JSON summary (with "input": the upload and its conversion,
@@ -259,7 +282,7 @@ class Handler:
         the head inspector, the edit's comparison, the conversation (its history, messages and turn picker), the
         state for re-drawing and the turns. Any failure is a gr.Error with the message.
         """
-        return self._analyze(image, prompt, model_name, settings, progress, history, turns, causal)
+        return self._analyze(image, prompt, model_name, settings, progress, history, turns, causal, plant)
 
     @user_errors
     def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
@@ -290,8 +313,9 @@ class Handler:
         return image_input(image, limits), model_name, config, turns
 
     def _analyze(self, image, prompt, model_name, settings: dict, progress, history, turns,
-                 causal: str | None) -> dict[str, object]:
+                 causal: str | None, plant) -> dict[str, object]:
         picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
+        plan = Plan.from_json(plant)
         limits = self.settings.limits
         img = load(picture.source, picture.name, limits)
         pixels = image_key(img)
@@ -301,8 +325,10 @@ class Handler:
         progress(0.02, desc=f"loading {model_name}")
         LOADED.get(model_name)
         resolve_setting(LOADED.model, causal or "auto")  # a bad or too costly causal setting, refused before any run
+        with planted(plan):  # a plan out of the model's range, refused before any run
+            pass
         torch.manual_seed(SEED)
-        comparison, timed = _compare(img, prompt, config, limits, progress, history)
+        comparison, timed, lab = _compare(img, prompt, config, limits, progress, history, plan)
         progress(0.9, desc="figures")
         data = views.ViewData.from_result(comparison.pruned, img, LOADED.center_crop())
         question, why_not = question_for(meta, prompt, data.shape[2])
@@ -315,17 +341,28 @@ class Handler:
             report["ground_truth"] = truth_json(data.truth)
         progress(0.91, desc="causal head and token importance, head utility")
         cuts = [g.layers[0] for g in data.groups]
-        shown, entries = causal_section.outputs(_causal(img, prompt, causal, limits, history, config, cuts), data)
+        shown, entries = causal_section.outputs(_causal(img, prompt, causal, limits, history, config, cuts, plan),
+                                                data)
         report.update(entries)  # "causal" and "head_utility", unless off
-        edit = self.edit_diff(picture, prompt, config, history, data, comparison.pruned.answer, progress)
+        edit = self.edit_diff(picture, prompt, config, history, data, comparison.pruned.answer, progress, plan)
         if edit is not None:
             report["edit"] = edit.to_json()
+        figures = views.figures(data)
+        cards = {label: answer_card(label, r) for label, r in timed.items()}
+        lab_note = NO_PLAN
+        if not plan.empty:
+            report["plant"] = {**comparison.pruned.plant, "answers": lab}
+            lab_note = lab_text(comparison.pruned.plant, data, lab, config)
+            figures = mark_planted(figures, plan)
+            shown = mark_planted(shown, plan)
+            cards = {label: card.replace("####", "#### PLANTED heads ·", 1) for label, card in cards.items()}
         outputs = {
-            **{label: answer_card(label, r) for label, r in timed.items()},
+            **cards,
             "layer": gr.Slider(value=data.layer, maximum=data.shape[0] - 1, interactive=True),
             "head": gr.Slider(value=0, maximum=data.shape[1] - 1, interactive=True),
-            **views.figures(data),
+            **figures,
             "explanation": explanation(comparison) + f"\n- Input: {conversion}." + chat.rows_note(len(history), config.rows),
+            "lab": lab_note,
             "summary": report,
             "ground_truth": truth_text(data.truth, why_not),
             **shown,
@@ -340,15 +377,25 @@ class Handler:
         return {**outputs, **conversation_outputs(conversation, len(conversation) - 1)}
 
     def edit_diff(self, picture: ImageInput, prompt: str, config: hap.HAPConfig, history: list[tuple[str, str]],
-                  after: views.ViewData, answer: str, progress) -> EditDiff | None:
+                  after: views.ViewData, answer: str, progress, plan: Plan = Plan()) -> EditDiff | None:
         """For an edited image, the chosen method's traced run on the original and how the edit changed it."""
         if not picture.edited:
             return None
         progress(0.92, desc=f"{config.method} on the original image, to compare with the edit")
         original = load(picture.original, picture.name, self.settings.limits)
-        before = _original(original, prompt, config, self.settings.limits, history)
+        before = _original(original, prompt, config, self.settings.limits, history, plan)
         return EditDiff.of(views.ViewData.from_result(before, original, LOADED.center_crop()), after,
                            (before.answer, answer))
+
+    @user_errors
+    def fill_plan(self, model_name: str, kind: str, share: float, layers: str, seed: float, strength: float,
+                  sink_tokens: str) -> str:
+        """The head lab's share helper: the plan JSON of "plant `kind` heads in `share`% of the heads of layers
+        `layers`" (`app.lab.plan_from_share`) for the model `model_name`, loaded if needed."""
+        model, _ = LOADED.get(check_model(model_name, self.settings))
+        text = model.config.text_config
+        return json.dumps(plan_from_share(kind, share, layers, seed, strength, sink_tokens,
+                                          (text.num_hidden_layers, text.num_attention_heads)))
 
     def endpoint(self, method: Callable, components: dict[str, gr.components.Component],
                  knobs: tuple[str, ...]) -> Callable:

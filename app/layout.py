@@ -10,6 +10,7 @@ truth on scenes), the maps with the head inspector, and the budget sweep.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import gradio as gr
@@ -22,6 +23,7 @@ from hap.views import VIEW
 from . import causal as causal_section
 from .handler import (CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
                       show_turn)
+from .lab import LAB_INTRO, NO_PLAN, TEACHING_PLAN, TEACHING_SETTINGS
 from .edit import NO_EDIT
 from .settings import Settings, examples, knob_defaults
 
@@ -181,6 +183,26 @@ def inspector_section() -> dict[str, gr.components.Component]:
     return {"head": head, **dict(zip(INSPECTOR, (figure, stats)))}
 
 
+def lab_section() -> tuple[dict[str, gr.components.Component], dict[str, gr.components.Component]]:
+    """The head lab, "What if heads differed?": (its controls by name: the plan (`plant`), the share helper and its
+    button, the run button; its outputs by name: the lab's text)."""
+    gr.Markdown(LAB_INTRO)
+    controls = {"plant": gr.Code(value="", language="json", label="Plan (the /analyze parameter `plant`; empty = none)",
+                                 elem_id="plant", interactive=True)}
+    with gr.Row():
+        controls["kind"] = gr.Radio(["sink", "dispersed"], value="sink", label="Plant", elem_id="lab-kind")
+        controls["share"] = gr.Slider(0, 100, value=50, step=1, label="in % of the heads", elem_id="lab-share")
+        controls["layers"] = gr.Textbox(value="0-1", label="of layers a-b", elem_id="lab-layers")
+        controls["seed"] = gr.Number(value=0, precision=0, label="seed", elem_id="lab-seed")
+    with gr.Row():
+        controls["strength"] = gr.Slider(0, 1, value=0.9, step=0.01, label="strength", elem_id="lab-strength")
+        controls["sink_tokens"] = gr.Textbox(value="", label="sink tokens (visual-token indices; empty: the most "
+                                             "redundant patch)", elem_id="lab-sink-tokens")
+        controls["fill"] = gr.Button("Fill the plan", elem_id="lab-fill")
+    controls["run"] = gr.Button("Run with this plan (new conversation)", variant="primary", elem_id="lab-run")
+    return controls, {"lab": gr.Markdown(NO_PLAN, elem_id="lab")}
+
+
 def sweep_section() -> tuple[gr.Button, dict[str, gr.components.Component]]:
     """The budget sweep: its button and outputs by name (SWEEP_OUTPUTS)."""
     gr.Markdown(f"## Budget sweep\n{SWEEP_INTRO}")
@@ -216,6 +238,13 @@ def build_demo(
         example_rows(settings.models, request)
         out.update(edit_section())
         out.update(analysis_sections(), state=gr.State(), turns=gr.State())
+        lab, lab_out = lab_section()
+        out.update(lab_out)
+        if examples(settings.models)[0]:
+            gr.Examples([[*examples(settings.models)[0][0], json.dumps(TEACHING_PLAN.to_json()), *TEACHING_SETTINGS.values()]],
+                        [*request, lab["plant"], *(knobs[k] for k in TEACHING_SETTINGS)],
+                        label="Head lab teaching example: sinks planted in half the heads of the scoring layers "
+                              "(layers 0, 1, 3), found by the consensus detector; press Run with this plan")
         causal_setting, causal_out = causal_section.section()
         out.update(causal_out)
         sweep, sweep_out = sweep_section()
@@ -229,7 +258,8 @@ def build_demo(
         # range-check controls with messages that do not name the field). gradio refuses a path outside its
         # upload cache only in a FileData dict carrying meta; the handler checks every path, with meta or
         # without, against the upload cache and the examples (app/uploads.py)
-        conversation = {"history": out["history"], "turns": out["turns"], "causal": causal_setting}
+        conversation = {"history": out["history"], "turns": out["turns"], "causal": causal_setting,
+                        "plant": lab["plant"]}
         lane = dict(inputs_kwargs={**knobs, **conversation}, concurrency_limit=1, concurrency_id="model",
                     preprocess=False, js=unset_zeros(len(request), tuple(knobs)))
         history_at = len(request) + list(lane["inputs_kwargs"]).index("history")  # Run: no history, a new conversation
@@ -239,6 +269,9 @@ def build_demo(
         run.click(analyze, request, outputs, api_visibility="private", **new)
         prompt.submit(analyze, request, outputs, api_visibility="private", **new)
         out["follow_up"].click(analyze, request, outputs, api_visibility="private", **lane)
+        lab["run"].click(analyze, request, outputs, api_visibility="private", **new)
+        lab["fill"].click(handler.fill_plan, [model, *(lab[k] for k in ("kind", "share", "layers", "seed", "strength",
+                                                                  "sink_tokens"))], lab["plant"], api_visibility="private")
         sweep_lane = {**lane, "inputs_kwargs": {k: knobs[k] for k in SWEEP_KNOBS},
                       "js": unset_zeros(len(request), SWEEP_KNOBS)}
         sweeper, sweep_outputs = handler.endpoint(handler.sweep, sweep_out, SWEEP_KNOBS), [

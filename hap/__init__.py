@@ -15,6 +15,7 @@ from .load import ModelLoadError, load_model
 from .patch import apply as patch
 from .patch import patched
 from .patch import remove as unpatch
+from .patch.planted import plant
 from .run import run
 from .trace import Group, Maps, Result
 from .utility import HeadUtility, head_utility
@@ -39,6 +40,7 @@ __all__ = [
     "load_model",
     "patch",
     "patched",
+    "plant",
     "plan",
     "run",
     "solve_schedule",

@@ -12,6 +12,8 @@ from .config import HAPConfig
 from .inputs import check_history
 from .knobs import KNOBS, SEED
 from .load import ModelLoadError, load_model
+from .patch.planted import plant
+from .planting import Plan, plant_line
 from .run import run
 from .views import export_png
 
@@ -30,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
     budget = r.add_mutually_exclusive_group()
     for k in (*KNOBS, SEED):
         k.add_to(budget if k.name in ("retain", "flops_ratio") else r)
+    r.add_argument("--plant", type=Path, help="JSON file: a head lab plan (hap.plant), planted for every run of this "
+                   'command: {"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...] or null, '
+                   '"strength": 0.9}; the --json result gains "plant" (the plan, the sink tokens used, the '
+                   "classifier's precision / recall on it)")
     r.add_argument("--max-new-tokens", type=int, default=32)
     r.add_argument("--device", default="auto")
     r.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
@@ -53,21 +59,33 @@ def read_history(path: Path | None) -> list[tuple[str, str]]:
         raise ValueError(f"--history {path}: {err}") from err
 
 
+def read_plan(path: Path | None) -> Plan:
+    """The plan of a `--plant` file (`hap.planting.Plan.from_json`); ValueError naming the file."""
+    if path is None:
+        return Plan()
+    try:
+        return Plan.from_json(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"--plant {path}: {err}") from err
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         given = {k.name: getattr(args, k.name) for k in (*KNOBS, SEED)}
         config = HAPConfig(**{name: value for name, value in given.items() if value is not None})
         history = read_history(args.history)
+        plan = read_plan(args.plant)
         model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
-        result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens,
-                     history=history)
-        mode = causal.resolve_setting(model, args.causal)
-        found = None if mode is None else causal.analyze(model, processor, args.image, args.prompt, mode,
-                                                         history=history)
-        useful = None if mode is None else utility.utility(
-            model, processor, args.image, args.prompt, rows=config.rows, history=history,
-            layers=utility.auto_layers(model, [g.layers[0] for g in result.groups]), config=config)
+        with plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength):
+            result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens,
+                         history=history)
+            mode = causal.resolve_setting(model, args.causal)
+            found = None if mode is None else causal.analyze(model, processor, args.image, args.prompt, mode,
+                                                             history=history)
+            useful = None if mode is None else utility.utility(
+                model, processor, args.image, args.prompt, rows=config.rows, history=history,
+                layers=utility.auto_layers(model, [g.layers[0] for g in result.groups]), config=config)
     except (ValueError, ModelLoadError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -92,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(scored by {g.scored_by})")
     for note in result.notes:
         print(f"note: {note}")
+    if result.plant is not None:
+        print(plant_line(result.plant))
     print("timings: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in result.timings.items()))
     report = result.to_json()
     if found is not None:

@@ -168,6 +168,14 @@ class PruneState:
         the shorter sequence); 0 where kept tokens keep their original positions."""
         return self.prompt_len - self.segment_index[layer].shape[1] if self.policy.renumber else 0
 
+    def key_origins(self, layer: int, keys: int) -> torch.Tensor:
+        """long [batch, keys] the unpruned position of each of the `keys` keys layer `layer` attends over: the
+        prompt tokens its group kept (every prompt token before the first cut), then the tokens generated since."""
+        cuts = [c for c in self.segment_index if c <= layer]
+        prompt = self.segment_index[max(cuts)] if cuts else self.seq_index.new_tensor(range(self.prompt_len))[None]
+        new = torch.arange(self.prompt_len, self.prompt_len + keys - prompt.shape[1], device=prompt.device)
+        return torch.cat([prompt, new.expand(prompt.shape[0], -1)], 1)
+
     def bias_at(self, layer: int) -> torch.Tensor | None:
         """float [batch, T_group] the proportional-attention bias per key of the group holding `layer` (its latest
         cut at or before `layer`; docs/method.md §10), or None where no merge happened."""

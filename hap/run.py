@@ -13,6 +13,7 @@ from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
 from .patch import adapter_for, apply, remove
 from .patch.decoder import decoder_shape
+from .patch.planted import PLANTS
 from .trace import Outcome, Result, to_result
 
 
@@ -145,6 +146,8 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
                 st.schedule if st else None, st.cuts if st else [], st.tracer if st else None, st.curve if st else None)
     result = to_result(facts, answer, text, grid, notes)
     result.history = [list(turn) for turn in history]
+    lab = PLANTS.get(model)
+    result.plant = None if lab is None else lab.report(result.head_class)
     result.timings = {
         "prepare_s": t1 - t0,
         "prefill_s": patch.prefill_seconds,

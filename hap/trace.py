@@ -153,6 +153,8 @@ class Result:
     timings: dict[str, float]
     notes: list[str] = field(default_factory=list)
     history: list[list[str]] = field(default_factory=list)  # earlier [question, answer] turns; prompt_text has them all
+    plant: dict | None = None  # the head lab's plan when the run's model was planted (hap.plant): the plan, the sink
+    #                            tokens used and the classifier's precision / recall on it; None on the stock model
     flops_convention: str = FLOPS_CONVENTION
     official_tokens: float | None = None  # sparsevlm / autoprune: their own accounting (visual tokens after each
     #                                       layer's drop, layer average), beside `retained_tokens` (what ran)

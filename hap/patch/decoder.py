@@ -40,6 +40,7 @@ from ..budget import DecoderShape
 from ..capture import prompt_attention
 from ..config import HAPConfig
 from ..merge import add_key_bias
+from ..planting import PLANTED
 from ..methods import policy_for
 from ..pruner import PruneState
 
@@ -299,10 +300,10 @@ def _lookahead(st: PruneState, layer, index: int, hidden: torch.Tensor, kwargs: 
     _record(st, layer, index, q, k, hidden, rows, lookahead=True)
 
 
-def _cached_keys(cache, index: int) -> torch.Tensor | None:
-    """The keys layer `index` just wrote to a dynamic cache (this prefill only), else None."""
+def _cached_keys(cache, index: int, what: str = "keys") -> torch.Tensor | None:
+    """The keys (`what="values"`: the values) layer `index` just wrote to a dynamic cache, else None."""
     layers = getattr(cache, "layers", None)
-    return getattr(layers[index], "keys", None) if layers is not None and index < len(layers) else None
+    return getattr(layers[index], what, None) if layers is not None and index < len(layers) else None
 
 
 @torch.no_grad()
@@ -313,8 +314,11 @@ def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor,
     key_valid = None if key_valid is None else key_valid.to(q.device)
     bias = st.bias_at(index)
     bias = None if bias is None else bias.to(q.device)
-    st.record(index, prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling, bias), hidden,
-              lookahead)
+    attn = prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling, bias)
+    planted = PLANTED.get(layer)
+    if planted is not None:  # a head lab plan (hap.plant): the rows its planted heads really run
+        attn = planted(attn, st.visual_pos.to(attn.device), st.kept_orig.to(attn.device))
+    st.record(index, attn, hidden, lookahead)
 
 
 @torch.no_grad()

@@ -1,0 +1,132 @@
+"""The page's head lab, "What if heads differed?" (`hap.plant`, docs/method.md §14): a plan chosen by the user,
+labelled on every view of the run it shaped, and what it did, in words and numbers.
+
+A planted run is never shown as the model's own: every figure's title starts with PLANTED_TITLE and carries a
+PLANTED badge, the planted heads are marked on the head-class grid, the answer cards say "planted heads", and
+`lab_text` explains the run with its numbers (the classifier's precision / recall on the plan, how much of the
+uniform-average and PAQ-fused maps the sink tokens hold, the answers of unpruned, uniform, the paper's HAP and
+HAP+ at the chosen budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+import hap
+from hap import views
+from hap.planting import Plan, share_plan
+
+PLANTED_TITLE = "PLANTED heads (hap.plant) · "
+NO_PLAN = ("No plan: this run is the model's own heads. Write a plan above (or fill one with the share helper) and "
+           "press **Run** to see what planted sink or dispersed heads do to each pruner.")
+LAB_INTRO = (
+    "## What if heads differed? (head lab)\n"
+    "The shipped model grew no sink heads, so its page shows none. Here you can **plant** heads: a planted *sink* "
+    "head moves `strength` of its attention onto the sink tokens (visual-token indices; empty: the most redundant "
+    "background patch of the image) and reads nothing from them; a planted *dispersed* head spreads `strength` of "
+    "its visual attention evenly over the image. The plan applies to every run of the request (the answers, the "
+    "maps, the causal section), and every view of it is marked PLANTED. It is an intervention chosen by you, like "
+    "editing the image: it never replaces the model's own heads in any other run.\n\n"
+    "The plan is the `/analyze` parameter `plant` (JSON: `{\"sink\": [[layer, head], ...], \"dispersed\": [...], "
+    "\"sink_tokens\": [...], \"strength\": 0.9}`; empty = none) and the CLI's `--plant FILE`.")
+# The teaching example's plan: sinks in half the heads of the layers scoring the shipped model's cuts, found by the
+# attention-consensus detector (the paper's norm detector cannot see a planted sink: it has no massive activation).
+TEACHING_PLAN = share_plan((0, 1, 3), 8, 0.5, seed=0)
+TEACHING_SETTINGS = {"sink_detector": "consensus"}
+
+
+def plan_from_share(kind: str, share: float, layers: str, seed: float, strength: float, sink_tokens: str,
+                    shape: tuple[int, int]) -> dict:
+    """The plan JSON of "plant `kind` heads in `share`% of the heads of layers `layers` ('a-b' or 'a')", drawn with
+    `seed`, on a decoder of `shape` = (layers, heads); ValueError naming the field otherwise."""
+    depth, heads = shape
+    first, _, last = str(layers).partition("-")
+    try:
+        span = range(int(first), int(last or first) + 1)
+    except ValueError as err:
+        raise ValueError(f"layers={layers!r} must be 'a-b' or 'a' (layers 0..{depth - 1})") from err
+    if not span or span.start < 0 or span.stop > depth:
+        raise ValueError(f"layers={layers!r} must lie in 0..{depth - 1}")
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 100:
+        raise ValueError(f"share={share!r} must be a number in [0, 100] (percent)")
+    try:
+        tokens = [int(t) for t in str(sink_tokens or "").replace(",", " ").split()] or None
+    except ValueError as err:
+        raise ValueError(f"sink tokens {sink_tokens!r} must be visual-token indices, e.g. '0 11'") from err
+    return share_plan(span, heads, share / 100, int(seed or 0), kind, tokens, strength).to_json()
+
+
+def mark_planted(figures: dict, plan: Plan) -> dict:
+    """Every figure of a planted run (outputs by name) titled PLANTED_TITLE + its title, with a PLANTED badge, every
+    text prefixed by it; the planted heads marked on the head-class grid (x: sink, o: dispersed)."""
+    import plotly.graph_objects as go
+
+    marked = {}
+    for name, fig in figures.items():
+        if not isinstance(fig, go.Figure):  # a text of the section: marked too; nothing drawn: as is
+            marked[name] = f"**{PLANTED_TITLE}** {fig}" if isinstance(fig, str) and fig else fig
+            continue
+        fig = go.Figure(fig)
+        title = fig.layout.title.text or ""
+        fig.update_layout(title=PLANTED_TITLE + title)
+        fig.add_annotation(text="PLANTED", xref="paper", yref="paper", x=1.0, y=1.0, xanchor="right", yanchor="bottom",
+                           showarrow=False, font=dict(color="white", size=12), bgcolor="#d62728")
+        if name == "head_classes":
+            for heads, symbol, label in ((plan.sink, "x", "planted sink"), (plan.dispersed, "circle-open",
+                                                                            "planted dispersed")):
+                if heads:
+                    fig.add_trace(go.Scatter(x=[h for _, h in heads], y=[l for l, _ in heads], mode="markers",
+                                             marker=dict(symbol=symbol, size=14, color="black", line=dict(width=2)),
+                                             name=label, hovertemplate=f"{label}: layer %{{y}}, head %{{x}}"
+                                                                       "<extra></extra>"))
+        marked[name] = fig
+    return marked
+
+
+def map_share(scores: np.ndarray, tokens: list[int]) -> float:
+    """Share of a token map's total score (`scores [visual]`, NaN for absent tokens) held by `tokens`."""
+    values = np.nan_to_num(np.asarray(scores, float))
+    total = values.sum()
+    return float(values[tokens].sum() / total) if total > 0 else 0.0
+
+
+def lab_text(report: dict, data: views.ViewData, answers: dict, config: hap.HAPConfig) -> str:
+    """Markdown: what the plan did on this run, with its numbers (`report`: `Result.plant`)."""
+    tokens = report["sink_tokens_used"] or []
+    lines = [f"**PLANTED heads, not the model's own.** {len(report['sink'])} sink heads "
+             f"{[tuple(p) for p in report['sink']]}, {len(report['dispersed'])} dispersed heads "
+             f"{[tuple(p) for p in report['dispersed']]}, strength {report['strength']}, sink tokens {tokens}"
+             + (" (default: the most redundant patch of this image)." if report["sink_tokens"] is None else ".")]
+    for kind in ("sink", "dispersed"):
+        c = report["classifier"][kind]
+        if c["planted"]:
+            lines.append(f"- The classifier (sink_detector={config.sink_detector}) classed {len(c['found'])} of the "
+                         f"{c['planted']} planted {kind} heads {kind} (recall {_pct(c['recall'])}); of the "
+                         f"{c['classified']} heads it classed {kind}, {_pct(c['precision'])} were planted (precision)."
+                         + (f" Missed: {[tuple(p) for p in c['missed']]}." if c["missed"] else ""))
+    if report["sink"] and config.sink_detector == "norm":
+        lines.append("- The norm detector (the paper's) flags tokens with massive hidden-state norms; a planted sink "
+                     "has none, so no planted sink can be classed sink, and a head parked on one token looks "
+                     "perfectly focused: PAQ ranks it high. Set sink_detector to consensus or both to find them.")
+    if data.groups and tokens:
+        g = data.groups[0]
+        kept = sorted(set(tokens) & set(g.kept))
+        lines.append(f"- At the first cut (layers {list(g.layers)}), the sink tokens hold "
+                     f"{map_share(data.group_uniform[0], tokens):.1%} of the uniform-average map and "
+                     f"{map_share(data.group_maps[0], tokens):.1%} of the PAQ-fused map; {len(kept)} of "
+                     f"{len(tokens)} sink tokens were kept among {len(g.kept)} tokens.")
+    lines.append("- Answers at this budget with the plan: " + "; ".join(f"{k}: **{v or '(empty)'}**"
+                                                                        for k, v in answers.items()) + ".")
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def lab_configs(config: hap.HAPConfig) -> dict[str, hap.HAPConfig]:
+    """The paper's HAP and HAP+ (the page's HAP settings) at `config`'s budget and schedule."""
+    schedule = {k: getattr(config, k) for k in ("retain", "flops_ratio", "first_layers", "groups", "decay")}
+    return {"HAP (paper)": hap.HAPConfig.paper(**schedule), "HAP+": replace(config, method="hap")}

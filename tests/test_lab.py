@@ -1,0 +1,98 @@
+"""The page's head lab: `/analyze` takes a plan as `plant`, marks every view of the planted run, reports the
+classifier's precision / recall on the plan and the lab's answers; the CLI's `--plant FILE` does the same."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from app_model import ROOT, default_model, free_port
+from gradio_client import Client, handle_file
+
+from app.lab import NO_PLAN, PLANTED_TITLE, TEACHING_PLAN, plan_from_share
+
+SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
+PROMPT = "what color is the square ?"
+MARK = PLANTED_TITLE.split(" ·")[0]  # as plotly JSON writes it (the dot escaped)
+PLAN = {"sink": [[0, 1], [0, 2], [1, 0], [1, 5]], "dispersed": [[3, 2]], "strength": 0.9}
+
+
+@pytest.fixture(scope="module")
+def model_name(tmp_path_factory):
+    return default_model(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="module")
+def client(model_name):
+    from app.app import build_demo, launch_options
+
+    demo = build_demo([model_name])
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
+                            **launch_options())
+    yield Client(url, verbose=False)
+    demo.close()
+
+
+def analyze(client, model, **changes) -> dict:
+    from app.handler import OUTPUTS
+
+    out = client.predict(image=handle_file(str(SCENE)), prompt=PROMPT, model_name=model, causal="off",
+                         **changes, api_name="/analyze")
+    return dict(zip(OUTPUTS, out))
+
+
+@pytest.mark.slow
+def test_a_planted_run_is_marked_on_every_view_and_reports_the_classifier(client, model_name):
+    out = analyze(client, model_name, plant=json.dumps(PLAN), sink_detector="consensus")
+    plant = out["summary"]["plant"]
+    assert plant["sink"] == PLAN["sink"] and plant["strength"] == 0.9 and len(plant["sink_tokens_used"]) == 1
+    assert plant["classifier"]["sink"]["recall"] == 1.0  # the consensus detector sees 2 planted of 8 heads
+    assert set(plant["answers"]) == {"unpruned", "uniform", "HAP (paper)", "HAP+"}
+    assert out["lab"].startswith("**PLANTED heads, not the model's own.**") and "recall 100%" in out["lab"]
+    for name in ("head_classes", "paq", "uniform_vs_paq", "kept_masks", "group_maps"):
+        assert out[name]["plot"] and MARK in json.dumps(out[name]), name
+    assert all(out[card].startswith("#### PLANTED heads") for card in ("unpruned", "pruned", "uniform"))
+    stock = analyze(client, model_name, plant="")  # empty = none: the model's own heads, nothing marked
+    assert stock["summary"]["plant"] is None and stock["lab"] == NO_PLAN
+    assert MARK not in json.dumps(stock["head_classes"])
+
+
+@pytest.mark.parametrize("plant, message", [
+    ({"sink": [[6, 0]]}, "sink: layer 6 of \\[6, 0\\] is out of range; the model's layers are 0..5"),
+    ({"dispersed": [[0, 8]]}, "head 8 of \\[0, 8\\] is out of range"),
+    ({"strength": 2}, "strength=2 must be a number in \\[0, 1\\]"),
+    ({"sink": [[0, 0]], "sink_tokens": []}, "sink_tokens must name at least one visual token"),
+    ({"sink": [[0, 0]], "sink_tokens": [500]}, "sink_tokens \\[500\\] are out of range"),
+])
+def test_a_bad_plan_is_a_clear_error_and_the_server_keeps_answering(client, model_name, plant, message):
+    with pytest.raises(Exception, match=message):
+        analyze(client, model_name, plant=json.dumps(plant))
+
+
+def test_the_share_helper_and_the_teaching_plan():
+    plan = plan_from_share("dispersed", 50, "1-2", 0, 0.8, "3, 4", (6, 8))
+    assert len(plan["dispersed"]) == 8 and {l for l, _ in plan["dispersed"]} == {1, 2}
+    assert plan["sink_tokens"] == [3, 4] and plan["strength"] == 0.8
+    for args, message in ((("sink", 50, "4-9", 0, 0.9, "", (6, 8)), "layers='4-9' must lie in 0..5"),
+                          (("sink", 150, "0", 0, 0.9, "", (6, 8)), "share=150"),
+                          (("sink", 50, "x", 0, 0.9, "", (6, 8)), "layers='x'"),
+                          (("sink", 50, "0", 0, 0.9, "a", (6, 8)), "sink tokens 'a'")):
+        with pytest.raises(ValueError, match=message):
+            plan_from_share(*args)
+    assert len(TEACHING_PLAN.sink) == 12
+
+
+def test_the_cli_plants_a_plan_file(tmp_path, capsys):
+    from hap.__main__ import main
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(PLAN))
+    out = tmp_path / "out.json"
+    assert main(["run", "--image", str(SCENE), "--prompt", PROMPT, "--plant", str(plan), "--sink-detector",
+                 "consensus", "--max-new-tokens", "2", "--json", str(out)]) == 0
+    assert "PLANTED heads (hap.plant, not the model's own): 4 sink, 1 dispersed" in capsys.readouterr().out
+    report = json.loads(out.read_text())["plant"]
+    assert report["classifier"]["sink"]["recall"] == 1.0 and report["dispersed"] == [[3, 2]]
+    plan.write_text('{"sink": [[0, 99]]}')
+    assert main(["run", "--image", str(SCENE), "--prompt", PROMPT, "--plant", str(plan)]) == 2
+    assert "error: sink: head 99 of [0, 99] is out of range; each layer has query heads 0..7" in capsys.readouterr().err

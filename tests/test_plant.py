@@ -1,0 +1,277 @@
+"""hap.plant, the head lab: planted sink and dispersed heads change every forward exactly as planned (SDPA, eager,
+GQA, LLaVA and Qwen2-VL), what HAP captures is what the model runs, the model is stock after the block, bad plans
+are refused naming the field."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hap
+from hap.causal import ablation, gradients
+from hap.patch import attention_outputs
+from hap.planting import Plan, classifier_report, plant_attention, precision_recall, redundant_tokens, share_plan
+from tiny_models import llava_case, qwen_vl_case
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "assets" / "tiny-llava"
+
+CASES = {
+    "llava-sdpa-gqa": lambda: llava_case("sdpa"),
+    "llava-eager-gqa": lambda: llava_case("eager"),
+    "qwen2vl-sdpa": lambda: qwen_vl_case("sdpa"),
+}
+
+
+def _logits(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def _hooks(model) -> int:
+    """Forward hooks on the model (transformers adds its own output-capturing ones on the first forward)."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+# --- the arithmetic -------------------------------------------------------------------------------------------
+
+
+def test_plant_attention_moves_the_share_and_keeps_rows_summing():
+    torch.manual_seed(0)
+    attn = torch.rand(2, 3, 4, 10).softmax(-1)  # 3 heads, 4 rows, 10 keys
+    visual = torch.zeros(2, 10, dtype=torch.bool)
+    visual[:, 2:8] = True
+    sink = torch.zeros(2, 10, dtype=torch.bool)
+    sink[:, 3] = True
+    out = plant_attention(attn, visual, sink, [0], [2], 0.9)
+    assert torch.allclose(out.sum(-1), attn.sum(-1))
+    assert bool((out[:, 0, :, 3] >= 0.9).all())  # the sink head: at least the strength on the sink token
+    assert torch.equal(out[:, 1], attn[:, 1])  # an unplanted head untouched
+    disp = out[:, 2]  # the dispersed head: its text attention and visual share unchanged, visual part nearly flat
+    assert torch.allclose(disp[..., ~visual[0]], attn[:, 2][..., ~visual[0]])
+    assert torch.allclose(disp[..., visual[0]].sum(-1), attn[:, 2][..., visual[0]].sum(-1))
+    spread = disp[..., visual[0]] / disp[..., visual[0]].sum(-1, keepdim=True)
+    assert float((spread - 1 / 6).abs().max()) < 0.1 * 1 / 6 * 6
+
+
+def test_redundant_tokens_pick_the_plain_background():
+    x = torch.randn(1, 9, 16)
+    x[0, [1, 4, 7]] = torch.ones(16)  # three identical background patches
+    assert redundant_tokens(x, 1).tolist() == [[1]]
+    assert redundant_tokens(x, 3).tolist() == [[1, 4, 7]]
+
+
+def test_precision_recall_and_share_plan():
+    pr = precision_recall([(0, 1), (1, 2)], [(0, 1), (2, 0)])
+    assert (pr["precision"], pr["recall"], pr["missed"]) == (0.5, 0.5, [[1, 2]])
+    assert precision_recall([], [])["precision"] is None
+    plan = share_plan(range(2, 4), 8, 0.25, seed=3)
+    assert len(plan.sink) == 4 and {l for l, _ in plan.sink} == {2, 3}
+    assert share_plan(range(2, 4), 8, 0.25, seed=3) == plan
+    classes = [["sink", "optimal"], ["dispersed", ""]]
+    report = classifier_report(Plan.of(sink=[(0, 0)], dispersed=[(1, 1)]), classes)
+    assert report["sink"]["recall"] == 1.0 and report["dispersed"]["recall"] == 0.0
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"sink": [[0, 9]]}, "head 9"), ({"sink": [[7, 0]]}, "layer 7"), ({"dispersed": [[-1, 0]]}, "layer -1"),
+    ({"sink_tokens": []}, "sink_tokens"), ({"strength": 1.5}, "strength"), ({"strength": -0.1}, "strength"),
+    ({"sink": [[0, 1]], "dispersed": [[0, 1]]}, "dispersed"), ({"sink": [[0]]}, "sink"), ({"heads": []}, "unknown"),
+    ("{not json", "JSON"), ([1, 2], "JSON object"), ({"sink_tokens": ["a"]}, "sink_tokens"),
+])
+def test_bad_plans_are_refused_naming_the_field(value, field):
+    model, _ = llava_case()
+    with pytest.raises(ValueError, match=field):
+        plan = Plan.from_json(value)
+        with hap.plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength):
+            pass
+    assert _hooks(model) == 0
+
+
+def test_out_of_range_sink_tokens_are_refused_at_the_prefill():
+    model, make = llava_case()
+    with pytest.raises(ValueError, match=r"sink_tokens \[144\] are out of range; this image has visual tokens 0..143"):
+        with hap.plant(model, sink=[(1, 0)], sink_tokens=[144]):
+            _logits(model, make(["what color ?"], [0]))
+
+
+# --- the model ------------------------------------------------------------------------------------------------
+
+
+def test_a_plan_of_nothing_leaves_logits_exactly_equal_and_the_block_leaves_the_model_stock():
+    model, make = llava_case()
+    inputs = make(["what color is the circle ?"], [0])
+    stock, hooks = _logits(model, inputs), _hooks(model)
+    with hap.plant(model):
+        assert torch.equal(_logits(model, inputs), stock)
+    with hap.plant(model, sink=[(1, 0), (2, 3)], dispersed=[(3, 1)]):
+        assert not torch.equal(_logits(model, inputs), stock)
+    assert torch.equal(_logits(model, inputs), stock) and _hooks(model) == hooks
+    with pytest.raises(RuntimeError, match="boom"):
+        with hap.plant(model, sink=[(1, 0)]):
+            raise RuntimeError("boom")
+    assert torch.equal(_logits(model, inputs), stock) and _hooks(model) == hooks
+
+
+def _reference(model, inputs, layer: int, head: int, sink_token: int, kind: str, strength: float) -> tuple:
+    """(eager stock attention of `head` at `layer` over every key [B, T, T], its values [B, T, d], visual and
+    sink masks [B, T]) from the stock model run eagerly."""
+    taken = {}
+    attn_module = model.model.language_model.layers[layer].self_attn
+    handle = attn_module.v_proj.register_forward_hook(lambda m, a, out: taken.update(v=out))
+    implementation = model.config.text_config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(**inputs, output_attentions=True)
+    finally:
+        handle.remove()
+        model.set_attn_implementation(implementation)
+    A = out.attentions[layer][:, head].float()
+    group = attn_module.config.num_attention_heads // attn_module.config.num_key_value_heads
+    B, T = A.shape[:2]
+    v = taken["v"].view(B, T, -1, attn_module.head_dim)[:, :, head // group].float()
+    visual = inputs["input_ids"] == model.config.image_token_id
+    sink = torch.zeros_like(visual)
+    sink[:, visual[0].nonzero()[sink_token, 0]] = True
+    return A, v, visual, sink
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", ["sink", "dispersed"])
+def test_the_planted_head_runs_the_planned_attention_and_a_sink_reads_nothing(case, kind):
+    """The planted head's output (its o_proj input slice) on the rows after the image equals A' V', A' the eager
+    stock attention planted by hand, V' its values with the sink token's zeroed for a sink; other heads and rows
+    are untouched. With GQA (2 kv heads of 4 query heads) the head's neighbour in its group stays stock."""
+    model, make = CASES[case]()
+    inputs = make(["what color is the circle ?"], [0])
+    layer, head, token, s = 1, 2, 5, 0.8
+    A, v, visual, sink = _reference(model, inputs, layer, head, token, kind, s)
+    seen = {}
+    o_proj = attention_outputs(model)[layer]
+    with hap.plant(model, **{kind: [(layer, head)]}, sink_tokens=[token], strength=s):
+        handle = o_proj.register_forward_pre_hook(lambda m, a: seen.update(x=a[0]))
+        try:
+            _logits(model, inputs)
+        finally:
+            handle.remove()
+    handle = o_proj.register_forward_pre_hook(lambda m, a: seen.update(stock=a[0]))
+    _logits(model, inputs)
+    handle.remove()
+    B, T = A.shape[:2]
+    d = v.shape[-1]
+    x, stock = seen["x"].view(B, T, -1, d), seen["stock"].view(B, T, -1, d)
+    after = torch.arange(T) > visual[0].nonzero().max()
+    planted = plant_attention(A[:, None], visual, sink, [0] if kind == "sink" else [],
+                              [0] if kind == "dispersed" else [], s)[:, 0]
+    values = v * (~sink).float()[..., None] if kind == "sink" else v
+    expected = planted @ values
+    assert torch.allclose(x[:, after, head].float(), expected[:, after], atol=1e-5)
+    assert torch.equal(x[:, ~after, head], stock[:, ~after, head])
+    others = [h for h in range(x.shape[2]) if h != head]
+    assert torch.equal(x[:, :, others], stock[:, :, others])
+    if kind == "sink":
+        assert float(planted[:, after][..., sink[0]].sum(-1).min()) >= s - 1e-6
+
+
+def test_a_full_strength_sink_head_outputs_nothing_after_the_image():
+    model, make = llava_case()
+    inputs = make(["what color ?"], [0])
+    seen = {}
+    with hap.plant(model, sink=[(2, 1)], strength=1.0):
+        handle = attention_outputs(model)[2].register_forward_pre_hook(lambda m, a: seen.update(x=a[0]))
+        _logits(model, inputs)
+        handle.remove()
+    T = inputs["input_ids"].shape[1]
+    after = (torch.arange(T) > (inputs["input_ids"][0] == model.config.image_token_id).nonzero().max())
+    assert float(seen["x"].view(1, T, 4, -1)[0, after, 1].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_decodes_what_a_full_forward_computes_with_the_plan(case):
+    """The planted decode steps (keys from the cache) agree with a no-cache forward over prompt + answer."""
+    model, make = CASES[case]()
+    inputs = make(["what color is the circle ?", "is there a square ?"], [0, 1])
+    with hap.plant(model, sink=[(1, 0), (3, 3)], dispersed=[(2, 1)], strength=0.9), torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        full = dict(inputs, input_ids=out.sequences,
+                    attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1))
+        if "mm_token_type_ids" in inputs:
+            full["mm_token_type_ids"] = (out.sequences == model.config.image_token_id).int()
+        logits = model(**full, use_cache=False).logits
+    T = inputs["input_ids"].shape[1]
+    for step, step_logits in enumerate(out.logits):
+        assert torch.allclose(step_logits, logits[:, T - 1 + step], atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["llava-sdpa-gqa", "qwen2vl-sdpa"])
+def test_hap_scores_what_the_planted_model_runs(case):
+    """Under HAP's pruned prefill (a cut, merged tokens), the captured rows of a planted sink head hold at least
+    the strength on the sink token; generate runs to the end and the block leaves no hook."""
+    model, make = CASES[case]()
+    inputs = make(["what color is the circle ?"], [0])
+    _logits(model, inputs)  # transformers adds its own output-capturing hooks on the first forward
+    hooks = _hooks(model)
+    config = hap.HAPConfig(retain=0.5, first_layers=1, groups=2)
+    with hap.plant(model, sink=[(0, 1), (2, 2)], sink_tokens=[3], strength=0.9) as lab:
+        with hap.patched(model, config, trace=True) as patch, torch.no_grad():
+            model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert lab.report()["sink_tokens_used"] == [3]
+    for layer, head in ((0, 1), (2, 2)):
+        traced = patch.state.tracer.layers[layer]
+        on_sink = traced.visual_share[0, head] * traced.head_attention[0, head, 3]  # rows="last": one row
+        assert float(on_sink) >= 0.9 - 1e-5
+    assert _hooks(model) == hooks
+
+
+def test_the_causal_path_sees_the_planted_heads():
+    model, make = llava_case(layers=2)
+    inputs = make(["what color ?"], [0])
+    stock = ablation(model, inputs)[2]
+    with hap.plant(model, sink=[(0, 0)], strength=1.0):
+        planted = ablation(model, inputs)[2]
+        attribution = gradients(model, inputs)[2]
+    assert not torch.allclose(stock, planted)
+    assert torch.isfinite(attribution).all()
+
+
+# --- the shipped model: the classifier finds the planted heads ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    if not (SHIPPED / "config.json").is_file():
+        pytest.skip("the shipped model is not in assets/")
+    return hap.load_model(str(SHIPPED), device="cpu")
+
+
+def _classes(model, processor, items, plan: Plan, config: hap.HAPConfig) -> list[list[list[str]]]:
+    classes = []
+    with hap.plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength):
+        for scene, question in items:
+            classes.append(hap.run(model, processor, scene.image, question.text, config, max_new_tokens=1).head_class)
+    return classes
+
+
+@pytest.mark.slow
+def test_planted_heads_are_classified_on_held_out_scenes(shipped):
+    """Held-out test scenes (seeds 500000+): with the attention-consensus sink detector, planted sinks in half the
+    heads of every layer are classified sink (recall >= 0.9) and unplanted heads rarely (<= 10%); planted
+    dispersed heads are classified dispersed (recall >= 0.8)."""
+    from analysis.scenes import heldout_items
+
+    model, processor = shipped
+    items = list(heldout_items(range(500_000, 500_004), 1))
+    config = hap.HAPConfig(method="none", sink_detector="consensus")
+    layers, heads = model.config.text_config.num_hidden_layers, model.config.text_config.num_attention_heads
+    sinks = share_plan(range(layers), heads, 0.5, seed=0)
+    found = [classifier_report(sinks, c)["sink"] for c in _classes(model, processor, items, sinks, config)]
+    assert sum(f["recall"] for f in found) / len(found) >= 0.9
+    unplanted = layers * heads - len(sinks.sink)
+    false = sum(f["classified"] - len(f["found"]) for f in found) / (unplanted * len(found))
+    assert false <= 0.1
+    dispersed = share_plan(range(layers), heads, 0.25, seed=1, kind="dispersed")
+    found = [classifier_report(dispersed, c)["dispersed"]
+             for c in _classes(model, processor, items, dispersed, config)]
+    assert sum(f["recall"] for f in found) / len(found) >= 0.8
