@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hap
-from analysis.tiny_vlm import build_config, build_processor
+from analysis.training.tiny_vlm import build_config, build_processor
 from hap import autoprune, recycle, sparsevlm
 from hap.budget import DecoderShape, official_schedule, plan, smallest_retain
 from hap.patch import refusal
