@@ -48,17 +48,19 @@ def latency(result: hap.Result) -> float:
     return result.timings["prepare_s"] + result.timings["generate_s"]
 
 
-def answer_card(label: str, result: hap.Result) -> str:
-    """Markdown: the answer with its retained tokens, FLOPs ratio and the latency of its untraced run."""
+def answer_card(label: str, result: hap.Result, traced: bool = False) -> str:
+    """Markdown: the answer with its retained tokens, FLOPs ratio and latency; `traced`: that latency is of the
+    traced run the figures come from (capture included), else of an untraced run."""
     t = result.timings
     title = f"{LABELS.get(label, label)}" + (f" ({result.method})" if label == "pruned" else "")
+    run = ("traced run (attention capture included; the figures come from this run)" if traced else "untraced run"
+           + ("; the figures come from a separate traced run" if label == "pruned" else ""))
     return (
         f"#### {title}\n"
         f"**{result.answer or '(empty answer)'}**\n\n"
         f"{result.retained_tokens:.1f} of {result.num_visual} visual tokens ({result.retain:.1%}, layer average) · "
-        f"prefill FLOPs {result.flops_ratio:.1%} · latency {latency(result):.2f} s, untraced run "
+        f"prefill FLOPs {result.flops_ratio:.1%} · latency {latency(result):.2f} s, {run} "
         f"(prefill {t['prefill_s']:.2f} s, scoring {t['scoring_s']:.3f} s, decode {t['decode_s']:.2f} s)"
-        + ("; the figures come from a separate traced run" if label == "pruned" else "")
     )
 
 
@@ -117,13 +119,13 @@ def explanation(comparison: Comparison) -> str:
 
 def summary(comparison: Comparison, timed: dict[str, hap.Result], model: str) -> dict:
     """JSON for API callers: the chosen method's traced result without its token maps, plus the three answers
-    with the latencies of their untraced runs (`timed`, by label)."""
+    with the latencies of the runs they were timed on (`timed`, by label; "traced": the traced run itself)."""
     data = replace(comparison.pruned, maps=None).to_json()
     del data["maps"]
     data["model"] = model
     data["runs"] = {
         label: {"method": r.method, "answer": r.answer, "retained_tokens": r.retained_tokens,
-                "flops_ratio": r.flops_ratio, "latency_s": latency(r), "traced": False}
+                "flops_ratio": r.flops_ratio, "latency_s": latency(r), "traced": r is comparison.pruned}
         for label, r in timed.items()
     }
     return data

@@ -12,6 +12,13 @@ AutoPrune (`OFFICIAL`) run their official schedules, whose first cut comes after
 unpruned one included, since a pruned run may ramble on until the token limit. The probability of the
 unpruned answer is teacher-forced: the product of the pruned model's next-token probabilities of that (cut)
 answer's tokens, generated on the pruned cache.
+
+`shared=True` (the app's default, HAP_APP_SHARE) gives the same answers and probabilities for less work (`tests/
+test_sweep.py` compares the two): each generation stops once its cut answer is complete (`AnswerEnd`); where the
+greedy answer begins with the unpruned answer's tokens, their probability is read from the same generation's logits
+(the forced pass would compute exactly those logits again); and at a budget where a method's schedule keeps every
+visual token in every layer (`keeps_everything`), its run is the stock model's, whose answer and probability are
+the unpruned ones. The image's features come from the caller's `hap.features` cache where there is one.
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ import numpy as np
 import torch
 
 import hap
-from hap.budget import OFFICIAL
+from hap.budget import OFFICIAL, plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits, load_image
+from hap.methods import policy_for
 from hap.patch import refusal
 from hap.patch.decoder import decoder_shape
-from hap.run import build_inputs
+from hap.run import build_inputs, template_tail
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
@@ -66,18 +74,68 @@ def refused(model, config: hap.HAPConfig) -> dict[str, str]:
     return {m: w for m, w in why.items() if w is not None}
 
 
-def answer_probability(model, inputs, config: hap.HAPConfig, answer_ids: list[int]) -> float | None:
+class AnswerEnd:
+    """A stopping criterion for `generate`: stop once the text generated after position `start` holds the whole
+    cut answer (`short_answer`): a line break after some text, or more than `words` words (the first `words` can no
+    longer change)."""
+
+    def __init__(self, tokenizer, start: int, words: int = ANSWER_WORDS) -> None:
+        self.tokenizer, self.start, self.words = tokenizer, start, words
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=True).strip()
+        done = "\n" in text or len(text.split()) > self.words
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def keeps_everything(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, text_tokens: int) -> bool:
+    """Whether `config` runs as the stock model on this input: a schedule that keeps every visual token in every
+    layer, of a method that only drops tokens at its cuts (not VisionZip's tokens built before the decoder, nor the
+    official schedules' recycled cluster means)."""
+    if config.method in OFFICIAL or policy_for(config).vision:
+        return False
+    schedule = plan(config, shape, num_visual, text_tokens)
+    return schedule is None or all(n == num_visual for n in schedule.visual_per_layer)
+
+
+def answer_probability(model, inputs, config: hap.HAPConfig, answer_ids: list[int], tail: int = 0) -> float | None:
     """Probability the model pruned by `config` gives the tokens `answer_ids` after the prompt of `inputs`
-    (each token forced in turn on the pruned cache); None for an empty answer."""
+    (each token forced in turn on the pruned cache); None for an empty answer. `tail`: `hap.run.template_tail`."""
     if not answer_ids:
         return None
     start = inputs["input_ids"].shape[1]
-    with hap.patched(model, config), torch.inference_mode():
+    with hap.patched(model, config, tail=tail), torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=len(answer_ids), do_sample=False, num_beams=1,
                              output_logits=True, return_dict_in_generate=True,
                              prefix_allowed_tokens_fn=lambda _, ids: [answer_ids[ids.shape[-1] - start]])
-    logp = sum(float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, answer_ids))
+    return forced_probability(out.logits, answer_ids)
+
+
+def forced_probability(logits, answer_ids: list[int]) -> float:
+    """exp(sum_i log softmax(logits[i])[answer_ids[i]]): `logits` one `[1, vocab]` tensor per generated step."""
+    logp = sum(float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(logits, answer_ids))
     return float(np.exp(logp))
+
+
+def generated_answer(model, processor, inputs, config: hap.HAPConfig, max_new_tokens: int
+                     ) -> tuple[str, list[int], tuple]:
+    """One generation of `config` stopped at its answer's end (`AnswerEnd`): (the cut answer, the generated token
+    ids, the logits of each step, `[1, vocab]` each)."""
+    start = inputs["input_ids"].shape[1]
+    with hap.patched(model, config, tail=template_tail(processor)), torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                             output_logits=True, return_dict_in_generate=True,
+                             stopping_criteria=[AnswerEnd(processor.tokenizer, start)])
+    ids = out.sequences[0, start:].tolist()
+    return short_answer(processor.decode(ids, skip_special_tokens=True)), ids, out.logits
+
+
+def read_probability(ids: list[int], logits, answer_ids: list[int]) -> float | None:
+    """The probability of `answer_ids` from a generation's own logits where its tokens `ids` begin with them (the
+    forced pass would compute exactly these logits), else None (not readable here)."""
+    if not answer_ids or ids[:len(answer_ids)] != answer_ids:
+        return None
+    return forced_probability(logits, answer_ids)
 
 
 def reference_config(config: hap.HAPConfig) -> hap.HAPConfig:
@@ -86,30 +144,42 @@ def reference_config(config: hap.HAPConfig) -> hap.HAPConfig:
 
 
 def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_tokens: int, limits: InputLimits,
-          on_step: Callable[[float, str], None] | None = None) -> dict:
+          on_step: Callable[[float, str], None] | None = None, shared: bool = False) -> dict:
     """`{"retain": [R], "methods": {name: {"answers": [R], "answer_prob": [R]}}, "unpruned": {...}, "refused": {name:
     why}}` for every method of METHODS the model takes (`refused`) at `budgets(...)`, `config`'s other knobs unchanged
-    (its method and budget are replaced); None for both where a budget is below a method's floor (out of reach)."""
+    (its method and budget are replaced); None for both where a budget is below a method's floor (out of reach).
+    `shared`: the same figures for less work (module docstring)."""
     step = on_step or (lambda fraction, description: None)
     image = load_image(image, limits)
-
-    def answer(cfg: hap.HAPConfig) -> tuple[str, int]:
-        """(the answer cut at its end, the visual tokens the model saw)."""
-        run = hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
-                      limits=limits)
-        return short_answer(run.answer), run.num_visual
-
-    step(0.0, "unpruned reference answer")
-    reference, num_visual = answer(reference_config(config))
-    answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
     inputs, _, _ = build_inputs(processor, image, prompt, limits)
     inputs = inputs.to(next(model.parameters()).device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    num_visual = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
+    text_tokens = inputs["input_ids"].shape[1] - num_visual
+    tail = template_tail(processor)
+
+    def answer(cfg: hap.HAPConfig) -> str:
+        """The answer cut at its end, from `hap.run` (untraced) as the page's runs give it."""
+        return short_answer(hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
+                                    limits=limits).answer)
+
+    step(0.0, "unpruned reference answer")
+    if shared:
+        reference, ids, logits = generated_answer(model, processor, inputs, reference_config(config), max_new_tokens)
+    else:
+        reference = answer(reference_config(config))
+    answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
     refusals = refused(model, config)
     methods = [m for m in METHODS if m not in refusals]
     shape = decoder_shape(model)
     retains = budgets(config, shape, num_visual, methods=[m for m in methods if m in GRID] or methods)
-    stock = answer_probability(model, inputs, reference_config(config), answer_ids)
+
+    def probability(cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
+        """Read from a generation's own logits where it allows, else teacher-forced."""
+        read = read_probability(list(ids), logits, answer_ids)
+        return read if read is not None else answer_probability(model, inputs, cfg, answer_ids, tail)
+
+    stock = probability(reference_config(config), *((ids, logits) if shared else ()))
     out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
            "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals}
     for i, method in enumerate(methods):
@@ -117,8 +187,15 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
         floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
         for retain in retains:
             cfg = replace(config, method=method, retain=retain, flops_ratio=None)
-            reach = retain >= floor - 1e-12  # else out of reach (an official schedule below its floor)
-            out["methods"][method]["answers"].append(answer(cfg)[0] if reach else None)
-            out["methods"][method]["answer_prob"].append(answer_probability(model, inputs, cfg, answer_ids)
-                                                         if reach else None)
+            if retain < floor - 1e-12:  # out of reach (an official schedule below its floor)
+                found = (None, None)
+            elif not shared:
+                found = (answer(cfg), probability(cfg))
+            elif keeps_everything(cfg, shape, num_visual, text_tokens):
+                found = (reference, stock)
+            else:
+                text, ids, logits = generated_answer(model, processor, inputs, cfg, max_new_tokens)
+                found = (text, probability(cfg, ids, logits))
+            out["methods"][method]["answers"].append(found[0])
+            out["methods"][method]["answer_prob"].append(found[1])
     return out

@@ -17,6 +17,8 @@ from PIL import Image
 
 from hap import HAPConfig, causal, causal_views, utility, views
 from hap.inputs import InputLimits
+from hap.patch.decoder import decoder_shape
+from hap.run import build_inputs
 
 CAUSAL = ("causal_text", "causal_heads", "causal_scatter", "causal_tokens", "utility_text", "utility_heads",
           "utility_scatter", "utility_layers")
@@ -37,13 +39,18 @@ UTILITY_INTRO = (
 )
 
 
+CPU_PREFILLS = 4.0  # what "auto" spends on a CPU, in unpruned prefills of the decoder (FLOPs estimate)
+ATTRIBUTION_PREFILLS = 3.0  # one forward and one backward (two forwards' FLOPs)
+
+
 @dataclass
 class Found:
     """What the section measured on one input."""
 
     causal: causal.Causal
-    utility: utility.HeadUtility
+    utility: utility.HeadUtility | None  # None: "auto" on a CPU left it out (`choice` says why)
     all_layers: bool  # head utility scored every layer (else the layers before the run's cuts: a large model)
+    choice: str = ""  # what "auto" chose on a CPU, and why ("" where it ran the full section)
 
 
 def section(default: str = "auto") -> tuple[gr.Radio, dict[str, gr.components.Component]]:
@@ -77,10 +84,39 @@ def analyze(model, processor, image: Image.Image, prompt: str, setting: str | No
     if mode is None:
         return None
     config = config or HAPConfig()
-    layers = utility.auto_layers(model, cuts)
-    return Found(causal.analyze(model, processor, image, prompt, mode, limits, history),
-                 utility.utility(model, processor, image, prompt, rows=config.rows, history=history, layers=layers,
-                                 config=config, limits=limits), layers is None)
+    layers, choice = utility.auto_layers(model, cuts), ""
+    if (setting or "auto") == "auto" and mode == "attribution" and next(model.parameters()).device.type == "cpu":
+        inputs, _, _ = build_inputs(processor, image, prompt, limits, history)
+        ids = inputs["input_ids"][0]
+        visual = int((ids == model.config.image_token_id).sum())
+        layers, choice = cpu_layers(model, layers, visual, len(ids) - visual)
+    found = causal.analyze(model, processor, image, prompt, mode, limits, history)
+    measured = None if layers == [] else utility.utility(model, processor, image, prompt, rows=config.rows,
+                                                         history=history, layers=layers, config=config,
+                                                         limits=limits)
+    return Found(found, measured, layers is None, choice)
+
+
+def cpu_layers(model, layers: list[int], visual: int, text: int,
+               budget: float = CPU_PREFILLS) -> tuple[list[int], str]:
+    """The head-utility layers "auto" keeps on a CPU: of `layers` (the layers before the run's cuts), in order, those
+    whose estimated cost (`hap.utility.cost`, in unpruned prefills) still fits in `budget` after the attribution's;
+    with the sentence the page shows about the choice."""
+    shape, (_, heads) = decoder_shape(model), causal.head_layout(model)
+    left = budget - ATTRIBUTION_PREFILLS
+    kept = []
+    for layer in layers:
+        if utility.cost(shape, visual, text, heads, layers=[*kept, layer]) <= left:
+            kept.append(layer)
+    dropped = [l for l in layers if l not in kept]
+    if not dropped:
+        return kept, ""
+    cost = utility.cost(shape, visual, text, heads, layers=layers)
+    return kept, (f"On a CPU, `auto` keeps this section within about {budget:g} unpruned prefills: attribution "
+                  f"({ATTRIBUTION_PREFILLS:g}) and head utility at "
+                  + (f"layers {', '.join(map(str, kept))}" if kept else "no layer")
+                  + f" (all of layers {', '.join(map(str, layers))} would take about {cost:.1f} more). "
+                  "Set `causal` to attribution to score them all.")
 
 
 def outputs(found: Found | None, data: views.ViewData) -> tuple[dict[str, object], dict[str, dict]]:
@@ -88,6 +124,12 @@ def outputs(found: Found | None, data: views.ViewData) -> tuple[dict[str, object
     if found is None:
         return {**dict.fromkeys(CAUSAL), "causal_text": OFF, "utility_text": ""}, {}
     shown, report = causal_outputs(found.causal, data)
+    if found.choice:
+        shown["causal_text"] = f"_{found.choice}_\n\n" + shown["causal_text"]
+        report["auto_choice"] = found.choice
+    if found.utility is None:
+        return ({**shown, **dict.fromkeys(CAUSAL[5:]), "utility_text": f"**Head utility** not measured: {found.choice}"},
+                {"causal": report})
     entry = utility.to_json(found.utility)
     return {**shown, **utility_outputs(found, entry, data)}, {"causal": report, "head_utility": entry}
 

@@ -48,6 +48,7 @@ from analysis.sweep import sweep
 from hap import views
 from hap.causal import resolve_setting
 from hap.compare import compare
+from hap.features import FeatureCache, reusing_features
 from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.knobs import KNOBS
 from hap.planting import Plan
@@ -79,6 +80,8 @@ TURN_OUTPUTS = OUTPUTS[: OUTPUTS.index("history")] + ("state",)  # what picking 
 SWEPT = ("method", "retain", "flops_ratio")  # knobs /sweep varies itself: not among its parameters
 SWEEP_OUTPUTS = ("sweep_plot", "sweep")
 SWEEP_CACHE = 16  # sweeps kept (least recently used dropped)
+FEATURE_CLIENTS = 16  # clients whose image features are kept (least recently served dropped), `FEATURE_IMAGES` each
+FEATURE_IMAGES = 2  # the image asked about and one before it (an edit's original, a follow-up's first turn)
 HUB_TIMEOUT_S = 2.0  # a hub that does not accept a connection within this is treated as offline
 
 
@@ -89,6 +92,15 @@ class LoadedModel:
         self.name: str | None = None
         self.model = None
         self.processor = None
+        self.features: OrderedDict[str, FeatureCache] = OrderedDict()  # client -> its images' features
+
+    def feature_cache(self, client: str) -> FeatureCache:
+        """The image features kept for `client` (a session) on the loaded model; a new model starts empty."""
+        cache = self.features.pop(client, None) or FeatureCache(FEATURE_IMAGES)
+        self.features[client] = cache
+        while len(self.features) > FEATURE_CLIENTS:
+            self.features.popitem(last=False)
+        return cache
 
     def get(self, name: str):
         """(model, processor) of `name`, loading it on first use; raises hap.ModelLoadError (the old one stays).
@@ -100,6 +112,7 @@ class LoadedModel:
             with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True) if offline else nullcontext():
                 model, processor = hap.load_model(resolve(name))
             self.model, self.processor, self.name = model, processor, name
+            self.features.clear()  # another model's features are never reused
             free_memory()  # the replaced model's weights
         return self.model, self.processor
 
@@ -165,22 +178,35 @@ def planted(plan: Plan):
     return hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength)
 
 
-@gpu(lambda call: zerogpu.answers(runs=6, traced=1, new_tokens=MAX_NEW_TOKENS))  # compare's three, one again, lab's
+def compare_runs(shared: bool, plan: Plan) -> int:
+    """Generations of `_compare`: the three answers, the method again untraced unless `shared`, the lab's two with
+    a plan."""
+    return 3 + (not shared) + 2 * (not plan.empty)
+
+
+@gpu(lambda call: zerogpu.answers(runs=compare_runs(call.arguments["cache"] is not None, call.arguments["plan"]),
+                                   traced=1, new_tokens=MAX_NEW_TOKENS))
 def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
-             history: list[tuple[str, str]], plan: Plan = Plan()):
-    """The GPU part: the three runs on the loaded model, then the chosen method untraced, each with `plan` planted.
-    Returns (comparison with the traced run, for the figures; the three results to report, untraced, for fair
-    latencies; with a plan, the head lab's four answers: unpruned, uniform, the paper's HAP and HAP+).
+             history: list[tuple[str, str]], plan: Plan = Plan(), cache: FeatureCache | None = None):
+    """The GPU part: the three runs on the loaded model, each with `plan` planted. Returns (comparison with the
+    traced run, for the figures; the three results to report, for their latencies; with a plan, the head lab's four
+    answers: unpruned, uniform, the paper's HAP and HAP+).
+
+    With a `cache` (HAP_APP_SHARE=1) the image is encoded once for every run (`hap.features`) and the method is
+    timed on its traced run, whose latency then includes the attention capture (the card says so); without one,
+    every run encodes the image and the method runs again untraced for its latency.
 
     On ZeroGPU this runs in a forked worker, so the model is loaded before (in the main process,
     where it persists between calls) and read from LOADED here, not loaded inside.
     """
-    with planted(plan):
+    with planted(plan), reusing_features(LOADED.model, cache):
         comparison = compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
                              lambda fraction, description: progress(fraction, desc=description), limits, history)
-        progress(0.8, desc=f"{config.method} again, untraced, for its latency")
-        untraced = run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=False,
-                       limits=limits, history=history)
+        timed = dict(comparison.items())
+        if cache is None:
+            progress(0.8, desc=f"{config.method} again, untraced, for its latency")
+            timed["pruned"] = run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=False,
+                                  limits=limits, history=history)
         lab = {}
         if not plan.empty:
             progress(0.85, desc="head lab: the paper's HAP and HAP+ with the plan")
@@ -188,33 +214,38 @@ def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: Inp
             for label, cfg in lab_configs(config).items():
                 lab[label] = run(LOADED.model, LOADED.processor, image, prompt, cfg, MAX_NEW_TOKENS, trace=False,
                                  limits=limits, history=history).answer
-    return comparison, {label: untraced if r is comparison.pruned else r for label, r in comparison.items()}, lab
+    return comparison, timed, lab
 
 
 @gpu(lambda call: zerogpu.answers(runs=1, traced=1, new_tokens=MAX_NEW_TOKENS))
 def _original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits,
-              history: list[tuple[str, str]], plan: Plan = Plan()) -> hap.Result:
+              history: list[tuple[str, str]], plan: Plan = Plan(), cache: FeatureCache | None = None) -> hap.Result:
     """The GPU part of an edit's comparison: the chosen method, traced, on the original image (`plan` planted)."""
-    with planted(plan):
+    with planted(plan), reusing_features(LOADED.model, cache):
         return run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=True, limits=limits,
                    history=history)
 
 
 @gpu(zerogpu.causal_work)
 def _causal(image: Image.Image, prompt: str, setting: str | None, limits: InputLimits,
-            history: list[tuple[str, str]], config: hap.HAPConfig, cuts: list[int], plan: Plan = Plan()):
+            history: list[tuple[str, str]], config: hap.HAPConfig, cuts: list[int], plan: Plan = Plan(),
+            cache: FeatureCache | None = None):
     """The GPU part of the "Is PAQ right?" section (`app.causal.analyze`; see `_compare` for ZeroGPU), `plan`
-    planted."""
-    with planted(plan):
+    planted, the image's features from `cache`."""
+    with planted(plan), reusing_features(LOADED.model, cache):
         return causal_section.analyze(LOADED.model, LOADED.processor, image, prompt, setting, limits, history,
                                       config, cuts)
 
 
-@gpu(lambda call: zerogpu.sweep_work(MAX_NEW_TOKENS))
-def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress):
-    """The GPU part of `/sweep` (see `_compare` for ZeroGPU)."""
-    return sweep(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
-                 lambda fraction, description: progress(0.05 + 0.9 * fraction, desc=description))
+@gpu(lambda call: zerogpu.sweep_work(MAX_NEW_TOKENS, shared=call.arguments["cache"] is not None))
+def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
+           cache: FeatureCache | None = None):
+    """The GPU part of `/sweep` (see `_compare` for ZeroGPU); with a `cache` the image is encoded once and the
+    runs share what `analysis.sweep` shares."""
+    with reusing_features(LOADED.model, cache):
+        return sweep(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
+                     lambda fraction, description: progress(0.05 + 0.9 * fraction, desc=description),
+                     shared=cache is not None)
 
 
 def user_errors(fn: Callable) -> Callable:
@@ -246,6 +277,11 @@ def user_errors(fn: Callable) -> Callable:
     return guarded
 
 
+def client(request: gr.Request | None) -> str:
+    """The client a request comes from: its gradio session ("" for a call made in-process, without a request)."""
+    return getattr(request, "session_hash", None) or ""
+
+
 def image_key(source: str | Image.Image) -> str:
     """SHA-256 of the uploaded file's bytes; for an in-process PIL image, of its mode, size and pixels (the same
     bytes read as 20x10 or 10x20 are different images)."""
@@ -266,7 +302,7 @@ class Handler:
     @user_errors
     def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True), *,
                 history: list | str | None = None, turns: list[chat.Turn] | None = None, causal: str | None = None,
-                plant: dict | str | None = None, **settings) -> dict[str, object]:
+                plant: dict | str | None = None, request: gr.Request | None = None, **settings) -> dict[str, object]:
         """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`). `image` is an upload
         or the page's editor value (`app.edit.image_input`); `causal` the "Is PAQ right?" setting (`hap.causal.SETTINGS`,
         None: auto; the JSON gains "causal" and "head_utility" unless off); `history` the earlier `[question, answer]`
@@ -274,7 +310,7 @@ class Handler:
         (`app.conversation`); `plant` a head lab plan (`hap.planting.Plan.from_json`: a JSON object or its text,
         empty = none), planted for every run of the request, whose views are then all marked PLANTED and whose
         JSON gains "plant" (the plan, the sink tokens used, the classifier's precision / recall on it, the lab's
-        answers).
+        answers); `request` (gradio's) names the client whose image features are kept (`LoadedModel.feature_cache`).
 
         Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer and head sliders, every view
         of `hap.views.VIEWS`, the explanation, the JSON summary (with "input": the upload and its conversion,
@@ -282,11 +318,12 @@ class Handler:
         the head inspector, the edit's comparison, the conversation (its history, messages and turn picker), the
         state for re-drawing and the turns. Any failure is a gr.Error with the message.
         """
-        return self._analyze(image, prompt, model_name, settings, progress, history, turns, causal, plant)
+        return self._analyze(image, prompt, model_name, settings, progress, history, turns, causal, plant,
+                             client(request))
 
     @user_errors
     def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
-              **settings) -> dict[str, object]:
+              request: gr.Request | None = None, **settings) -> dict[str, object]:
         """Every pruning method at budgets from 1.0 down to the model's smallest (`analysis.sweep`); `settings`
         are the knobs but the swept ones (SWEPT), checked as `/analyze` checks them. Outputs by name
         (`SWEEP_OUTPUTS`): the plot and the JSON. Cached per input (image bytes, prompt, model, knobs)."""
@@ -296,7 +333,8 @@ class Handler:
         if key not in self.sweeps:
             progress(0.02, desc=f"loading {model_name}")
             LOADED.get(model_name)
-            self.sweeps[key] = _sweep(img, prompt, config, self.settings.limits, progress)
+            self.sweeps[key] = _sweep(img, prompt, config, self.settings.limits, progress,
+                                      self.features(client(request)))
             while len(self.sweeps) > SWEEP_CACHE:
                 self.sweeps.popitem(last=False)
         self.sweeps.move_to_end(key)
@@ -312,8 +350,12 @@ class Handler:
         model_name, config = check_model(model_name, self.settings), check_settings(settings)
         return image_input(image, limits), model_name, config, turns
 
+    def features(self, client: str) -> FeatureCache | None:
+        """The image features kept for `client` on the loaded model, or None where the sharing is off."""
+        return LOADED.feature_cache(client) if self.settings.share else None
+
     def _analyze(self, image, prompt, model_name, settings: dict, progress, history, turns,
-                 causal: str | None, plant) -> dict[str, object]:
+                 causal: str | None, plant, session: str) -> dict[str, object]:
         picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
         plan = Plan.from_json(plant)
         limits = self.settings.limits
@@ -328,27 +370,29 @@ class Handler:
         with planted(plan):  # a plan out of the model's range, refused before any run
             pass
         torch.manual_seed(SEED)
-        comparison, timed, lab = _compare(img, prompt, config, limits, progress, history, plan)
+        cache = self.features(session)
+        comparison, timed, lab = _compare(img, prompt, config, limits, progress, history, plan, cache)
         progress(0.9, desc="figures")
         data = views.ViewData.from_result(comparison.pruned, img, LOADED.center_crop())
         question, why_not = question_for(meta, prompt, data.shape[2])
         if picture.edited:
             question, why_not = None, "the image was edited in the editor, and an edited scene has no saved ground truth"
         report = summary(comparison, timed, model_name)
+        report["shared"] = self.settings.share
         report["input"] = {**info, "edited": picture.edited}
         if question is not None:
             data = replace(data, truth=scene_truth(question, data))
             report["ground_truth"] = truth_json(data.truth)
         progress(0.91, desc="causal head and token importance, head utility")
         cuts = [g.layers[0] for g in data.groups]
-        shown, entries = causal_section.outputs(_causal(img, prompt, causal, limits, history, config, cuts, plan),
-                                                data)
+        shown, entries = causal_section.outputs(
+            _causal(img, prompt, causal, limits, history, config, cuts, plan, cache), data)
         report.update(entries)  # "causal" and "head_utility", unless off
-        edit = self.edit_diff(picture, prompt, config, history, data, comparison.pruned.answer, progress, plan)
+        edit = self.edit_diff(picture, prompt, config, history, data, comparison.pruned.answer, progress, plan, cache)
         if edit is not None:
             report["edit"] = edit.to_json()
         figures = views.figures(data)
-        cards = {label: answer_card(label, r) for label, r in timed.items()}
+        cards = {label: answer_card(label, r, traced=r is comparison.pruned) for label, r in timed.items()}
         lab_note = NO_PLAN
         if not plan.empty:
             report["plant"] = {**comparison.pruned.plant, "answers": lab}
@@ -377,13 +421,14 @@ class Handler:
         return {**outputs, **conversation_outputs(conversation, len(conversation) - 1)}
 
     def edit_diff(self, picture: ImageInput, prompt: str, config: hap.HAPConfig, history: list[tuple[str, str]],
-                  after: views.ViewData, answer: str, progress, plan: Plan = Plan()) -> EditDiff | None:
+                  after: views.ViewData, answer: str, progress, plan: Plan = Plan(),
+                  cache: FeatureCache | None = None) -> EditDiff | None:
         """For an edited image, the chosen method's traced run on the original and how the edit changed it."""
         if not picture.edited:
             return None
         progress(0.92, desc=f"{config.method} on the original image, to compare with the edit")
         original = load(picture.original, picture.name, self.settings.limits)
-        before = _original(original, prompt, config, self.settings.limits, history, plan)
+        before = _original(original, prompt, config, self.settings.limits, history, plan, cache)
         return EditDiff.of(views.ViewData.from_result(before, original, LOADED.center_crop()), after,
                            (before.answer, answer))
 
@@ -410,6 +455,7 @@ class Handler:
         fixed = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         named = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in knobs]
         call.__signature__ = signature.replace(parameters=fixed + named)
+        call.__annotations__ = {"request": gr.Request}  # gradio hands the request to a parameter typed so
         call.__name__ = method.__name__
         return call
 

@@ -12,6 +12,11 @@
     HAP_APP_MAX_PROMPT      longest prompt in characters (default 2000)
     HAP_APP_MAX_TURNS       earlier turns a follow-up question may carry in `history` (default 8)
     HAP_APP_MAX_CONVERSATION  characters of a conversation's questions and answers together (default 8000)
+    HAP_APP_SHARE           1 (default): the runs of a request share work: the image is encoded once per client
+                            and image (`hap.features`), the method's traced run is also the one it is timed on,
+                            and a sweep stops each answer at its third word; 0: every run from the pixels, timed
+                            on a separate untraced run (the behaviour before the sharing; `analysis.app_speed`
+                            measures both)
     HAP_APP_QUEUE_SIZE      requests that may wait for the one model lane (default 16); a request beyond
                             them is refused at once with gradio's busy message (gradio_client raises
                             QueueError "Queue is full! Please try again.", the page shows "This application
@@ -62,6 +67,14 @@ def _env_number(env: Mapping[str, str], name: str, default: float, low: float) -
     return value
 
 
+def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """The flag in `env[name]` (`default` when unset or empty), else ValueError naming the variable."""
+    raw = env.get(name, "").strip().lower()
+    if raw not in ("", "0", "1", "false", "true", "no", "yes"):
+        raise ValueError(f"{name}={raw!r} must be 0 or 1")
+    return default if raw == "" else raw in ("1", "true", "yes")
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the operator sets (see the module docstring); `from_env` reads the environment."""
@@ -70,14 +83,14 @@ class Settings:
     allow_local: bool = False
     limits: InputLimits = field(default_factory=lambda: InputLimits(max_bytes=10 * 2**20))
     queue_size: int = QUEUE_SIZE
+    share: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         models = [n.strip() for n in env.get("HAP_APP_MODELS", "").split(",") if n.strip()]
-        allow = env.get("HAP_APP_ALLOW_LOCAL", "0").strip().lower()
-        if allow not in ("", "0", "1", "false", "true", "no", "yes"):
-            raise ValueError(f"HAP_APP_ALLOW_LOCAL={allow!r} must be 0 or 1")
+        allow, share = (_env_flag(env, name, default) for name, default in (("HAP_APP_ALLOW_LOCAL", False),
+                                                                               ("HAP_APP_SHARE", True)))
         limits = InputLimits(
             max_bytes=int(_env_number(env, "HAP_APP_MAX_MB", 10, 0.001) * 2**20),
             max_pixels=int(_env_number(env, "HAP_APP_MAX_MEGAPIXELS", DEFAULT_LIMITS.max_pixels / 1e6, 1e-6) * 1e6),
@@ -89,7 +102,7 @@ class Settings:
         queue = _env_number(env, "HAP_APP_QUEUE_SIZE", QUEUE_SIZE, 1)
         if not queue.is_integer():
             raise ValueError(f"HAP_APP_QUEUE_SIZE={queue:g} must be a whole number >= 1")
-        return cls(models or [TINY_MODEL, *HUB_MODELS], allow in ("1", "true", "yes"), limits, int(queue))
+        return cls(models or [TINY_MODEL, *HUB_MODELS], allow, limits, int(queue), share)
 
 
 def launch_options(limits: InputLimits | None = None) -> dict:

@@ -62,11 +62,12 @@ def answers(runs: int, traced: int, new_tokens: int) -> Work:
     return Work(runs + traced, runs * new_tokens)
 
 
-def sweep_work(new_tokens: int) -> Work:
+def sweep_work(new_tokens: int, shared: bool = False) -> Work:
     """`/sweep` (`analysis.sweep`): the unpruned answer and every method at POINTS budgets, each generated then its
-    unpruned answer's probability teacher-forced."""
+    unpruned answer's probability teacher-forced (an upper estimate where the sweep is `shared`: every generation
+    then stops at its answer's end, FORCED_TOKENS tokens at most here, and a forced pass runs only where needed)."""
     runs = 1 + len(METHODS) * POINTS
-    return Work(2 * runs, runs * (new_tokens + FORCED_TOKENS))
+    return Work(2 * runs, runs * ((FORCED_TOKENS if shared else new_tokens) + FORCED_TOKENS))
 
 
 def causal_work(call: Call) -> Work:

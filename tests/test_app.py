@@ -90,14 +90,16 @@ def test_analyze_matches_direct_runs(client, model_name, loaded):
     pruned = runs["pruned"]
     for label, title in zip(runs, ["Unpruned", "Pruned (hap)", "Uniform averaging"]):
         r = runs[label]
-        assert out[label].startswith(f"#### {title}") and "untraced run" in out[label]
+        timed_on = "traced run (attention capture included" if label == "pruned" else "untraced run"
+        assert out[label].startswith(f"#### {title}") and timed_on in out[label]  # HAP_APP_SHARE=1: timed traced
         assert card_facts(out[label]) == (r.answer, f"{r.retained_tokens:.1f} of {r.num_visual} visual tokens "
                                           f"({r.retain:.1%}", f"{r.flops_ratio:.1%}"), label
     data = out["summary"]
     assert [g["kept"] for g in data["groups"]] == [g.kept for g in pruned.groups]
     assert data["head_class"] == pruned.head_class and data["config"]["temperature"] == config.temperature
     assert {k: v["answer"] for k, v in data["runs"].items()} == {k: r.answer for k, r in runs.items()}
-    assert not any(v["traced"] for v in data["runs"].values())  # every latency is an untraced run's
+    assert {k: v["traced"] for k, v in data["runs"].items()} == {"unpruned": False, "pruned": True, "uniform": False}
+    assert data["shared"] is True
     counts = views.class_counts(pruned.head_class)
     captured = sum(1 for row in pruned.head_class if any(row))
     text = out["explanation"]

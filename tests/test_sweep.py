@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from PIL import Image
 from tiny_models import CASES, tiny_llava
 
 import hap
-from analysis.sweep import GRID, METHODS, answer_probability, budgets, refused, short_answer, smallest_retain, sweep
+from analysis.sweep import (GRID, METHODS, AnswerEnd, answer_probability, budgets, keeps_everything, refused,
+                            short_answer, smallest_retain, sweep)
+from hap.features import FeatureCache, reusing_features
 from hap.inputs import DEFAULT_LIMITS
 from hap.run import build_inputs
 
@@ -102,7 +107,7 @@ def test_every_probability_is_of_the_unpruned_answer(monkeypatch):
 
     monkeypatch.setattr(hap, "run", run)
     monkeypatch.setattr(sweep_module, "answer_probability",
-                        lambda model, inputs, config, answer_ids: forced.append(answer_ids) or 0.5)
+                        lambda model, inputs, config, answer_ids, tail=0: forced.append(answer_ids) or 0.5)
     monkeypatch.setattr(sweep_module, "POINTS", 2)
     out = sweep(model, processor, Image.new("RGB", (64, 48), "teal"), "what color ?",
                 hap.HAPConfig(first_layers=0, groups=2), 2, DEFAULT_LIMITS)
@@ -110,3 +115,59 @@ def test_every_probability_is_of_the_unpruned_answer(monkeypatch):
     reached = sum(p is not None for m in METHODS for p in out["methods"][m]["answer_prob"])
     assert len(forced) == 1 + reached and all(ids == red for ids in forced)
     assert out["methods"]["hap"]["answers"][0].startswith("blue hap")
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-llava"
+
+
+@pytest.mark.slow
+def test_the_shared_sweep_gives_the_unshared_answers_and_probabilities():
+    """HAP_APP_SHARE's sweep (answers stopped at their end, probabilities read from the answer's own logits, the
+    full-budget runs of the stock model reused, one vision pass) against the plain one, on the shipped model and a
+    scene asked its own question: the same answers, the same probabilities (to float rounding)."""
+    model, processor = hap.load_model(str(SHIPPED), device="cpu")
+    image = Image.open(SHIPPED.parent / "examples" / "scene_600004.png")
+    config = hap.HAPConfig()
+    plain = sweep(model, processor, image, "how many blue objects ?", config, 8, DEFAULT_LIMITS)
+    with reusing_features(model, FeatureCache()) as cache:
+        shared = sweep(model, processor, image, "how many blue objects ?", config, 8, DEFAULT_LIMITS, shared=True)
+    assert cache.misses == 1 and cache.hits > 20  # the VisionZip and AutoPrune runs read the tower themselves
+    assert shared["retain"] == plain["retain"] and shared["refused"] == plain["refused"]
+    assert shared["unpruned"]["answer"] == plain["unpruned"]["answer"]
+    assert shared["unpruned"]["answer_prob"] == pytest.approx(plain["unpruned"]["answer_prob"], rel=1e-5)
+    for method, row in plain["methods"].items():
+        assert shared["methods"][method]["answers"] == row["answers"], method
+        for got, want in zip(shared["methods"][method]["answer_prob"], row["answer_prob"], strict=True):
+            assert (got is None) == (want is None) and (want is None or got == pytest.approx(want, rel=1e-5)), method
+
+
+def test_the_full_budget_is_the_stock_model_only_where_nothing_is_dropped():
+    shape = hap.DecoderShape.mha(6, 128, 384)
+    for method in ("hap", "uniform", "fastv", "pdrop", "pdrop_ours", "random"):
+        assert keeps_everything(hap.HAPConfig(method=method, retain=1.0), shape, 144, 12), method
+        assert not keeps_everything(hap.HAPConfig(method=method, retain=0.9), shape, 144, 12), method
+    for method in ("visionzip", "sparsevlm", "autoprune"):
+        assert not keeps_everything(hap.HAPConfig(method=method, retain=1.0), shape, 144, 12), method
+    assert keeps_everything(hap.HAPConfig(method="none"), shape, 144, 12)
+
+
+@pytest.mark.parametrize(("text", "done"), [("yellow", False), ("two blue", False), ("a b c", False),
+                                            ("a b c d", True), ("yes\nno", True), ("\n\nyes", False)])
+def test_an_answer_ends_after_its_third_word_or_its_line(text, done):
+    _, processor = tiny_llava(layers=1)
+    tok = processor.tokenizer
+    prompt = tok("user : what ?", return_tensors="pt").input_ids
+    ids = torch.cat([prompt, torch.tensor([tok(text, add_special_tokens=False).input_ids])], 1)
+    stop = AnswerEnd(_Splitter(tok, text), prompt.shape[1])
+    assert stop(ids, None).tolist() == [done]
+    assert short_answer(text) == short_answer(text.split("\n")[0] if done and "\n" in text else text)
+
+
+class _Splitter:
+    """The tokenizer's decode, returning `text` itself (the word-level tokenizer has no line breaks)."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.text = text
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.text

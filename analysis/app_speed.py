@@ -1,0 +1,192 @@
+"""What a visitor waits for on a CPU: `/analyze` and `/sweep` through the real app, as ratios to one unpruned prefill.
+
+    python -m analysis.app_speed                   # llava-interleave-qwen-0.5b's real shape (0.92 B), 2 threads
+    python -m analysis.app_speed --smoke           # the same code on a tiny shape (seconds; tested)
+
+Builds a random-weight model of the checkpoint's real shape offline (`SHAPES`: SigLIP tower, Qwen2 decoder, its
+vocabulary; no download), with a processor built here (the small model's word-level tokenizer, SigLIP's 384-px image
+processing: 729 visual tokens), and saves it to a folder. Then, in one run on one machine:
+1. one plain unpruned prefill (`model(**inputs)`, vision tower included), median of `--repeats`, in this process;
+2. for each mode, `before` (HAP_APP_SHARE=0: every run from the pixels, as before the sharing) and `after`
+   (HAP_APP_SHARE=1, the default): `python -m app` serving that folder, a warm-up `/analyze` on another scene (the
+   load), then `/analyze` with causal off, `/analyze` with causal auto and `/sweep`, each timed from the client
+   (`gradio_client`, the real handler and queue).
+Each time is printed as a ratio to the prefill. Random weights answer nonsense, so every generation runs to its
+limit: the times are upper bounds for a real checkpoint, which stops at its end-of-sequence token.
+Writes `<slug>.json` and `<slug>.md` under `--out` (default results/app_speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from gradio_client import Client, handle_file
+from PIL import Image
+from transformers import (LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config,
+                          SiglipImageProcessorPil, SiglipVisionConfig)
+
+from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
+from hap.run import chat_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
+WARMUP = ROOT / "assets" / "examples" / "scene_600001.png"  # another image: the timed requests find no cached pass
+PROMPT = "what color is the square ?"
+SHAPES = {  # the real checkpoints' configs (llava-interleave-qwen-0.5b: SigLIP-so400m 26 layers, Qwen2-0.5B)
+    "llava-hf/llava-interleave-qwen-0.5b-hf": dict(
+        vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16),
+        text=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936)),
+    "smoke": dict(  # the same families and image size, tiny widths
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1024)),
+}
+IMAGE_SIZE, PATCH = 384, 14  # 27 x 27 = 729 visual tokens, SigLIP has no [CLS]
+MODES = {"before": "0", "after": "1"}
+
+
+def build(name: str) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
+    """A random-weight LLaVA of `SHAPES[name]` and its offline processor."""
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = 4096
+    processor = LlavaProcessor(
+        image_processor=SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="full", num_additional_image_tokens=0,
+        chat_template=CHAT_TEMPLATE)
+    shape = SHAPES[name]
+    config = LlavaConfig(
+        vision_config=SiglipVisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **shape["vision"]),
+        text_config=Qwen2Config(**shape["text"], max_position_embeddings=32768, rope_theta=1e6,
+                                tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        image_token_index=tokenizer.image_token_id, vision_feature_select_strategy="full", vision_feature_layer=-1,
+        image_seq_length=(IMAGE_SIZE // PATCH) ** 2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model, processor
+
+
+def prefill_seconds(model, processor, repeats: int) -> float:
+    """Median seconds of one plain unpruned prefill of the scene and prompt, vision tower included."""
+    inputs = processor(images=Image.open(SCENE).convert("RGB"), text=chat_prompt(processor, PROMPT),
+                       return_tensors="pt")
+    times = []
+    with torch.inference_mode():
+        model(**inputs)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(**inputs)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def serve(folder: Path, share: str, port: int, threads: int) -> subprocess.Popen:
+    """`python -m app` serving only `folder`, with the sharing on ("1") or off ("0")."""
+    env = {**os.environ, "HAP_APP_MODELS": str(folder), "HAP_APP_ALLOW_LOCAL": "1", "HAP_APP_SHARE": share,
+           "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": str(threads)}
+    return subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+
+
+def connect(port: int, proc: subprocess.Popen, seconds: float = 300) -> Client:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the app exited with {proc.returncode} before serving")
+        try:
+            return Client(f"http://127.0.0.1:{port}/", verbose=False)
+        except Exception:  # not serving yet
+            time.sleep(1)
+    raise SystemExit(f"the app did not serve within {seconds:.0f} s")
+
+
+def requests(client: Client, folder: Path) -> dict[str, float]:
+    """Seconds of the load (a warm-up /analyze on another scene), /analyze with causal off and auto, /sweep."""
+    def analyze(image: Path, causal: str | None) -> float:
+        t0 = time.perf_counter()
+        client.predict(image=handle_file(str(image)), prompt=PROMPT, model_name=str(folder), causal=causal,
+                       api_name="/analyze")
+        return time.perf_counter() - t0
+
+    out = {"load": analyze(WARMUP, "off"), "analyze_off": analyze(SCENE, "off"), "analyze_auto": analyze(SCENE, None)}
+    t0 = time.perf_counter()
+    client.predict(image=handle_file(str(SCENE)), prompt=PROMPT, model_name=str(folder), api_name="/sweep")
+    out["sweep"] = time.perf_counter() - t0
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def markdown(report: dict) -> str:
+    p = report["prefill_s"]
+    lines = [f"# /analyze and /sweep in prefills ({report['model']}, {report['parameters'] / 1e9:.2f} B parameters, "
+             f"{report['threads']} threads)", "",
+             f"`{report['command']}`; one unpruned prefill {p:.2f} s (vision tower included). Random weights: every "
+             "generation runs to its limit.", "",
+             "| request | " + " | ".join(f"{m} s (prefills)" for m in report["modes"]) + " | target |",
+             "|---|" + "---|" * len(report["modes"]) + "---|"]
+    targets = {"analyze_off": "1.8", "analyze_auto": "4", "sweep": "9", "load": ""}
+    for key in ("analyze_off", "analyze_auto", "sweep", "load"):
+        cells = [f"{t[key]:.1f} ({t[key] / p:.2f})" for t in report["modes"].values()]
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {targets[key]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=[n for n in SHAPES if n != "smoke"], default=next(iter(SHAPES)))
+    p.add_argument("--smoke", action="store_true", help="a tiny shape: the same code in seconds")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "results" / "app_speed"))
+    args = p.parse_args(argv)
+    name = "smoke" if args.smoke else args.model
+    torch.set_num_threads(args.threads)
+    model, processor = build(name)
+    report = {"command": "python -m analysis.app_speed " + " ".join(sys.argv[1:] if argv is None else argv),
+              "model": name, "parameters": sum(t.numel() for t in model.parameters()), "threads": args.threads,
+              "torch": torch.__version__, "modes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        model.save_pretrained(folder)
+        processor.save_pretrained(folder)
+        report["prefill_s"] = prefill_seconds(model, processor, args.repeats)
+        del model
+        for mode in args.modes:
+            port = free_port()
+            proc = serve(folder, MODES[mode], port, args.threads)
+            try:
+                report["modes"][mode] = requests(connect(port, proc), folder)
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = name.split("/")[-1]
+    (out / f"{slug}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{slug}.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
