@@ -96,3 +96,44 @@ def test_the_cli_plants_a_plan_file(tmp_path, capsys):
     plan.write_text('{"sink": [[0, 99]]}')
     assert main(["run", "--image", str(SCENE), "--prompt", PROMPT, "--plant", str(plan)]) == 2
     assert "error: sink: head 99 of [0, 99] is out of range; each layer has query heads 0..7" in capsys.readouterr().err
+
+
+# --- a random Qwen2-VL saved to a folder with its offline processor (no torchvision) -------------------------------
+QWEN_PLAN = {"sink": [[0, 1], [1, 2]], "dispersed": [[2, 0]], "strength": 0.9}
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory):
+    from tiny_models import qwen_vl_folder
+
+    return str(qwen_vl_folder(tmp_path_factory.mktemp("qwen2-vl")))
+
+
+def test_analyze_plants_a_plan_on_a_random_qwen2_vl(qwen_folder):
+    from app.handler import Handler
+    from app.settings import Settings
+    from hap.knobs import KNOBS
+
+    server = Handler(Settings(models=[qwen_folder], allow_local=True))
+    upload = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
+    knobs = {**{k.name: k.resolve(4) for k in KNOBS}, "sink_detector": "consensus"}
+    out = server.analyze(upload, PROMPT, qwen_folder, causal="off", plant=json.dumps(QWEN_PLAN), **knobs)
+    plant = out["summary"]["plant"]
+    assert out["state"].grid == (6, 6) and plant["sink"] == QWEN_PLAN["sink"]
+    assert plant["classifier"]["sink"]["found"] == QWEN_PLAN["sink"] and plant["classifier"]["sink"]["recall"] == 1.0
+    assert plant["classifier"]["dispersed"]["recall"] == 1.0 and set(plant["answers"]) == {
+        "unpruned", "uniform", "HAP (paper)", "HAP+"}
+    assert MARK in out["head_classes"].layout.title.text and out["lab"].startswith("**PLANTED heads")
+
+
+def test_the_cli_plants_a_plan_file_on_a_random_qwen2_vl(qwen_folder, tmp_path, capsys):
+    from hap.__main__ import main
+
+    plan, out = tmp_path / "plan.json", tmp_path / "out.json"
+    plan.write_text(json.dumps(QWEN_PLAN))
+    assert main(["run", "--model", qwen_folder, "--image", str(SCENE), "--prompt", PROMPT, "--plant", str(plan),
+                 "--sink-detector", "consensus", "--max-new-tokens", "2", "--json", str(out)]) == 0
+    assert "PLANTED heads (hap.plant, not the model's own): 2 sink, 1 dispersed" in capsys.readouterr().out
+    report = json.loads(out.read_text())["plant"]
+    assert report["classifier"]["sink"]["found"] == QWEN_PLAN["sink"] and report["dispersed"] == [[2, 0]]
+    assert report["classifier"]["sink"]["precision"] == 1.0 and len(report["sink_tokens_used"]) == 1
