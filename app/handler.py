@@ -442,9 +442,18 @@ class Handler:
         return plan_text(toggle_token(Plan.from_json(plant), token))
 
     def lab_shape(self, model_name: str) -> tuple[int, int]:
-        """(layers, query heads) of `model_name`'s decoder, loading it if needed."""
-        model, _ = LOADED.get(check_model(model_name, self.settings))
-        text = model.config.text_config
+        """(layers, query heads) of `model_name`'s decoder, from its config (the weights are not loaded; a hub id
+        offline when the hub does not answer, as `LoadedModel.get`)."""
+        from transformers import AutoConfig
+
+        name = check_model(model_name, self.settings)
+        if LOADED.name == name:
+            config = LOADED.model.config
+        else:
+            offline = not is_local(name) and not hub_reachable()
+            with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True) if offline else nullcontext():
+                config = AutoConfig.from_pretrained(resolve(name), trust_remote_code=False)
+        text = config.text_config
         return text.num_hidden_layers, text.num_attention_heads
 
     def endpoint(self, method: Callable, components: dict[str, gr.components.Component],

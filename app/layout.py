@@ -199,8 +199,8 @@ def lab_section() -> tuple[dict[str, gr.components.Component], dict[str, gr.comp
                                         label="sink_detector (lab runs)", info=LAB_DETECTOR_INFO,
                                         elem_id="lab-detector")
     with gr.Row():
-        out["lab_heads"] = gr.Image(label=HEAD_PICKER, interactive=False, elem_id="lab-heads")
-        out["lab_tokens"] = gr.Image(label=TOKEN_PICKER, interactive=False, elem_id="lab-tokens")
+        out["lab_heads"] = gr.Image(label=HEAD_PICKER, interactive=False, format="png", elem_id="lab-heads")
+        out["lab_tokens"] = gr.Image(label=TOKEN_PICKER, interactive=False, format="png", elem_id="lab-tokens")
     with gr.Row():
         controls["share"] = gr.Slider(0, 100, value=50, step=1, label="in % of the heads", elem_id="lab-share")
         controls["layers"] = gr.Textbox(value="0-1", label="of layers a-b", elem_id="lab-layers")
@@ -293,8 +293,10 @@ def build_demo(
         out["follow_up"].click(analyze, request, outputs, api_visibility="private", **lane)
         lab_lane = {**new, "inputs_kwargs": {**new["inputs_kwargs"], "sink_detector": lab["detector"]}}
         lab["run"].click(analyze, request, outputs, api_visibility="private", **lab_lane)
-        lab["plant"].change(handler.lab_pickers, [model, lab["plant"], out["state"], out["lab_report"]],
-                            [out["lab_heads"], out["lab_tokens"], lab["sink_tokens"]], api_visibility="private")
+        pickers = dict(fn=handler.lab_pickers, inputs=[model, lab["plant"], out["state"], out["lab_report"]],
+                       outputs=[out["lab_heads"], out["lab_tokens"], lab["sink_tokens"]], api_visibility="private")
+        lab["plant"].change(**pickers)
+        demo.load(**pickers)  # the head picker of the default model from the start: it is clicked to make a plan
         out["lab_heads"].select(handler.click_head, [lab["plant"], lab["kind"], model, out["state"]], lab["plant"],
                                 api_visibility="private")
         out["lab_tokens"].select(handler.click_token, [lab["plant"], out["state"]], lab["plant"],
