@@ -40,12 +40,9 @@ from unittest import mock  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import Qwen2_5_VLProcessor  # noqa: E402
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
-from transformers.processing_utils import ProcessorMixin  # noqa: E402
 
 from analysis import causal_speed, speed  # noqa: E402
-from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_processor, build_tokenizer  # noqa: E402
+from analysis.training.tiny_vlm import build_processor, build_qwen_processor  # noqa: E402
 from app import handler  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from hap.knobs import KNOBS  # noqa: E402
@@ -58,17 +55,6 @@ RETAINS = (0.222, 0.111, 0.056)
 ROOT = Path(__file__).resolve().parent.parent
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"
-QWEN_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-
-
-class ImageQwenProcessor(Qwen2_5_VLProcessor):
-    """Qwen2.5-VL's processor for images and text only: its video processor needs torchvision."""
-
-    def __init__(self, image_processor, tokenizer, chat_template=None):
-        self.image_token, self.video_token = QWEN_TOKENS[1], QWEN_TOKENS[3]
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
 def processor_for(family: str):
@@ -77,16 +63,7 @@ def processor_for(family: str):
         processor = build_processor(image_size=speed.GRID * 14)
         processor.tokenizer.model_max_length = 4096
         return processor, {"image_token_id": processor.tokenizer.image_token_id}
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
-    tokenizer.model_max_length = 4096
-    side = speed.GRID * 28  # 14-px patches merged 2 x 2
-    processor = ImageQwenProcessor(
-        Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side, patch_size=14, merge_size=2),
-        tokenizer, CHAT_TEMPLATE.replace("<image>\n", "".join(QWEN_TOKENS[:3])))
-    ids = tokenizer.convert_tokens_to_ids(list(QWEN_TOKENS))
-    return processor, dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
-                               ids))
+    return build_qwen_processor(speed.GRID * 28)  # 14-px patches merged 2 x 2
 
 
 def speed_stage(model, name: str, device: str, repeats: int) -> dict:

@@ -58,7 +58,8 @@ from . import causal as causal_section
 from . import conversation as chat
 from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
-from .lab import NO_PLAN, lab_configs, lab_text, mark_planted, plan_from_share
+from .lab import NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share
+from .lab_pick import head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
 from .settings import Settings, check_model, is_local, resolve
 
 
@@ -74,9 +75,13 @@ CARDS = ("unpruned", "pruned", "uniform")  # the answer cards, in `Comparison.it
 INSPECTOR = ("inspector", "inspector_stats")  # the head inspector: one head's map and its numbers
 EDIT = ("edit_diff", "edit_diff_plot")  # the run on the edited image against the run on the original
 CONVERSATION = ("history", "conversation", "turn")  # the turns as the next history, as chat messages, the turn picker
-OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "lab", "summary", "ground_truth",
-           *causal_section.CAUSAL, *INSPECTOR, *EDIT, *CONVERSATION, "state", "turns")
-TURN_OUTPUTS = OUTPUTS[: OUTPUTS.index("history")] + ("state",)  # what picking a turn shows again
+LAB = ("lab_head_classes", "lab_uniform_vs_paq", "lab_kept_masks", "lab_answers", "lab_heads", "lab_tokens")
+# the head lab's results side by side and its two pickers; the run's plan report is a state ("lab_report")
+OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "lab", *LAB, "summary",
+           "ground_truth",
+           *causal_section.CAUSAL, *INSPECTOR, *EDIT, *CONVERSATION,
+           "state", "lab_report", "turns")  # the states last: not among the API's outputs
+TURN_OUTPUTS = OUTPUTS[: OUTPUTS.index("history")] + ("state", "lab_report")  # what picking a turn shows again
 SWEPT = ("method", "retain", "flops_ratio")  # knobs /sweep varies itself: not among its parameters
 SWEEP_OUTPUTS = ("sweep_plot", "sweep")
 SWEEP_CACHE = 16  # sweeps kept (least recently used dropped)
@@ -393,13 +398,16 @@ class Handler:
             report["edit"] = edit.to_json()
         figures = views.figures(data)
         cards = {label: answer_card(label, r, traced=r is comparison.pruned) for label, r in timed.items()}
-        lab_note = NO_PLAN
+        lab_note, planted_report = NO_PLAN, None
         if not plan.empty:
-            report["plant"] = {**comparison.pruned.plant, "answers": lab}
-            lab_note = lab_text(comparison.pruned.plant, data, lab, config)
-            figures = mark_planted(figures, plan)
-            shown = mark_planted(shown, plan)
+            planted_report = comparison.pruned.plant
+            report["plant"] = {**planted_report, "answers": lab}
+            lab_note = lab_text(planted_report, data, lab, config)
+            figures = mark_planted(figures, plan, planted_report["classifier"])
+            shown = mark_planted(shown, plan, planted_report["classifier"])
             cards = {label: card.replace("####", "#### PLANTED heads ·", 1) for label, card in cards.items()}
+        lab_views = {f"lab_{name}": figures[name] if planted_report else None
+                     for name in ("head_classes", "uniform_vs_paq", "kept_masks")}
         outputs = {
             **cards,
             "layer": gr.Slider(value=data.layer, maximum=data.shape[0] - 1, interactive=True),
@@ -407,6 +415,10 @@ class Handler:
             **figures,
             "explanation": explanation(comparison) + f"\n- Input: {conversion}." + chat.rows_note(len(history), config.rows),
             "lab": lab_note,
+            **lab_views,
+            "lab_answers": lab_answers(lab),
+            **lab_pictures(data, plan, planted_report),
+            "lab_report": planted_report,
             "summary": report,
             "ground_truth": truth_text(data.truth, why_not),
             **shown,
@@ -437,10 +449,57 @@ class Handler:
                   sink_tokens: str) -> str:
         """The head lab's share helper: the plan JSON of "plant `kind` heads in `share`% of the heads of layers
         `layers`" (`app.lab.plan_from_share`) for the model `model_name`, loaded if needed."""
-        model, _ = LOADED.get(check_model(model_name, self.settings))
-        text = model.config.text_config
         return json.dumps(plan_from_share(kind, share, layers, seed, strength, sink_tokens,
-                                          (text.num_hidden_layers, text.num_attention_heads)))
+                                          self.lab_shape(model_name)))
+
+    @user_errors
+    def lab_pickers(self, model_name: str, plant: str, state: views.ViewData | None, run: dict | None) -> tuple:
+        """The head lab's (head picker, sink-token picker, sink tokens as text) for the plan JSON `plant`: on the last
+        run's classes and image (`state`; its plan report `run` marks found / missed heads when the plan is the one
+        it ran), else on the model's shape and no image. An unfinished plan (typing) leaves them as they are."""
+        try:
+            plan = Plan.from_json(plant)
+        except ValueError:
+            return gr.skip(), gr.skip(), gr.skip()
+        tokens = " ".join(map(str, plan.sink_tokens or ()))
+        if state is None:
+            return head_picker(self.lab_shape(model_name), plan), None, tokens
+        same = run is not None and Plan.from_json({k: run[k] for k in ("sink", "dispersed", "sink_tokens",
+                                                                        "strength")}) == plan
+        pictures = lab_pictures(state, plan, run if same else None)
+        return pictures["lab_heads"], pictures["lab_tokens"], tokens
+
+    @user_errors
+    def click_head(self, plant: str, kind: str, model_name: str, state: views.ViewData | None,
+                   evt: gr.SelectData) -> str:
+        """The plan JSON with the head under the click on the head picker toggled as `kind`."""
+        shape = state.shape[:2] if state is not None else self.lab_shape(model_name)
+        head = head_at(*evt.index, shape)
+        return gr.skip() if head is None else plan_text(toggle_head(Plan.from_json(plant), head, kind))
+
+    @user_errors
+    def click_token(self, plant: str, state: views.ViewData | None, evt: gr.SelectData) -> str:
+        """The plan JSON with the visual token under the click on the sink-token picker toggled."""
+        if state is None:
+            raise gr.Error("press Run first: the sink-token picker shows the last run's image on its token grid")
+        height, width = state.image.shape[:2]
+        token = token_at(*evt.index, (width, height), state.grid, state.shape[2])
+        return plan_text(toggle_token(Plan.from_json(plant), token))
+
+    def lab_shape(self, model_name: str) -> tuple[int, int]:
+        """(layers, query heads) of `model_name`'s decoder, from its config (the weights are not loaded; a hub id
+        offline when the hub does not answer, as `LoadedModel.get`)."""
+        from transformers import AutoConfig
+
+        name = check_model(model_name, self.settings)
+        if LOADED.name == name:
+            config = LOADED.model.config
+        else:
+            offline = not is_local(name) and not hub_reachable()
+            with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True) if offline else nullcontext():
+                config = AutoConfig.from_pretrained(resolve(name), trust_remote_code=False)
+        text = config.text_config
+        return text.num_hidden_layers, text.num_attention_heads
 
     def endpoint(self, method: Callable, components: dict[str, gr.components.Component],
                  knobs: tuple[str, ...]) -> Callable:
@@ -458,6 +517,16 @@ class Handler:
         call.__annotations__ = {"request": gr.Request}  # gradio hands the request to a parameter typed so
         call.__name__ = method.__name__
         return call
+
+
+def lab_pictures(data: views.ViewData, plan: Plan, run: dict | None) -> dict[str, object]:
+    """The head lab's two pickers on a run's `data`: the head picker with its classes (found / missed marked from
+    the planted run's report `run`), the sink-token picker with the plan's sink tokens (those the run used, where
+    the plan left them to the default); no token picker where the visual tokens do not form the grid."""
+    tokens = plan.sink_tokens if run is None or plan.sink_tokens is not None else run["sink_tokens_used"]
+    rows, cols = data.grid
+    return {"lab_heads": head_picker(data.shape[:2], plan, data.head_class, run and run["classifier"]),
+            "lab_tokens": token_picker(data.image, data.grid, tokens) if rows * cols == data.shape[2] else None}
 
 
 def conversation_outputs(turns: list[chat.Turn], shown: int) -> dict[str, object]:

@@ -18,6 +18,8 @@ import hap
 from hap import views
 from hap.planting import Plan, share_plan
 
+from .lab_pick import MISSED, PLANTED_MARK
+
 PLANTED_TITLE = "PLANTED heads (hap.plant) · "
 NO_PLAN = ("No plan: this run is the model's own heads. Write a plan above (or fill one with the share helper) and "
            "press **Run** to see what planted sink or dispersed heads do to each pruner.")
@@ -29,12 +31,27 @@ LAB_INTRO = (
     "its visual attention evenly over the image. The plan applies to every run of the request (the answers, the "
     "maps, the causal section), and every view of it is marked PLANTED. It is an intervention chosen by you, like "
     "editing the image: it never replaces the model's own heads in any other run.\n\n"
-    "The plan is the `/analyze` parameter `plant` (JSON: `{\"sink\": [[layer, head], ...], \"dispersed\": [...], "
-    "\"sink_tokens\": [...], \"strength\": 0.9}`; empty = none) and the CLI's `--plant FILE`.")
+    "Pick the plan three ways, all writing the one plan below: **click a head** on the head picker (toggles it as "
+    "the kind chosen under *Plant*), **click the image** on the sink-token picker (toggles the visual token under "
+    "the click as a sink token; it shows the last run's image on the model's token grid), or fill it from a share "
+    "of the heads of some layers (seeded). The plan is the `/analyze` parameter `plant` (JSON: "
+    "`{\"sink\": [[layer, head], ...], \"dispersed\": [...], \"sink_tokens\": [...], \"strength\": 0.9}`; empty = "
+    "none) and the CLI's `--plant FILE`.")
+NO_PLAN = ("No plan: this run is the model's own heads. Click heads on the head picker (or fill the plan with the "
+           "share helper) and press **Run with this plan** to see what planted sink or dispersed heads do to each "
+           "pruner.")
+LAB_DETECTOR = "consensus"  # the lab's runs: the detector that can see a planted sink (the library default: norm)
+LAB_DETECTOR_INFO = (
+    "The lab's runs use this detector (other runs: the advanced setting, default norm, the paper's). The norm "
+    "detector looks for tokens with massive hidden-state norms; a planted sink has none, so it never finds a planted "
+    "sink head, and PAQ ranks such a head high (it looks focused). consensus flags the tokens where many heads of a "
+    "layer park their attention: it finds planted sinks (docs/results.md, head lab).")
+HEAD_PICKER = ("Head picker (click a head to plant or unplant it; x: sink, o: dispersed; pink: missed by the "
+               "classifier; rows: layers, columns: heads)")
+TOKEN_PICKER = "Sink-token picker (click a patch to toggle its visual token; red: the sink tokens)"
 # The teaching example's plan: sinks in half the heads of the layers scoring the shipped model's cuts, found by the
-# attention-consensus detector (the paper's norm detector cannot see a planted sink: it has no massive activation).
+# attention-consensus detector (LAB_DETECTOR).
 TEACHING_PLAN = share_plan((0, 1, 3), 8, 0.5, seed=0)
-TEACHING_SETTINGS = {"sink_detector": "consensus"}
 
 
 def plan_from_share(kind: str, share: float, layers: str, seed: float, strength: float, sink_tokens: str,
@@ -58,9 +75,11 @@ def plan_from_share(kind: str, share: float, layers: str, seed: float, strength:
     return share_plan(span, heads, share / 100, int(seed or 0), kind, tokens, strength).to_json()
 
 
-def mark_planted(figures: dict, plan: Plan) -> dict:
+def mark_planted(figures: dict, plan: Plan, classifier: dict | None = None) -> dict:
     """Every figure of a planted run (outputs by name) titled PLANTED_TITLE + its title, with a PLANTED badge, every
-    text prefixed by it; the planted heads marked on the head-class grid (x: sink, o: dispersed)."""
+    text prefixed by it; the planted heads marked on the head-class grid (x: sink, o: dispersed), black where the
+    classifier found them in their planted class, pink (`app.lab_pick.MISSED`) where it missed them (`classifier`:
+    `hap.planting.classifier_report`)."""
     import plotly.graph_objects as go
 
     marked = {}
@@ -74,15 +93,37 @@ def mark_planted(figures: dict, plan: Plan) -> dict:
         fig.add_annotation(text="PLANTED", xref="paper", yref="paper", x=1.0, y=1.0, xanchor="right", yanchor="bottom",
                            showarrow=False, font=dict(color="white", size=12), bgcolor="#d62728")
         if name == "head_classes":
-            for heads, symbol, label in ((plan.sink, "x", "planted sink"), (plan.dispersed, "circle-open",
-                                                                            "planted dispersed")):
-                if heads:
-                    fig.add_trace(go.Scatter(x=[h for _, h in heads], y=[l for l, _ in heads], mode="markers",
-                                             marker=dict(symbol=symbol, size=14, color="black", line=dict(width=2)),
-                                             name=label, hovertemplate=f"{label}: layer %{{y}}, head %{{x}}"
-                                                                       "<extra></extra>"))
+            for trace in planted_traces(plan, classifier):
+                fig.add_trace(trace)
         marked[name] = fig
     return marked
+
+
+def planted_traces(plan: Plan, classifier: dict | None) -> list:
+    """The head-class grid's marks of the planted heads: one scatter per (class, found / missed) that has heads."""
+    import plotly.graph_objects as go
+
+    traces = []
+    for kind, heads, symbol in (("sink", plan.sink, "x"), ("dispersed", plan.dispersed, "circle-open")):
+        missed = {tuple(h) for h in (classifier or {}).get(kind, {}).get("missed", ())}
+        for outcome, color, chosen in (("found", PLANTED_MARK, [h for h in heads if h not in missed]),
+                                       ("missed", MISSED, [h for h in heads if h in missed])):
+            if chosen:
+                label = f"planted {kind}, {outcome} by the classifier" if classifier else f"planted {kind}"
+                traces.append(go.Scatter(x=[h for _, h in chosen], y=[l for l, _ in chosen], mode="markers",
+                                         marker=dict(symbol=symbol, size=14, color=color, line=dict(width=2,
+                                                                                                    color=color)),
+                                         name=label, hovertemplate=f"{label}: layer %{{y}}, head %{{x}}<extra></extra>"))
+    return traces
+
+
+def lab_answers(answers: dict[str, str]) -> str:
+    """Markdown: the lab's answers at the chosen budget (unpruned, uniform, the paper's HAP, HAP+), each marked
+    planted; NO_PLAN's short form without a plan."""
+    if not answers:
+        return "#### Answers with the plan\n(no plan: nothing planted)"
+    return "#### PLANTED heads · answers at this budget\n" + "\n".join(
+        f"- {label}: **{answer or '(empty)'}**" for label, answer in answers.items())
 
 
 def map_share(scores: np.ndarray, tokens: list[int]) -> float:
@@ -109,7 +150,8 @@ def lab_text(report: dict, data: views.ViewData, answers: dict, config: hap.HAPC
     if report["sink"] and config.sink_detector == "norm":
         lines.append("- The norm detector (the paper's) flags tokens with massive hidden-state norms; a planted sink "
                      "has none, so no planted sink can be classed sink, and a head parked on one token looks "
-                     "perfectly focused: PAQ ranks it high. Set sink_detector to consensus or both to find them.")
+                     "perfectly focused: PAQ ranks it high. Set sink_detector (the lab's, or the advanced "
+                     "setting) to consensus or both to find them.")
     if data.groups and tokens:
         g = data.groups[0]
         kept = sorted(set(tokens) & set(g.kept))

@@ -17,13 +17,14 @@ import gradio as gr
 
 from analysis.report import LABELS, TEACHING
 from hap.inputs import FORMATS, InputLimits
-from hap.knobs import KNOBS, Knob
+from hap.knobs import KNOBS, SINK_DETECTORS, Knob
 from hap.views import VIEW
 
 from . import causal as causal_section
 from .handler import (CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
                       show_turn)
-from .lab import LAB_INTRO, NO_PLAN, TEACHING_PLAN, TEACHING_SETTINGS
+from .lab import (HEAD_PICKER, LAB_DETECTOR, LAB_DETECTOR_INFO, LAB_INTRO, NO_PLAN, TEACHING_PLAN,
+                  TOKEN_PICKER, lab_answers)
 from .edit import NO_EDIT
 from .settings import Settings, examples, knob_defaults
 
@@ -184,13 +185,23 @@ def inspector_section() -> dict[str, gr.components.Component]:
 
 
 def lab_section() -> tuple[dict[str, gr.components.Component], dict[str, gr.components.Component]]:
-    """The head lab, "What if heads differed?": (its controls by name: the plan (`plant`), the share helper and its
-    button, the run button; its outputs by name: the lab's text)."""
+    """The head lab, "What if heads differed?": (its controls by name: the plan (`plant`), the pickers' kind, the
+    lab's sink detector, the share helper and its button, the run button; its outputs by name (`LAB` and "lab"):
+    the two pickers, then the run's views side by side, its answers and its text, and the run's plan report)."""
     gr.Markdown(LAB_INTRO)
     controls = {"plant": gr.Code(value="", language="json", label="Plan (the /analyze parameter `plant`; empty = none)",
                                  elem_id="plant", interactive=True)}
+    out = {}
     with gr.Row():
-        controls["kind"] = gr.Radio(["sink", "dispersed"], value="sink", label="Plant", elem_id="lab-kind")
+        controls["kind"] = gr.Radio(["sink", "dispersed"], value="sink", label="Plant (clicks and the share helper)",
+                                    elem_id="lab-kind")
+        controls["detector"] = gr.Radio(list(SINK_DETECTORS), value=LAB_DETECTOR,
+                                        label="sink_detector (lab runs)", info=LAB_DETECTOR_INFO,
+                                        elem_id="lab-detector")
+    with gr.Row():
+        out["lab_heads"] = gr.Image(label=HEAD_PICKER, interactive=False, format="png", elem_id="lab-heads")
+        out["lab_tokens"] = gr.Image(label=TOKEN_PICKER, interactive=False, format="png", elem_id="lab-tokens")
+    with gr.Row():
         controls["share"] = gr.Slider(0, 100, value=50, step=1, label="in % of the heads", elem_id="lab-share")
         controls["layers"] = gr.Textbox(value="0-1", label="of layers a-b", elem_id="lab-layers")
         controls["seed"] = gr.Number(value=0, precision=0, label="seed", elem_id="lab-seed")
@@ -200,7 +211,18 @@ def lab_section() -> tuple[dict[str, gr.components.Component], dict[str, gr.comp
                                              "redundant patch)", elem_id="lab-sink-tokens")
         controls["fill"] = gr.Button("Fill the plan", elem_id="lab-fill")
     controls["run"] = gr.Button("Run with this plan (new conversation)", variant="primary", elem_id="lab-run")
-    return controls, {"lab": gr.Markdown(NO_PLAN, elem_id="lab")}
+    gr.Markdown("### This run with the plan, side by side")
+    with gr.Row():
+        out["lab_head_classes"] = gr.Plot(label="Head classes: the planted heads found or missed",
+                                          elem_id="plot-lab_head_classes")
+        with gr.Column():
+            out["lab_answers"] = gr.Markdown(lab_answers({}), elem_id="lab-answers", container=True)
+            out["lab"] = gr.Markdown(NO_PLAN, elem_id="lab")
+    with gr.Row():
+        out["lab_uniform_vs_paq"] = gr.Plot(label=VIEW["uniform_vs_paq"].label, elem_id="plot-lab_uniform_vs_paq")
+        out["lab_kept_masks"] = gr.Plot(label=VIEW["kept_masks"].label, elem_id="plot-lab_kept_masks")
+    out["lab_report"] = gr.State()
+    return controls, out
 
 
 def sweep_section() -> tuple[gr.Button, dict[str, gr.components.Component]]:
@@ -241,8 +263,8 @@ def build_demo(
         lab, lab_out = lab_section()
         out.update(lab_out)
         if examples(settings.models)[0]:
-            gr.Examples([[*examples(settings.models)[0][0], json.dumps(TEACHING_PLAN.to_json()), *TEACHING_SETTINGS.values()]],
-                        [*request, lab["plant"], *(knobs[k] for k in TEACHING_SETTINGS)],
+            gr.Examples([[*examples(settings.models)[0][0], json.dumps(TEACHING_PLAN.to_json()), LAB_DETECTOR]],
+                        [*request, lab["plant"], lab["detector"]],
                         label="Head lab teaching example: sinks planted in half the heads of the scoring layers "
                               "(layers 0, 1, 3), found by the consensus detector; press Run with this plan")
         causal_setting, causal_out = causal_section.section()
@@ -269,7 +291,16 @@ def build_demo(
         run.click(analyze, request, outputs, api_visibility="private", **new)
         prompt.submit(analyze, request, outputs, api_visibility="private", **new)
         out["follow_up"].click(analyze, request, outputs, api_visibility="private", **lane)
-        lab["run"].click(analyze, request, outputs, api_visibility="private", **new)
+        lab_lane = {**new, "inputs_kwargs": {**new["inputs_kwargs"], "sink_detector": lab["detector"]}}
+        lab["run"].click(analyze, request, outputs, api_visibility="private", **lab_lane)
+        pickers = dict(fn=handler.lab_pickers, inputs=[model, lab["plant"], out["state"], out["lab_report"]],
+                       outputs=[out["lab_heads"], out["lab_tokens"], lab["sink_tokens"]], api_visibility="private")
+        lab["plant"].change(**pickers)
+        demo.load(**pickers)  # the head picker of the default model from the start: it is clicked to make a plan
+        out["lab_heads"].select(handler.click_head, [lab["plant"], lab["kind"], model, out["state"]], lab["plant"],
+                                api_visibility="private")
+        out["lab_tokens"].select(handler.click_token, [lab["plant"], out["state"]], lab["plant"],
+                                 api_visibility="private")
         lab["fill"].click(handler.fill_plan, [model, *(lab[k] for k in ("kind", "share", "layers", "seed", "strength",
                                                                   "sink_tokens"))], lab["plant"], api_visibility="private")
         sweep_lane = {**lane, "inputs_kwargs": {k: knobs[k] for k in SWEEP_KNOBS},

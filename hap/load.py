@@ -6,6 +6,7 @@ few attention rows it needs, so nothing forces eager attention).
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
     the model over devices with accelerate's hooks, and replaces the move to `device`; `device="auto"`
     with more than one visible GPU means `device_map="auto"`.
     """
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from .patch import ADAPTERS
 
@@ -69,7 +70,45 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
             name_or_path, dtype=dtype, use_safetensors=True, trust_remote_code=False, attn_implementation="sdpa",
             **({} if device_map is None else {"device_map": device_map}),
         )
-        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=False)
-    except (OSError, ValueError) as err:
+        processor = load_processor(name_or_path, config)
+    except (OSError, ValueError, ImportError) as err:
         raise ModelLoadError(f"cannot load {where}: {str(err).splitlines()[0]}") from err
     return (model if device_map is not None else model.to(target)).eval(), processor
+
+
+def load_processor(name_or_path: str, config):
+    """The model's processor (`AutoProcessor`); for Qwen2-VL / Qwen2.5-VL without torchvision (their video processor
+    needs it; the project does not), the same processor for images and text only (`image_only`)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available() or config.model_type not in IMAGE_ONLY:
+        return AutoProcessor.from_pretrained(name_or_path, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
+    return image_only(config.model_type)(AutoImageProcessor.from_pretrained(name_or_path, trust_remote_code=False),
+                                         tokenizer, getattr(tokenizer, "chat_template", None))
+
+
+IMAGE_ONLY = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}  # model_type -> processor class
+
+
+@cache
+def image_only(model_type: str) -> type:
+    """The processor class of `model_type` (IMAGE_ONLY) for images and text only: built from an image processor and
+    a tokenizer carrying Qwen's vision tokens, no video processor. It keeps the stock class's name, so a processor it
+    saves is the stock one's folder (loaded by the stock class where torchvision is installed)."""
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    stock = getattr(transformers, IMAGE_ONLY[model_type])
+
+    def __init__(self, image_processor, tokenizer, chat_template=None):
+        self.image_token, self.video_token = QWEN_VISION_TOKENS[1], QWEN_VISION_TOKENS[3]
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return type(stock.__name__, (stock,), {"__init__": __init__, "__doc__": image_only.__doc__})
+
+
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")

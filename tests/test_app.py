@@ -57,7 +57,7 @@ def analyze(client: Client, model: str, prompt: str = PROMPT, image=SCENE, **cha
 
     out = client.predict(image=handle_file(str(image)), prompt=prompt, model_name=model, **{**SETTINGS, **changes},
                          api_name="/analyze")
-    assert len(out) == len(OUTPUTS) - 2  # the states (the run's, the conversation's turns) stay on the server
+    assert len(out) == len(OUTPUTS) - 3  # the states (the run's, its plan report, the turns) stay on the server
     return dict(zip(OUTPUTS, out))
 
 

@@ -223,3 +223,56 @@ def test_causal_section_matches_the_json(page_url, driver):
         (ARTIFACTS / name).write_bytes(base64.b64decode(shot["data"]))
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
+
+
+def click_picture(driver, elem_id: str, x: int, y: int) -> None:
+    """Click the picture of the gr.Image `elem_id` at its own pixel (x, y), wherever the page scaled it."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.execute_script(f"document.getElementById('{elem_id}').scrollIntoView({{block: 'center'}})")  # lazy img
+    img = WebDriverWait(driver, 60).until(lambda d: next(
+        (i for i in d.find_elements(By.CSS_SELECTOR, f"#{elem_id} img") if i.get_property("naturalWidth")), None))
+    box = driver.execute_script("const r = arguments[0].getBoundingClientRect(); return [r.width, r.height, "
+                                "arguments[0].naturalWidth, arguments[0].naturalHeight]", img)
+    scale = min(box[0] / box[2], box[1] / box[3], 1)
+    dx = (box[0] - box[2] * scale) / 2 + x * scale - box[0] / 2  # from the element's centre (Selenium 4)
+    dy = (box[1] - box[3] * scale) / 2 + y * scale - box[1] / 2
+    ActionChains(driver).move_to_element_with_offset(img, round(dx), round(dy)).click().perform()
+
+
+def test_the_head_lab_by_clicking(page_url, driver):
+    """Click a head on the head picker and a patch on the sink-token picker: the plan box changes; run the plan:
+    the lab's results side by side, marked planted; saves test-artifacts/lab.png."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from app.lab_pick import MARGIN, cell_px
+
+    wait = WebDriverWait(driver, 240)
+    driver.get(page_url)
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#lab-heads img")))
+    cell = cell_px((6, 8))
+    for layer, head in ((0, 1), (1, 5)):
+        click_picture(driver, "lab-heads", MARGIN + head * cell + cell // 2, MARGIN + layer * cell + cell // 2)
+        wait.until(EC.text_to_be_present_in_element((By.ID, "plant"), f"[{layer}, {head}]"))
+    assert '"sink": [[0, 1], [1, 5]]' in driver.find_element(By.ID, "plant").text
+    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()  # the first scene example
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value"))
+    driver.find_element(By.ID, "lab-run").click()
+    wait.until(EC.text_to_be_present_in_element((By.ID, "lab-answers"), "HAP+"))
+    wait.until(EC.text_to_be_present_in_element((By.ID, "lab"), "recall"))
+    for name in ("lab_head_classes", "lab_uniform_vs_paq", "lab_kept_masks"):
+        wait.until(EC.text_to_be_present_in_element((By.ID, f"plot-{name}"), "PLANTED"))
+    wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#lab-tokens img")))
+    click_picture(driver, "lab-tokens", 5, 5)  # the top-left patch: visual token 0
+    wait.until(EC.text_to_be_present_in_element((By.ID, "plant"), '"sink_tokens": [0]'))
+    box = driver.find_element(By.CSS_SELECTOR, "#lab-sink-tokens textarea, #lab-sink-tokens input")
+    wait.until(lambda d: box.get_attribute("value") == "0")
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.execute_script("document.getElementById('lab-heads').scrollIntoView({block: 'start'})")
+    driver.save_screenshot(str(ARTIFACTS / "lab.png"))
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 
 from app.lab import NO_PLAN, PLANTED_TITLE, TEACHING_PLAN, plan_from_share
+from hap import views
+from hap.planting import Plan, classifier_report
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"
@@ -52,8 +55,15 @@ def test_a_planted_run_is_marked_on_every_view_and_reports_the_classifier(client
     for name in ("head_classes", "paq", "uniform_vs_paq", "kept_masks", "group_maps"):
         assert out[name]["plot"] and MARK in json.dumps(out[name]), name
     assert all(out[card].startswith("#### PLANTED heads") for card in ("unpruned", "pruned", "uniform"))
+    # the lab's results side by side: the same (marked) views, the four answers, the pickers on this run
+    for name in ("head_classes", "uniform_vs_paq", "kept_masks"):
+        assert out[f"lab_{name}"] == out[name], name
+    marks = {t["name"] for t in json.loads(out["lab_head_classes"]["plot"])["data"] if t.get("name")}
+    assert "planted sink, found by the classifier" in marks and "planted sink, missed by the classifier" not in marks
+    assert all(f"- {label}: **{answer or '(empty)'}**" in out["lab_answers"] for label, answer in plant["answers"].items())
+    assert out["lab_answers"].startswith("#### PLANTED heads") and out["lab_heads"] and out["lab_tokens"]
     stock = analyze(client, model_name, plant="")  # empty = none: the model's own heads, nothing marked
-    assert stock["summary"]["plant"] is None and stock["lab"] == NO_PLAN
+    assert stock["summary"]["plant"] is None and stock["lab"] == NO_PLAN and stock["lab_head_classes"] is None
     assert MARK not in json.dumps(stock["head_classes"])
 
 
@@ -96,3 +106,118 @@ def test_the_cli_plants_a_plan_file(tmp_path, capsys):
     plan.write_text('{"sink": [[0, 99]]}')
     assert main(["run", "--image", str(SCENE), "--prompt", PROMPT, "--plant", str(plan)]) == 2
     assert "error: sink: head 99 of [0, 99] is out of range; each layer has query heads 0..7" in capsys.readouterr().err
+
+
+# --- a random Qwen2-VL saved to a folder with its offline processor (no torchvision) -------------------------------
+QWEN_PLAN = {"sink": [[0, 1], [1, 2]], "dispersed": [[2, 0]], "strength": 0.9}
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory):
+    from tiny_models import qwen_vl_folder
+
+    return str(qwen_vl_folder(tmp_path_factory.mktemp("qwen2-vl")))
+
+
+def test_analyze_plants_a_plan_on_a_random_qwen2_vl(qwen_folder):
+    from app.handler import Handler
+    from app.settings import Settings
+    from hap.knobs import KNOBS
+
+    server = Handler(Settings(models=[qwen_folder], allow_local=True))
+    upload = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
+    knobs = {**{k.name: k.resolve(4) for k in KNOBS}, "sink_detector": "consensus"}
+    out = server.analyze(upload, PROMPT, qwen_folder, causal="off", plant=json.dumps(QWEN_PLAN), **knobs)
+    plant = out["summary"]["plant"]
+    assert out["state"].grid == (6, 6) and plant["sink"] == QWEN_PLAN["sink"]
+    assert plant["classifier"]["sink"]["found"] == QWEN_PLAN["sink"] and plant["classifier"]["sink"]["recall"] == 1.0
+    assert plant["classifier"]["dispersed"]["recall"] == 1.0 and set(plant["answers"]) == {
+        "unpruned", "uniform", "HAP (paper)", "HAP+"}
+    assert MARK in out["head_classes"].layout.title.text and out["lab"].startswith("**PLANTED heads")
+
+
+def test_the_cli_plants_a_plan_file_on_a_random_qwen2_vl(qwen_folder, tmp_path, capsys):
+    from hap.__main__ import main
+
+    plan, out = tmp_path / "plan.json", tmp_path / "out.json"
+    plan.write_text(json.dumps(QWEN_PLAN))
+    assert main(["run", "--model", qwen_folder, "--image", str(SCENE), "--prompt", PROMPT, "--plant", str(plan),
+                 "--sink-detector", "consensus", "--max-new-tokens", "2", "--json", str(out)]) == 0
+    assert "PLANTED heads (hap.plant, not the model's own): 2 sink, 1 dispersed" in capsys.readouterr().out
+    report = json.loads(out.read_text())["plant"]
+    assert report["classifier"]["sink"]["found"] == QWEN_PLAN["sink"] and report["dispersed"] == [[2, 0]]
+    assert report["classifier"]["sink"]["precision"] == 1.0 and len(report["sink_tokens_used"]) == 1
+
+
+# --- picking by clicking: the pictures and their inverses --------------------------------------------------------
+def test_a_click_on_the_head_picker_maps_to_the_cell_drawn_there():
+    from app.lab_pick import MARGIN, cell_px, head_at, head_picker
+
+    shape = (6, 8)
+    picture = head_picker(shape, Plan.of(sink=[(2, 5)]))
+    cell = cell_px(shape)
+    assert picture.shape == (MARGIN + 6 * cell + 1, MARGIN + 8 * cell + 1, 3)
+    for layer, head in ((0, 0), (2, 5), (5, 7)):
+        x, y = MARGIN + head * cell + cell // 2, MARGIN + layer * cell + cell // 2
+        assert head_at(x, y, shape) == (layer, head)
+    assert head_at(MARGIN - 1, MARGIN + 1, shape) is None and head_at(MARGIN + 8 * cell + 1, MARGIN, shape) is None
+    assert tuple(picture[MARGIN + 2 * cell + cell // 2, MARGIN + 5 * cell + cell // 2]) == (0, 0, 0)  # the x's centre
+
+
+def test_the_head_picker_marks_missed_heads_apart_from_found_ones():
+    from PIL import ImageColor
+
+    from app.lab_pick import MARGIN, MISSED, cell_px, head_picker
+
+    shape, plan = (2, 2), Plan.of(sink=[(0, 0), (1, 1)])
+    classes = [["sink", "optimal"], ["optimal", "optimal"]]
+    picture = head_picker(shape, plan, classes, classifier_report(plan, classes))
+    cell = cell_px(shape)
+    centre = lambda l, h: tuple(picture[MARGIN + l * cell + cell // 2, MARGIN + h * cell + cell // 2])  # noqa: E731
+    assert centre(0, 0) == (0, 0, 0) and centre(1, 1) == ImageColor.getrgb(MISSED)
+    assert centre(0, 1) == ImageColor.getrgb(views.CLASS_COLORS[3])  # an unplanted optimal head: its class colour
+
+
+def test_a_click_on_the_image_maps_to_the_token_under_it():
+    from app.lab_pick import token_at, token_picker
+
+    assert token_at(0, 0, (336, 336), (12, 12), 144) == 0
+    assert token_at(335, 335, (336, 336), (12, 12), 144) == 143
+    assert token_at(30, 0, (336, 336), (12, 12), 144) == 1 and token_at(0, 28, (336, 336), (12, 12), 144) == 12
+    assert token_at(100, 50, (300, 100), (2, 3), 6) == 4  # a non-square grid: row 1, column 1
+    with pytest.raises(ValueError, match="do not map to a 12 x 12 grid"):
+        token_at(0, 0, (336, 336), (12, 12), 145)
+    view = np.full((336, 336, 3), 200, np.uint8)
+    picture = token_picker(view, (12, 12), (13,))
+    assert tuple(picture[42, 42]) == (207, 100, 100) and tuple(picture[10, 10]) == (200, 200, 200)
+
+
+def test_clicks_toggle_the_plan_and_keep_the_rest():
+    from app.lab_pick import toggle_head, toggle_token
+
+    plan = Plan.of(sink=[(0, 1)], sink_tokens=[3], strength=0.7)
+    plan = toggle_head(plan, (1, 2), "dispersed")
+    assert plan.dispersed == ((1, 2),) and plan.sink == ((0, 1),) and plan.strength == 0.7
+    assert toggle_head(plan, (0, 1), "sink").sink == ()  # clicked again: unplanted
+    assert toggle_head(plan, (0, 1), "dispersed").dispersed == ((0, 1), (1, 2))  # the other kind: switched
+    assert toggle_token(plan, 5).sink_tokens == (3, 5) and toggle_token(plan, 3).sink_tokens is None
+
+
+def test_click_events_through_the_handler_edit_the_plan_box(model_name):
+    from gradio import SelectData
+
+    from app.handler import Handler
+    from app.lab_pick import MARGIN, cell_px
+    from app.settings import Settings
+
+    server = Handler(Settings(models=[model_name]))
+    cell = cell_px((6, 8))
+    click = SelectData(None, {"index": [MARGIN + 3 * cell + 1, MARGIN + 2 * cell + 1], "value": None})
+    plan = json.loads(server.click_head("", "dispersed", model_name, None, click))
+    assert plan["dispersed"] == [[2, 3]] and plan["sink"] == []
+    heads, tokens, text = server.lab_pickers(model_name, json.dumps(plan), None, None)
+    assert heads.shape[:2] == (MARGIN + 6 * cell + 1, MARGIN + 8 * cell + 1) and tokens is None and text == ""
+    with pytest.raises(Exception, match="press Run first"):
+        server.click_token(json.dumps(plan), None, click)
+    with pytest.raises(Exception, match="plant is not valid JSON"):
+        server.click_head("{oops", "sink", model_name, None, click)

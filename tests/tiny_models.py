@@ -7,6 +7,7 @@ left-padded batch, one noise image per question.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from hap.run import chat_prompt
-from analysis.training.tiny_vlm import build_config, build_processor
+from analysis.training.tiny_vlm import build_config, build_processor, build_qwen_processor
 
 Inputs = Callable[[list[str], list[int] | None], dict]
 
@@ -92,24 +93,45 @@ def llava_qwen2_case(attn: str = "sdpa", layers: int = 4) -> tuple[torch.nn.Modu
 QWEN_IDS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
 
 
-def qwen_vl_case(attn: str = "sdpa", layers: int = 4, version: str = "2") -> tuple[torch.nn.Module, Inputs]:
-    """Qwen2-VL / Qwen2.5-VL in small: M-RoPE decoder (GQA), 168 x 140 images -> 6 x 5 = 30 visual tokens."""
-    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
-                bos_token_id=1, eos_token_id=2,
+TEXT_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def qwen_vl_model(layers: int = 4, version: str = "2", ids: dict[str, int] = QWEN_IDS, vocab: int = 128,
+                  text_ids: dict[str, int] = TEXT_IDS):
+    """A random Qwen2-VL / Qwen2.5-VL in small (M-RoPE decoder 64 wide, 4 query heads on 2 KV heads; `ids`: its
+    vision tokens, `vocab`: its vocabulary, `text_ids`: its pad / bos / eos tokens), on SDPA."""
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **text_ids,
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4})
     vision = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_heads=2)
     if version == "2":
         config = Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2,
-                                                                     **vision), **QWEN_IDS)
+                                                                     **vision), **ids)
         cls = Qwen2VLForConditionalGeneration
     else:
         config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(
             depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=56,
-            fullatt_block_indexes=[1], **vision), **QWEN_IDS)
+            fullatt_block_indexes=[1], **vision), **ids)
         cls = Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
-    model = cls(config).eval()
+    return cls(config).eval()
+
+
+def qwen_vl_folder(folder: Path, layers: int = 4, side: int = 168) -> Path:
+    """A random Qwen2-VL saved to `folder` with its offline processor (`build_qwen_processor`: `side` x `side`
+    pixels, (side / 28)^2 visual tokens), as `hap.load_model` and the app load a model folder."""
+    processor, ids = build_qwen_processor(side, "qwen2_vl")
+    tok = processor.tokenizer
+    model = qwen_vl_model(layers, "2", ids, len(tok), dict(pad_token_id=tok.pad_token_id,
+                                                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def qwen_vl_case(attn: str = "sdpa", layers: int = 4, version: str = "2") -> tuple[torch.nn.Module, Inputs]:
+    """Qwen2-VL / Qwen2.5-VL in small (`qwen_vl_model`): 168 x 140 images -> 6 x 5 = 30 visual tokens."""
+    model = qwen_vl_model(layers, version)
     model.set_attn_implementation(attn)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, merge_size=2)
 
