@@ -32,6 +32,28 @@ def resolve_device(device: str = "auto") -> torch.device:
     return target
 
 
+def load_processor(name_or_path: str, arch: str):
+    """The model's processor through `AutoProcessor`; where that cannot build it (a processor that needs a video
+    processor, hence torchvision) or returns a bare tokenizer, the image-only processor of the architecture
+    (`hap.patch.processors`) from the same files. ValueError when neither exists."""
+    from transformers import AutoProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    from .patch.processors import IMAGE_ONLY
+
+    try:
+        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=False)
+    except (ImportError, AttributeError, ValueError) as err:
+        processor, why = None, f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    else:
+        why = f"AutoProcessor gave a {type(processor).__name__}, not a processor"
+    if isinstance(processor, ProcessorMixin):
+        return processor
+    if arch not in IMAGE_ONLY:
+        raise ValueError(f"cannot build the processor of this {arch} ({why})")
+    return IMAGE_ONLY[arch].from_pretrained(name_or_path, trust_remote_code=False)
+
+
 def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str | None = None, device_map=None):
     """Load `(model, processor)`; dtype None = bfloat16 on a GPU, float32 on the CPU.
 
@@ -39,7 +61,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
     the model over devices with accelerate's hooks, and replaces the move to `device`; `device="auto"`
     with more than one visible GPU means `device_map="auto"`.
     """
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from .patch import ADAPTERS
 
@@ -69,7 +91,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
             name_or_path, dtype=dtype, use_safetensors=True, trust_remote_code=False, attn_implementation="sdpa",
             **({} if device_map is None else {"device_map": device_map}),
         )
-        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=False)
+        processor = load_processor(name_or_path, arch)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load {where}: {str(err).splitlines()[0]}") from err
     return (model if device_map is not None else model.to(target)).eval(), processor
