@@ -171,7 +171,8 @@ class ViewData:
         """
         stats = np.stack([_array(t) for t in (result.paq, result.sink_share, result.dispersion,
                                                result.visual_share)], -1)
-        layout = None if result.layout is None else Layout.from_dict(result.layout)
+        layout = getattr(result, "layout", None)  # a Result read back from JSON, or an older one, may lack it
+        layout = None if layout is None else Layout.from_dict(layout)
         tiled = layout is not None and not single_view(layout)
         data = cls(
             image=model_view(image, center_crop), grid=tuple(result.visual_grid), head_class=result.head_class,

@@ -248,3 +248,53 @@ def test_onevision_at_the_05b_decoder_shape_cuts_to_the_budget():
     text = batch["input_ids"].shape[1] - N
     assert schedule.flops_ratio(text, shape) == pytest.approx(
         prefill_flops(schedule.visual_per_layer, text, shape) / prefill_flops([N] * 3, text, shape))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The app serving a saved tiny model of each family (local folders allowed), and their names."""
+    import os
+
+    from app.app import build_demo, launch_options
+    from app_model import free_port
+    from gradio_client import Client
+
+    os.environ["HAP_APP_ALLOW_LOCAL"] = "1"
+    names = {}
+    for family in ("llava-next", "llava-onevision"):
+        folder = tmp_path_factory.mktemp(family)
+        model, processor = ZOO[family](layers=4)
+        model.save_pretrained(folder)
+        processor.save_pretrained(folder)
+        names[family] = str(folder)
+    demo = build_demo(list(names.values()))
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
+                            **launch_options())
+    yield Client(url, verbose=False), names
+    demo.close()
+
+
+@pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
+def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
+    """`/analyze` (with the causal section and head utility) and `/sweep` on a random model of the class: the maps
+    come in panels per image view, the token importance covers every visual token."""
+    from app.handler import OUTPUTS
+    from gradio_client import handle_file
+
+    client, names = served
+    photo = tmp_path / "photo.png"
+    square_image((120, 90), (10, 10, 30, 30)).save(photo)
+    knobs = dict(retain=0.3, groups=2, first_layers=1)
+    out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
+                                           method="hap", **knobs, api_name="/analyze")))
+    report = out["summary"]
+    where = Layout.from_dict(report["layout"])
+    assert report["num_visual"] == where.num_visual and len(where.views) == 2
+    assert len(report["causal"]["token_importance"]) == where.num_visual
+    assert report["head_utility"]["values"]
+    import json
+    masks = json.loads(out["kept_masks"]["plot"])["data"]
+    assert sum(t["type"] == "image" for t in masks) == 2 * len(report["groups"])  # one panel per view and group
+    figure, data = client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
+                                  **{k: v for k, v in knobs.items() if k != "retain"}, api_name="/sweep")
+    assert data["methods"]["hap"]["answers"] and "visionzip" not in data["methods"]  # refused for the class
