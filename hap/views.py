@@ -258,15 +258,20 @@ def model_view(image: Image.Image | str | Path | None, center_crop: bool = True,
     """
     if image is None:
         return np.full((size, size, 3), 128, np.uint8)
-    if isinstance(image, (str, Path)):
-        with Image.open(image) as opened:
-            image = opened.convert("RGB")
-    image = image.convert("RGB")
+    image = _rgb(image)
     if center_crop:
         side = min(image.size)
         left, top = (image.width - side) // 2, (image.height - side) // 2
         image = image.crop((left, top, left + side, top + side))
     return np.asarray(image.resize((size, size), Image.Resampling.BICUBIC))
+
+
+def _rgb(image: Image.Image | str | Path) -> Image.Image:
+    """The image, or its file, in RGB."""
+    if isinstance(image, (str, Path)):
+        with Image.open(image) as opened:
+            return opened.convert("RGB")
+    return image.convert("RGB")
 
 
 def single_view(layout: Layout) -> bool:
@@ -284,10 +289,7 @@ def view_image(image: Image.Image | str | Path | None, box: tuple[float, float, 
                                                                                     size)
     if image is None:
         return np.full((height, width, 3), 128, np.uint8)
-    if isinstance(image, (str, Path)):
-        with Image.open(image) as opened:
-            image = opened.convert("RGB")
-    image = image.convert("RGB")
+    image = _rgb(image)
     x0, y0, x1, y1 = box
     w, h = image.size
     canvas = Image.new("RGB", (max(1, round((x1 - x0) * w)), max(1, round((y1 - y0) * h))), (128, 128, 128))
