@@ -47,6 +47,10 @@ HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "llava-hf/llava-1.5-7b-hf": 32,
     "llava-hf/llava-interleave-qwen-0.5b-hf": 24,
     "Qwen/Qwen2-VL-2B-Instruct": 28,
+    "llava-hf/llava-onevision-qwen2-0.5b-ov-hf": 24,  # small enough for a CPU
+    "llava-hf/llava-onevision-qwen2-7b-ov-hf": 28,
+    "llava-hf/llava-v1.6-vicuna-7b-hf": 32,
+    "llava-hf/llava-v1.6-mistral-7b-hf": 32,
 }
 UNKNOWN_DEPTH = 32  # decoder layers assumed when a model's config cannot be read (its load will say why)
 EXAMPLES = ROOT / "assets" / "examples"

@@ -25,7 +25,8 @@ from .methods import policy_for
 from .visionzip import MIN_TOKENS as VISIONZIP_MIN
 
 OFFICIAL = ("sparsevlm", "autoprune")  # methods whose schedule is their official code's, solved on its budget T
-FLOPS_CONVENTION = "MACs per layer: 2nd^2 + 2n*d*d_kv + 2n^2d + 3ndm (= 4nd^2+2n^2d+3ndm without GQA)"
+FLOPS_CONVENTION = ("MACs per layer: 2nd*d_q + 2n*d*d_kv + 2n*min(n, w)*d_q + 3ndm (= 4nd^2+2n^2d+3ndm without "
+                    "GQA, with d_q = d and no sliding window w)")
 
 
 @dataclass(frozen=True)
@@ -36,22 +37,31 @@ class DecoderShape:
     hidden: int  # d
     intermediate: int  # m, gated FFN width
     kv_dim: int  # d_kv = num_key_value_heads * head_dim
+    windows: tuple[int | None, ...] = ()  # [layers] each layer's sliding window (None: full attention); (): all full
+    q_dim: int | None = None  # d_q = num_attention_heads * head_dim where it differs from d (Gemma 3), else None
 
     @classmethod
     def mha(cls, layers: int, hidden: int, intermediate: int) -> "DecoderShape":
         return cls(layers, hidden, intermediate, hidden)
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window in tokens, None where it attends over every earlier token."""
+        return self.windows[layer] if self.windows else None
 
-def layer_flops(n: int | float, shape: DecoderShape) -> int | float:
+
+def layer_flops(n: int | float, shape: DecoderShape, window: int | None = None) -> int | float:
     """Multiply-accumulates of one decoder layer over a sequence of n tokens (exact for integer n;
-    fractional n serves the continuous budget solve)."""
+    fractional n serves the continuous budget solve). A sliding-window layer (`window` tokens) scores each query
+    against at most `window` keys: its attention term counts n * min(n, window) query-key pairs, not n^2."""
     d, m = shape.hidden, shape.intermediate
-    return 2 * n * d * d + 2 * n * d * shape.kv_dim + 2 * n * n * d + 3 * n * d * m
+    q = shape.q_dim or d
+    keys = n if window is None else min(n, window)
+    return 2 * n * d * q + 2 * n * d * shape.kv_dim + 2 * n * keys * q + 3 * n * d * m
 
 
 def prefill_flops(visual_per_layer: list[int], text_tokens: int, shape: DecoderShape) -> int:
     """Prefill MACs when layer l holds `visual_per_layer[l]` visual tokens and every text token."""
-    return sum(layer_flops(text_tokens + v, shape) for v in visual_per_layer)
+    return sum(layer_flops(text_tokens + v, shape, shape.window(l)) for l, v in enumerate(visual_per_layer))
 
 
 @dataclass
@@ -178,7 +188,7 @@ def solve_schedule(
             per_layer += [c] * length
         if retain is not None:
             return sum(per_layer) / (L * num_visual)
-        return sum(layer_flops(text_tokens + v, shape) for v in per_layer) / full_flops
+        return prefill_flops(per_layer, text_tokens, shape) / full_flops
 
     target = retain if retain is not None else flops_ratio
     name = "retain" if retain is not None else "flops_ratio"

@@ -17,13 +17,15 @@ def prompt_attention(
     key_valid: torch.Tensor | None,
     scaling: float,
     bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention probabilities of the prompt rows over every key, in float32.
 
     q_rows [batch, heads, P, d_h] (post-RoPE queries of the rows); keys [batch, kv_heads, T, d_h]
     (post-RoPE); row_pos long [P] or [batch, P], each row's index in the T keys (causal: a row sees
     keys at index <= its own); key_valid bool [batch, T] or None (False = padding); bias float [batch, T] or None:
-    added to every row's logits per key (proportional attention after a merge, hap/merge.py).
+    added to every row's logits per key (proportional attention after a merge, hap/merge.py); window: a
+    sliding-window layer's width, a row seeing only the keys at index > its own - window (None: every earlier key).
     Returns [batch, heads, P, T]; every row sums to 1 over the keys it may see.
     """
     heads, kv_heads = q_rows.shape[1], keys.shape[1]
@@ -37,7 +39,10 @@ def prompt_attention(
         logits = logits + bias.float()[:, None, None, :]
     if row_pos.dim() == 1:
         row_pos = row_pos.unsqueeze(0)
-    allowed = torch.arange(T, device=keys.device)[None, None, :] <= row_pos[:, :, None]  # [B|1, P, T]
+    index = torch.arange(T, device=keys.device)[None, None, :]
+    allowed = index <= row_pos[:, :, None]  # [B|1, P, T]
+    if window is not None:
+        allowed = allowed & (index > row_pos[:, :, None] - window)
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, :]
     logits = logits.masked_fill(~allowed[:, None], float("-inf"))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .inputs import DEFAULT_LIMITS, InputLimits, load_image
-from .patch import attention_outputs, decoder_of
+from .patch import attention_outputs, decoder_of, visual_tokens
 from .run import build_inputs
 
 MODES = ("ablation", "attribution")
@@ -280,7 +280,7 @@ def gradients(model, inputs: dict, score: str = TOKEN_SCORE) -> tuple[int, float
         answer = int(logp.argmax())
         scale = gradient_scale(float(logp[answer].detach()))
         d_gates, d_embeds = torch.autograd.grad(logp[answer] * scale, [gates, taken[0]])
-    visual = inputs["input_ids"][0] == model.config.image_token_id
+    visual = visual_tokens(model, inputs)[0]
     tokens = TOKEN_SCORES[score](taken[0][0, visual].detach().float(), d_embeds[0, visual].float() / scale)
     return answer, float(logp[answer].detach()), (d_gates[0].float() / scale).cpu(), tokens.cpu()
 

@@ -5,12 +5,13 @@ map as the token scorer of one cut) with the uniform and PAQ-weighted references
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .causal import kept_importance
-from .views import HeadGrid, Panel, Panels, ViewData, _layer_head_layout, _tick, panels_plotly
+from .views import HeadGrid, Panels, ViewData, _layer_head_layout, _tick, panels_plotly
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -102,18 +103,18 @@ def references_plotly(values, uniform, paq_weighted, paq, unpruned: float, title
 def token_panels(data: ViewData, tokens) -> Panels:
     """Token importance over the image: first with the answering patches outlined (a scene asked its own question),
     then once per group with its kept tokens outlined and the share of importance they hold in the title."""
-    scores = data.on_grid(tokens)
     first = "token importance" + ("" if data.truth is None else "\n(outlined: answering patches)")
-    panels = [Panel(first, data.image, scores, None, data.outline())]
+    panels = data.panels(first, tokens)
     shares = kept_importance(tokens, [g.kept for g in data.groups])
     for group, share in zip(data.groups, shares):
-        kept = np.zeros(scores.size, dtype=bool)
+        kept = np.zeros(data.shape[2], dtype=bool)
         kept[np.asarray(group.kept, dtype=int)] = True
         held = "-" if share is None else f"{share:.0%}"
         title = f"group {group.index} (layers {group.layers[0]}-{group.layers[1] - 1}):\n{len(group.kept)} kept hold " \
                 f"{held}"
-        panels.append(Panel(title, data.image, scores, None, kept.reshape(data.grid)))
-    return Panels(panels, data.grid, cols=4, width=1000)
+        panels += [replace(p, outline=mask) for p, mask in zip(data.panels(title, tokens, outline=False),
+                                                               data.on_views(kept))]
+    return Panels(panels, data.grid, cols=4 * data.views_count(), width=1000)
 
 
 def tokens_plotly(data: ViewData, tokens, title: str) -> go.Figure:

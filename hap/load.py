@@ -6,7 +6,6 @@ few attention rows it needs, so nothing forces eager attention).
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -31,6 +30,28 @@ def resolve_device(device: str = "auto") -> torch.device:
     if target.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device={device!r}: this machine has no MPS device; use 'cpu' or 'auto'")
     return target
+
+
+def load_processor(name_or_path: str, arch: str):
+    """The model's processor through `AutoProcessor`; where that cannot build it (a processor that needs a video
+    processor, hence torchvision, or its saved config) or returns a bare tokenizer, the image-only processor of the architecture
+    (`hap.patch.processors`) from the same files. ValueError when neither exists."""
+    from transformers import AutoProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    from .patch.processors import IMAGE_ONLY
+
+    try:
+        processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=False)
+    except (ImportError, AttributeError, ValueError, OSError) as err:
+        processor, why = None, f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    else:
+        why = f"AutoProcessor gave a {type(processor).__name__}, not a processor"
+    if isinstance(processor, ProcessorMixin):
+        return processor
+    if arch not in IMAGE_ONLY:
+        raise ValueError(f"cannot build the processor of this {arch} ({why})")
+    return IMAGE_ONLY[arch].from_pretrained(name_or_path, trust_remote_code=False)
 
 
 def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str | None = None, device_map=None):
@@ -70,45 +91,8 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
             name_or_path, dtype=dtype, use_safetensors=True, trust_remote_code=False, attn_implementation="sdpa",
             **({} if device_map is None else {"device_map": device_map}),
         )
-        processor = load_processor(name_or_path, config)
-    except (OSError, ValueError, ImportError) as err:
+        processor = load_processor(name_or_path, arch)
+    except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load {where}: {str(err).splitlines()[0]}") from err
     return (model if device_map is not None else model.to(target)).eval(), processor
 
-
-def load_processor(name_or_path: str, config):
-    """The model's processor (`AutoProcessor`); for Qwen2-VL / Qwen2.5-VL without torchvision (their video processor
-    needs it; the project does not), the same processor for images and text only (`image_only`)."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available() or config.model_type not in IMAGE_ONLY:
-        return AutoProcessor.from_pretrained(name_or_path, trust_remote_code=False)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
-    return image_only(config.model_type)(AutoImageProcessor.from_pretrained(name_or_path, trust_remote_code=False),
-                                         tokenizer, getattr(tokenizer, "chat_template", None))
-
-
-IMAGE_ONLY = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}  # model_type -> processor class
-
-
-@cache
-def image_only(model_type: str) -> type:
-    """The processor class of `model_type` (IMAGE_ONLY) for images and text only: built from an image processor and
-    a tokenizer carrying Qwen's vision tokens, no video processor. It keeps the stock class's name, so a processor it
-    saves is the stock one's folder (loaded by the stock class where torchvision is installed)."""
-    import transformers
-    from transformers.processing_utils import ProcessorMixin
-
-    stock = getattr(transformers, IMAGE_ONLY[model_type])
-
-    def __init__(self, image_processor, tokenizer, chat_template=None):
-        self.image_token, self.video_token = QWEN_VISION_TOKENS[1], QWEN_VISION_TOKENS[3]
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-    return type(stock.__name__, (stock,), {"__init__": __init__, "__doc__": image_only.__doc__})
-
-
-QWEN_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")

@@ -81,6 +81,7 @@ class PruneState:
         priority: torch.Tensor | None = None,
         tail: int = 0,
         lead: int = 0,
+        image_mask: torch.Tensor | None = None,
     ) -> "PruneState":
         """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None;
         priority [batch, N] or None: an analysis hook, values that rank the visual tokens (by original
@@ -89,7 +90,9 @@ class PruneState:
         run once (batch 1), the cut gives each variant its own kept tokens and later layers run the V as a batch
         (a prefill only: its cache mixes batch sizes; `hap.utility`);
         tail: tokens of the chat template after the question (e.g. " ASSISTANT:"), left out by rows="question";
-        lead: tokens between the image and the question (a follow-up's earlier turns), left out by every rows choice.
+        lead: tokens between the image and the question (a follow-up's earlier turns), left out by every rows choice;
+        image_mask bool [batch, T]: every token of the image, the visual ones and those the pruner keeps whole
+        (LLaVA-NeXT's newline tokens): the prompt rows start after its last one (default: `visual_mask`).
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
         config = config.resolved(shape.layers)
@@ -114,8 +117,8 @@ class PruneState:
         policy = policy_for(config)
         schedule = plan(config, shape, N, T - N)
         scoring, lookahead = _scoring_sets(policy, schedule)
-        row_valid, row_gap = _prompt_rows(policy.rows, visual_pos[:, -1], _last_tokens(attention_mask, T), T, tail,
-                                              lead)
+        image_end = visual_pos[:, -1] if image_mask is None else _last_image_token(image_mask, visual_pos[:, -1])
+        row_valid, row_gap = _prompt_rows(policy.rows, image_end, _last_tokens(attention_mask, T), T, tail, lead)
         return cls(
             config=config,
             policy=policy,
@@ -346,6 +349,16 @@ class PruneState:
             return None
         index = self.segment_index[layer]
         return torch.cat([attention_mask.gather(1, index), attention_mask[:, self.prompt_len :]], 1)
+
+
+def _last_image_token(image_mask: torch.Tensor, last_visual: torch.Tensor) -> torch.Tensor:
+    """long [batch] position of each sample's last image token (`image_mask` bool [batch, T]), at least its last
+    visual token `last_visual` [batch]."""
+    if image_mask.shape[0] < last_visual.shape[0]:  # variants of one input
+        image_mask = image_mask.expand(last_visual.shape[0], -1)
+    T = image_mask.shape[1]
+    last = T - 1 - image_mask.flip(1).long().argmax(1)
+    return torch.maximum(last.to(last_visual.device), last_visual)
 
 
 def _last_tokens(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:

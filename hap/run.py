@@ -11,7 +11,7 @@ from PIL import Image
 
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
-from .patch import adapter_for, apply, remove
+from .patch import apply, layout, remove
 from .patch.decoder import decoder_shape
 from .patch.planted import PLANTS
 from .trace import Outcome, Result, to_result
@@ -119,7 +119,8 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
          limits: InputLimits, history: Sequence[tuple[str, str]]) -> Result:
     t0 = time.perf_counter()
     prompt, history, notes = conversation(processor, prompt, history, limits)
-    inputs, text = encode(processor, load_image(image, limits), prompt, history)
+    picture = load_image(image, limits)
+    inputs, text = encode(processor, picture, prompt, history)
     device = next(model.parameters()).device
     inputs = inputs.to(device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
@@ -139,13 +140,14 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
     finally:
         remove(model)
     answer = processor.decode(out[0, T:], skip_special_tokens=True).strip()
-    N = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
-    grid = adapter_for(model).visual_grid(model, inputs, N)
+    where = layout(model, inputs, picture.size)
+    N, grid = where.num_visual, where.views[0].grid
     shape, st = decoder_shape(model), patch.state
     facts = Outcome(config.resolved(shape.layers), shape, model.config.text_config.num_attention_heads, N, T,
                 st.schedule if st else None, st.cuts if st else [], st.tracer if st else None, st.curve if st else None)
     result = to_result(facts, answer, text, grid, notes)
     result.history = [list(turn) for turn in history]
+    result.layout = where.to_dict()
     lab = PLANTS.get(model)
     result.plant = None if lab is None else lab.report(result.head_class)
     result.timings = {

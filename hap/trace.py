@@ -160,6 +160,8 @@ class Result:
     #                                       layer's drop, layer average), beside `retained_tokens` (what ran)
     curve: dict | None = None  # autoprune: the curve it chose (`hap.autoprune.Curve`: MI_0, MI_1, slope, fractions,
     #                            counts after each layer's drop)
+    layout: dict | None = None  # where each visual token lies on the uploaded image (`hap.layout.Layout.to_dict`,
+    #                             computed once by the model's adapter); None: the `visual_grid` over the whole image
 
     def kept_mask(self, group: int) -> torch.Tensor:
         """bool [visual] of the tokens group `group` runs on."""

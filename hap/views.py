@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
     from . import Group, Result
 
+from .layout import WHOLE, Layout
+
 CLASSES = ("", "sink", "dispersed", "optimal")  # index = colour code; "" = layer not scored
 CLASS_LABELS = ("not scored", "sink", "dispersed", "optimal")
 CLASS_COLORS = ("#d9d9d9", "#d62728", "#ffb000", "#2ca02c")
@@ -151,6 +153,9 @@ class ViewData:
     truth: Truth | None = None  # the scene's ground truth, when the image carries it for this prompt
     visual_per_layer: Sequence[int] = ()  # [layers] visual tokens each layer processed (empty: every token)
     curve: dict | None = None  # AutoPrune's chosen curve (`Result.curve`), None for the other methods
+    layout: Layout | None = None  # where each visual token lies on the uploaded image (`hap.layout`); None or one
+    #                               view over the whole image: `image` and `grid` say it all
+    view_images: tuple[np.ndarray, ...] = ()  # [views] the uploaded image under each view of a tiled `layout`
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -166,6 +171,9 @@ class ViewData:
         """
         stats = np.stack([_array(t) for t in (result.paq, result.sink_share, result.dispersion,
                                                result.visual_share)], -1)
+        layout = getattr(result, "layout", None)  # a Result read back from JSON, or an older one, may lack it
+        layout = None if layout is None else Layout.from_dict(layout)
+        tiled = layout is not None and not single_view(layout)
         data = cls(
             image=model_view(image, center_crop), grid=tuple(result.visual_grid), head_class=result.head_class,
             stats=stats, head_maps=_array(result.maps.head), head_attention=_array(result.maps.head_attention),
@@ -173,7 +181,8 @@ class ViewData:
             group_maps=_array(result.maps.group), group_uniform=_array(result.maps.group_uniform),
             groups=result.groups, method=result.method, temperature=result.config["temperature"],
             merged=result.method == "hap" and result.config["merge"] != "none",
-            visual_per_layer=list(result.visual_per_layer), curve=result.curve,
+            visual_per_layer=list(result.visual_per_layer), curve=result.curve, layout=layout if tiled else None,
+            view_images=tuple(view_image(image, v.box, v.grid) for v in layout.views) if tiled else (),
         )
         return data.at_layer(default_layer(result.groups, stats[..., 0]) if layer is None else layer)
 
@@ -187,6 +196,33 @@ class ViewData:
     def on_grid(self, values) -> np.ndarray:
         """`[V]` values -> `[rows, cols]` float array."""
         return np.asarray(values, dtype=float).reshape(self.grid)
+
+    def on_views(self, values) -> list[np.ndarray]:
+        """Per-token `values` [V] (float or bool) on each panel's grid: `[rows, cols]` of the one grid, or of each view
+        of a tiled layout (NaN / False where a cell holds no token)."""
+        values = np.asarray(values)
+        if self.layout is None:
+            return [values.reshape(self.grid).astype(bool if values.dtype == bool else float)]
+        return [view.values(values if values.dtype == bool else values.astype(float)) for view in self.layout.views]
+
+    def panels(self, title: str, scores=None, present=None, outline: bool = True) -> list[Panel]:
+        """A map of the visual tokens as panels over the image: `scores` [V] (NaN: absent, dimmed) or none, `present`
+        bool [V] the tokens not dimmed (None: every scored one), `outline`: the answering patches outlined where
+        known. One panel, or for a tiled layout one per view of it, titled with the view's name, each on the image
+        under that view (a cell holding no token is dimmed)."""
+        cells = [None] * self.views_count() if scores is None else self.on_views(scores)
+        if present is None:  # the scored tokens, None where every one is
+            shown = [None if c is None or not np.isnan(c).any() else ~np.isnan(c) for c in cells]
+        else:
+            shown = self.on_views(np.asarray(present, dtype=bool))
+        if self.layout is None:
+            return [Panel(title, self.image, cells[0], shown[0], self.outline() if outline else None)]
+        return [Panel(f"{title}\n{view.name}", image, c, m, None, view.grid)
+                for view, image, c, m in zip(self.layout.views, self.view_images, cells, shown)]
+
+    def views_count(self) -> int:
+        """Panels per map: 1, or the tiled layout's views."""
+        return 1 if self.layout is None else len(self.layout.views)
 
     def outline(self) -> np.ndarray | None:
         """bool [rows, cols] answering patches to outline on every map, None without ground truth."""
@@ -222,15 +258,43 @@ def model_view(image: Image.Image | str | Path | None, center_crop: bool = True,
     """
     if image is None:
         return np.full((size, size, 3), 128, np.uint8)
-    if isinstance(image, (str, Path)):
-        with Image.open(image) as opened:
-            image = opened.convert("RGB")
-    image = image.convert("RGB")
+    image = _rgb(image)
     if center_crop:
         side = min(image.size)
         left, top = (image.width - side) // 2, (image.height - side) // 2
         image = image.crop((left, top, left + side, top + side))
     return np.asarray(image.resize((size, size), Image.Resampling.BICUBIC))
+
+
+def _rgb(image: Image.Image | str | Path) -> Image.Image:
+    """The image, or its file, in RGB."""
+    if isinstance(image, (str, Path)):
+        with Image.open(image) as opened:
+            return opened.convert("RGB")
+    return image.convert("RGB")
+
+
+def single_view(layout: Layout) -> bool:
+    """Whether `layout` is one grid over the whole image, drawn as before tiling (`model_view`)."""
+    return len(layout.views) == 1 and tuple(layout.views[0].box) == WHOLE
+
+
+def view_image(image: Image.Image | str | Path | None, box: tuple[float, float, float, float],
+               grid: tuple[int, int], size: int = VIEW_PIXELS) -> np.ndarray:
+    """The part of the uploaded image under one view of a tiled layout: the rectangle `box` (fractions of the
+    image, beyond [0, 1] where the view covers padding, drawn grey), at the aspect of the view's `grid` (rows, cols),
+    `size` pixels on its longer side -> `[height, width, 3]` uint8."""
+    rows, cols = grid
+    width, height = (size, max(1, round(size * rows / cols))) if cols >= rows else (max(1, round(size * cols / rows)),
+                                                                                    size)
+    if image is None:
+        return np.full((height, width, 3), 128, np.uint8)
+    image = _rgb(image)
+    x0, y0, x1, y1 = box
+    w, h = image.size
+    canvas = Image.new("RGB", (max(1, round((x1 - x0) * w)), max(1, round((y1 - y0) * h))), (128, 128, 128))
+    canvas.paste(image, (round(-x0 * w), round(-y0 * h)))
+    return np.asarray(canvas.resize((width, height), Image.Resampling.BICUBIC))
 
 
 def dim(view: np.ndarray, present: np.ndarray) -> np.ndarray:
@@ -335,26 +399,25 @@ def head_map_panels(data: ViewData) -> Panels:
     """Per-head token maps of `data.layer`, before fusion."""
     layer, heads = data.layer, data.shape[1]
     panels = [
-        Panel.map(f"L{layer} H{h}: {data.head_class[layer][h] or 'not scored'}\nPAQ {data.stats[layer, h, 0]:.3g}",
-                  data.image, data.on_grid(data.head_maps[layer, h]), data.outline())
-        for h in range(heads)
+        panel for h in range(heads) for panel in data.panels(
+            f"L{layer} H{h}: {data.head_class[layer][h] or 'not scored'}\nPAQ {data.stats[layer, h, 0]:.3g}",
+            data.head_maps[layer, h])
     ]
-    return Panels(panels, data.grid, multiples_columns(heads))
+    return Panels(panels, data.grid, multiples_columns(len(panels)))
 
 
 def layer_map_panels(data: ViewData) -> Panels:
     """Head-fused (softmax(PAQ / T) over heads) maps, one per captured layer."""
     layers = scored_layers(data.stats[..., 0])
-    panels = [Panel.map(f"layer {l} (head fusion)", data.image, data.on_grid(data.layer_maps[l]), data.outline())
-              for l in layers]
-    return Panels(panels, data.grid, multiples_columns(len(layers)))
+    panels = [panel for l in layers for panel in data.panels(f"layer {l} (head fusion)", data.layer_maps[l])]
+    return Panels(panels, data.grid, multiples_columns(len(panels)))
 
 
 def group_map_panels(data: ViewData) -> Panels:
     """Layer-fused maps, one per group: the scores that chose the group's tokens."""
-    panels = [Panel.map(f"{_span(g)}\nscored by {_layers(g.scored_by)}", data.image,
-                        data.on_grid(data.group_maps[g.index]), data.outline()) for g in data.groups]
-    return Panels(panels, data.grid, cols=3)
+    panels = [panel for g in data.groups
+              for panel in data.panels(f"{_span(g)}\nscored by {_layers(g.scored_by)}", data.group_maps[g.index])]
+    return Panels(panels, data.grid, cols=3 * data.views_count())
 
 
 def comparison_panels(data: ViewData) -> Panels:
@@ -363,10 +426,9 @@ def comparison_panels(data: ViewData) -> Panels:
     for g in data.groups:
         k, plain, paq = len(g.kept), data.group_uniform[g.index], data.group_maps[g.index]
         shared = len(top_k(plain, k) & top_k(paq, k))
-        uniform.append(Panel.map(f"group {g.index}: uniform average", data.image, data.on_grid(plain), data.outline()))
-        weighted.append(Panel.map(f"group {g.index}: PAQ-weighted\n{shared} of the top {k} shared", data.image,
-                                  data.on_grid(paq), data.outline()))
-    return Panels(uniform + weighted, data.grid, cols=max(1, len(data.groups)))
+        uniform += data.panels(f"group {g.index}: uniform average", plain)
+        weighted += data.panels(f"group {g.index}: PAQ-weighted\n{shared} of the top {k} shared", paq)
+    return Panels(uniform + weighted, data.grid, cols=max(1, len(data.groups) * data.views_count()))
 
 
 def mask_panels(data: ViewData) -> Panels:
@@ -377,8 +439,8 @@ def mask_panels(data: ViewData) -> Panels:
         present = np.zeros(visual, dtype=bool)
         present[list(g.kept)] = True
         title = f"{_span(g)}:\n{len(g.kept)}/{visual} kept" + (",\nthe rest merged into them" if data.merged else "")
-        panels.append(Panel(title, data.image, present=present.reshape(data.grid), outline=data.outline()))
-    return Panels(panels, data.grid, cols=3, width=650)
+        panels += data.panels(title, present=present)
+    return Panels(panels, data.grid, cols=3 * data.views_count(), width=650)
 
 
 def grounding_grid(data: ViewData) -> HeadGrid:
@@ -398,8 +460,8 @@ def head_panel(data: ViewData, head: int) -> Panels:
         raise ValueError(f"head={head!r} is outside the layer's heads 0..{heads - 1}")
     layer = data.layer
     title = f"layer {layer} head {head}: {data.head_class[layer][head] or 'not scored'}"
-    return Panels([Panel.map(title, data.image, data.on_grid(data.head_maps[layer, head]), data.outline())],
-                  data.grid, cols=1, width=1000)  # as tall as a map of a three-column row
+    panels = data.panels(title, data.head_maps[layer, head])
+    return Panels(panels, data.grid, cols=len(panels), width=1000)  # as tall as a map of a three-column row
 
 
 # --- plotly ----------------------------------------------------------------------------------------

@@ -155,17 +155,17 @@ def test_retain_below_the_reachable_minimum_names_the_fix():
 
 
 def test_unsupported_architectures_are_refused_by_name():
-    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
-    config = LlavaNextConfig(
-        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    config = PaliGemmaConfig(
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14),
-        text_config=dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, vocab_size=64),
+        text_config=dict(model_type="gemma", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64),
         image_token_index=60,
     )
-    with pytest.raises(ValueError, match=r"no adapter for LlavaNextForConditionalGeneration.*supported: Llava"):
-        hap.patch(LlavaNextForConditionalGeneration(config), hap.HAPConfig())
+    with pytest.raises(ValueError, match=r"no adapter for PaliGemmaForConditionalGeneration.*supported: Llava"):
+        hap.patch(PaliGemmaForConditionalGeneration(config), hap.HAPConfig())
 
 
 def test_a_priority_ranks_above_the_scores_at_every_cut():

@@ -120,7 +120,7 @@ def qwen_vl_model(layers: int = 4, version: str = "2", ids: dict[str, int] = QWE
 def qwen_vl_folder(folder: Path, layers: int = 4, side: int = 168) -> Path:
     """A random Qwen2-VL saved to `folder` with its offline processor (`build_qwen_processor`: `side` x `side`
     pixels, (side / 28)^2 visual tokens), as `hap.load_model` and the app load a model folder."""
-    processor, ids = build_qwen_processor(side, "qwen2_vl")
+    processor, ids = build_qwen_processor(side, "Qwen2VLForConditionalGeneration")
     tok = processor.tokenizer
     model = qwen_vl_model(layers, "2", ids, len(tok), dict(pad_token_id=tok.pad_token_id,
                                                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))

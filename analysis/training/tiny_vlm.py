@@ -107,19 +107,19 @@ def build_processor(layout: str = "text-first", image_size: int = IMAGE_SIZE) ->
         chat_template=image_first_template(layout == "image-first") if image_first else CHAT_TEMPLATE)
 
 
-def build_qwen_processor(side: int, model_type: str = "qwen2_5_vl"):
+def build_qwen_processor(side: int, arch: str = "Qwen2_5_VLForConditionalGeneration"):
     """(an offline Qwen2-VL / Qwen2.5-VL processor for images and text, the special-token ids its model needs): this
     module's tokenizer with Qwen's vision tokens added, Qwen2-VL's image processing at `side` x `side` pixels (14-px
     patches merged 2 x 2: (side / 28)^2 visual tokens), the chat template with Qwen's image span
-    (`hap.load.image_only`: no video processor, which needs torchvision)."""
+    (`hap.patch.processors.IMAGE_ONLY`: no video processor, which needs torchvision)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from hap.load import QWEN_VISION_TOKENS, image_only
+    from hap.patch.processors import IMAGE_ONLY, QWEN_VISION_TOKENS
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS)})
     tokenizer.model_max_length = 4096
-    processor = image_only(model_type)(
+    processor = IMAGE_ONLY[arch](
         Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side, patch_size=14, merge_size=2),
         tokenizer, CHAT_TEMPLATE.replace("<image>\n", "".join(QWEN_VISION_TOKENS[:3])))
     ids = tokenizer.convert_tokens_to_ids(list(QWEN_VISION_TOKENS))

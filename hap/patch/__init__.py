@@ -11,10 +11,13 @@ from contextlib import contextmanager
 import torch
 
 from ..config import HAPConfig
-from . import llava, qwen2_vl
+from ..layout import Layout
+from . import llava, llava_next, qwen2_vl
 
 ADAPTERS = {
     "LlavaForConditionalGeneration": llava,
+    "LlavaNextForConditionalGeneration": llava_next,
+    "LlavaOnevisionForConditionalGeneration": llava_next,
     "Qwen2VLForConditionalGeneration": qwen2_vl,
     "Qwen2_5_VLForConditionalGeneration": qwen2_vl,
 }
@@ -24,7 +27,7 @@ def adapter_for(model):
     name = type(model).__name__
     if name not in ADAPTERS:
         raise ValueError(
-            f"HAP has no adapter for {name} (LLaVA-NeXT's any-resolution tiling among others); "
+            f"HAP has no adapter for {name}; "
             f"supported: {', '.join(ADAPTERS)}"
         )
     return ADAPTERS[name]
@@ -39,6 +42,26 @@ def attention_outputs(model) -> list[torch.nn.Module]:
     """Each decoder layer's attention output projection, whose input holds the query heads' outputs side by side
     (`[batch, T, heads * head_dim]`, head h in columns `[h * head_dim, (h + 1) * head_dim)`)."""
     return adapter_for(model).attention_outputs(model)
+
+
+def visual_tokens(model, inputs) -> torch.Tensor:
+    """bool [batch, T] the visual tokens of `inputs` (the processor's output) the pruner ranks: the image token's
+    ids, less those an adapter keeps out (LLaVA-NeXT's newline tokens)."""
+    adapter, ids = adapter_for(model), inputs["input_ids"]
+    if hasattr(adapter, "token_masks"):
+        return adapter.token_masks(model, ids, inputs)[0]
+    return ids == model.config.image_token_id
+
+
+def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
+    """Where each visual token of the first sample of `inputs` (the processor's output) lies on its image of
+    `image_size` = (width, height) pixels (`hap.layout`): the adapter's tiled layout, else its `visual_grid` over the
+    whole image."""
+    adapter = adapter_for(model)
+    if hasattr(adapter, "layout"):
+        return adapter.layout(model, inputs, image_size)
+    N = int(visual_tokens(model, inputs)[0].sum())
+    return Layout.grid(*adapter.visual_grid(model, inputs, N), image_size)
 
 
 def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,

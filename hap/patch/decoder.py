@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 from transformers.cache_utils import DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ..budget import DecoderShape
 from ..capture import prompt_attention
@@ -46,6 +46,9 @@ from ..pruner import PruneState
 
 
 Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
+# (input_ids [batch, T], the multimodal model's kwargs) -> (visual, image) bool [batch, T]: the tokens the pruner may
+# drop, and every token of the image (where the prompt rows start after); default: both are the image token's ids
+TokenMasks = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]] | None
 
 
 def decoder_of(model) -> torch.nn.Module:
@@ -69,11 +72,37 @@ def check_decoder(model) -> None:
         )
 
 
+def sliding_window(text_config) -> int | None:
+    """The window of a decoder whose every layer slides one (Mistral: `sliding_window` set, no `layer_types`), else
+    None (full attention, or per-layer types)."""
+    if getattr(text_config, "layer_types", None):
+        return None
+    return getattr(text_config, "sliding_window", None)
+
+
+def layer_windows(text_config) -> tuple[int | None, ...]:
+    """[layers] each decoder layer's sliding window in tokens (None: full attention)."""
+    types = getattr(text_config, "layer_types", None)
+    if types:
+        return tuple(text_config.sliding_window if t == "sliding_attention" else None for t in types)
+    return (sliding_window(text_config),) * text_config.num_hidden_layers
+
+
 def decoder_shape(model) -> DecoderShape:
     tc = model.config.text_config
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-    return DecoderShape(tc.num_hidden_layers, tc.hidden_size, tc.intermediate_size, kv_heads * head_dim)
+    windows = layer_windows(tc)
+    q_dim = tc.num_attention_heads * head_dim
+    return DecoderShape(tc.num_hidden_layers, tc.hidden_size, tc.intermediate_size, kv_heads * head_dim,
+                        windows if any(w is not None for w in windows) else (),
+                        None if q_dim == tc.hidden_size else q_dim)
+
+
+def has_pixels(kwargs: dict) -> bool:
+    """Whether a forward of the multimodal model carries an image: its pixels, or (inside `generate`, which encodes
+    the image before the prefill) its encoded features."""
+    return kwargs.get("pixel_values") is not None or bool((kwargs.get("mm_encoder_outputs") or {}).get("image"))
 
 
 class Patch:
@@ -81,9 +110,11 @@ class Patch:
     forward (model pre-hook, layer prefill, layer decode, layer done, decoder done)."""
 
     def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None,
-                 priority: torch.Tensor | None = None, tail: int = 0, lead: int = 0) -> None:
+                 priority: torch.Tensor | None = None, tail: int = 0, lead: int = 0,
+                 token_masks: TokenMasks = None) -> None:
         self.config, self.trace, self.priority, self.tail, self.lead = config, trace, priority, tail, lead
         self.decode_positions = decode_positions or (lambda model, positions: positions)
+        self.token_masks = token_masks or (lambda ids, kwargs: (ids == self.image_token,) * 2)
         self.shape = decoder_shape(model)
         self.image_token = model.config.image_token_id
         self.text_config = decoder_of(model).config
@@ -117,7 +148,8 @@ class Patch:
         decode step on the pruned prefill's cache keeps its 2-D mask; anything else runs stock."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self.overrides = {}
-        fresh = input_ids is not None and bool((input_ids == self.image_token).any())  # a prompt with the image
+        fresh = (input_ids is not None and has_pixels(kwargs)
+                 and bool((input_ids == self.image_token).any()))  # a prompt with the image (not a generated <image>)
         self.prefill_started = time.perf_counter() if fresh else 0.0  # timed whether it prunes or not
         if self.config.method == "none" and not self.trace:
             self.mode = None
@@ -130,9 +162,10 @@ class Patch:
                 )
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("HAP prunes a fresh prefill: an image cannot be added to an existing KV cache")
+            visual, image = self.token_masks(input_ids, kwargs)
             self.state = PruneState.start(
-                self.config, input_ids == self.image_token, kwargs.get("attention_mask"), self.shape, self.trace,
-                self.priority, self.tail, self.lead,
+                self.config, visual, kwargs.get("attention_mask"), self.shape, self.trace,
+                self.priority, self.tail, self.lead, image_mask=image,
             )
             self.state.vision, self.vision_cues = self.vision_cues, None
             self.mode = "prefill"
@@ -169,7 +202,8 @@ class Patch:
             st.choose_raters(hidden)
         if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
             t0 = time.perf_counter()
-            _lookahead(st, layer, index, hidden, kwargs, rope=st.policy.first_cut != "prerope")
+            _lookahead(st, layer, index, hidden, kwargs, rope=st.policy.first_cut != "prerope",
+                       window=self.shape.window(index))
             st.scoring_seconds += time.perf_counter() - t0
         if st.cut_index(index) is not None:
             hidden = _cut(st, self.text_config, index, hidden, kwargs)
@@ -220,9 +254,9 @@ class Patch:
         cos, sin = kwargs["position_embeddings"]
         q = _heads(attn, q, "q_norm", self.row_rotary(cos, sin, rows))
         k = _cached_keys(kwargs.get("cache"), index)
-        if k is None:
+        if k is None or k.shape[2] != hidden.shape[1]:  # no cache, or a sliding-window layer's cache kept the last keys
             k = _heads(attn, attn.k_proj(layer.input_layernorm(hidden)), "k_norm", (cos, sin))
-        _record(self.state, layer, index, q, k, hidden, rows)
+        _record(self.state, layer, index, q, k, hidden, rows, window=self.shape.window(index))
         self.state.scoring_seconds += time.perf_counter() - t0
 
     def decoder_done(self, module, args, kwargs, output) -> None:
@@ -232,11 +266,13 @@ class Patch:
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-                tail: int | None = None, decode_positions: Positions = None, lead: int = 0) -> Patch:
+                tail: int | None = None, decode_positions: Positions = None, lead: int = 0,
+                token_masks: TokenMasks = None) -> Patch:
     """Patch `model` in place so that its forward and `generate` prune as `config` says. `priority`
     [batch, visual], `tail` (needed by rows="question") and `lead`: see `PruneState.start`. `decode_positions` (the
     multimodal model, long [1, new] text positions) -> the `position_ids` its decoder takes, for decode steps
-    given none (default: as they are)."""
+    given none (default: as they are). `token_masks`: which tokens are visual and where the image ends
+    (`TokenMasks`; default: the image token's ids)."""
     check_decoder(model)
     if tail is None and policy_for(config).rows == "question":
         raise ValueError("rows='question' needs the chat template's tail after the question: "
@@ -247,7 +283,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
                          "load the model with attn_implementation='sdpa' or 'eager', or use merge='none'")
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(model, config, trace, decode_positions, priority, tail or 0, lead)
+    patch = Patch(model, config, trace, decode_positions, priority, tail or 0, lead, token_masks)
     patch.attach(model)
     model._hap = patch
     return patch
@@ -288,16 +324,17 @@ def _heads(attn, projected: torch.Tensor, norm: str, rotary: tuple | None) -> to
 
 
 @torch.no_grad()
-def _lookahead(st: PruneState, layer, index: int, hidden: torch.Tensor, kwargs: dict, rope: bool) -> None:
+def _lookahead(st: PruneState, layer, index: int, hidden: torch.Tensor, kwargs: dict, rope: bool,
+               window: int | None = None) -> None:
     """Capture layer `index` before it runs (to score the cut entering it): its norm once, the q projection of the
-    prompt rows, the k projection of every token, post-RoPE unless `rope` is False."""
+    prompt rows, the k projection of every token, post-RoPE unless `rope` is False (`window`: its sliding window)."""
     attn = layer.self_attn
     rows = st.row_positions(hidden.shape[1]).to(hidden.device)
     x = layer.input_layernorm(hidden)
     cos, sin = kwargs["position_embeddings"]
     q = _heads(attn, attn.q_proj(_take(x, rows)), "q_norm", (_take(cos, rows), _take(sin, rows)) if rope else None)
     k = _heads(attn, attn.k_proj(x), "k_norm", (cos, sin) if rope else None)
-    _record(st, layer, index, q, k, hidden, rows, lookahead=True)
+    _record(st, layer, index, q, k, hidden, rows, lookahead=True, window=window)
 
 
 def _cached_keys(cache, index: int, what: str = "keys") -> torch.Tensor | None:
@@ -308,13 +345,14 @@ def _cached_keys(cache, index: int, what: str = "keys") -> torch.Tensor | None:
 
 @torch.no_grad()
 def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor,
-            rows: torch.Tensor, lookahead: bool = False) -> None:
-    """The prompt rows' attention (queries `q` of the rows at positions `rows` [B, P], keys `k`) to the pruner."""
+            rows: torch.Tensor, lookahead: bool = False, window: int | None = None) -> None:
+    """The prompt rows' attention (queries `q` of the rows at positions `rows` [B, P], keys `k`; `window`: the
+    layer's sliding window) to the pruner."""
     key_valid = st.key_valid()
     key_valid = None if key_valid is None else key_valid.to(q.device)
     bias = st.bias_at(index)
     bias = None if bias is None else bias.to(q.device)
-    attn = prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling, bias)
+    attn = prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling, bias, window)
     planted = PLANTED.get(layer)
     if planted is not None:  # a head lab plan (hap.plant): the rows its planted heads really run
         attn = planted(attn, st.visual_pos.to(attn.device), st.kept_orig.to(attn.device))
@@ -348,9 +386,10 @@ def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: 
 
 def _mask(text_config, hidden: torch.Tensor, mask_2d: torch.Tensor | None, kwargs: dict, index: int,
           bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The attention mask of the layers from cut `index` on: the stock causal mask over the padding mask
-    `mask_2d` [batch, kv], plus the group's proportional-attention `bias` [batch, T_group] where a merge made one."""
-    mask = create_causal_mask(
+    """The attention mask of the layers from cut `index` on: the stock causal mask (sliding-window where every layer
+    slides one, as Mistral builds it) over the padding mask `mask_2d` [batch, kv], plus the group's proportional-attention `bias` [batch, T_group] where a merge made one."""
+    build = create_causal_mask if sliding_window(text_config) is None else create_sliding_window_causal_mask
+    mask = build(
         config=text_config,
         inputs_embeds=hidden,
         attention_mask=None if mask_2d is None else mask_2d.to(hidden.device),

@@ -1,0 +1,52 @@
+"""Image-only processors for the families whose 5.24 processor insists on a video processor (docs/method.md §15).
+
+`LlavaOnevisionProcessor` and Qwen2-VL's / Qwen2.5-VL's (and Qwen3-VL's, InternVL's) build a video processor, which needs torchvision; without it
+they fail before any image is seen. The subclasses here take only (image_processor, tokenizer, chat_template) and
+their processor's own settings, set the token attributes the stock `__init__` would, and leave video out (a video
+input raises). `hap.load.load_model` falls back on them where `AutoProcessor` cannot build the stock one; the tests
+build their tiny models' processors with them.
+"""
+
+from __future__ import annotations
+
+from transformers import LlavaOnevisionProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+
+class OnevisionImageProcessor(LlavaOnevisionProcessor):
+    """`LlavaOnevisionProcessor` without its video processor."""
+
+    def __init__(self, image_processor=None, tokenizer=None, num_image_tokens: int | None = None,
+                 vision_feature_select_strategy: str | None = None, chat_template: str | None = None,
+                 image_token: str = "<image>", vision_aspect_ratio: str = "anyres_max_9", **kwargs) -> None:
+        self.num_image_tokens = num_image_tokens
+        self.vision_feature_select_strategy = vision_feature_select_strategy
+        self.image_token = getattr(tokenizer, "image_token", None) or image_token
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token, self.video_token_id = None, None
+        self.vision_aspect_ratio = vision_aspect_ratio
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def qwen_image_only(stock: type) -> type:
+    """Qwen2-VL's / Qwen2.5-VL's processor class `stock` for images and text only: built from an image processor and
+    a tokenizer carrying Qwen's vision tokens, no video processor. It keeps the stock class's name, so a processor it
+    saves is the stock one's folder (loaded by the stock class where torchvision is installed)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token, self.video_token = QWEN_VISION_TOKENS[1], QWEN_VISION_TOKENS[3]
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return type(stock.__name__, (stock,), {"__init__": __init__, "__doc__": qwen_image_only.__doc__})
+
+
+IMAGE_ONLY = {  # architecture -> processor class
+    "LlavaOnevisionForConditionalGeneration": OnevisionImageProcessor,
+    "Qwen2VLForConditionalGeneration": qwen_image_only(Qwen2VLProcessor),
+    "Qwen2_5_VLForConditionalGeneration": qwen_image_only(Qwen2_5_VLProcessor),
+}

@@ -1,0 +1,300 @@
+"""The tiled families (issue 37) on tiny random models: stock equality when nothing is pruned (SDPA and eager), every
+method runs or is refused by the model's name, batches, the layout of the visual tokens on the uploaded image (a
+planted bright square found where the drawn map says), the full pipeline and the CLI."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import hap
+from hap import views
+from hap.budget import DecoderShape, layer_flops, prefill_flops
+from hap.knobs import METHODS
+from hap.layout import Layout
+from hap.patch import decoder_of, layout, refusal, visual_tokens
+from hap.patch.decoder import decoder_shape
+from hap.run import chat_prompt
+from tiny_zoo import SIZES, ZOO, inputs
+
+QUESTION = "what color is the circle ?"
+FAMILIES = list(ZOO)
+REFUSED = {  # family -> methods refused before any work, each message naming the model class
+    "llava-next": {"visionzip", "autoprune"},
+    "llava-next-mistral": {"visionzip", "autoprune"},
+    "llava-onevision": {"visionzip", "autoprune"},
+}
+
+
+def greedy(model, batch, steps: int = 4):
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nothing_pruned_reproduces_the_stock_model(family, attn):
+    model, processor = ZOO[family](attn)
+    batch = inputs(processor, [QUESTION], [SIZES[family][0]])
+    with torch.no_grad():
+        ref = model(**batch).logits
+    ref_tokens, ref_steps = greedy(model, batch)
+    for config in (hap.HAPConfig(method="none"), hap.HAPConfig(retain=1.0, groups=2),
+                   hap.HAPConfig(retain=1.0, first_layers=0)):
+        with hap.patched(model, config, trace=True):
+            with torch.no_grad():
+                logits = model(**batch).logits
+            tokens, steps = greedy(model, batch)
+        assert (logits - ref).abs().max().item() < 1e-5
+        assert (steps - ref_steps).abs().max().item() < 1e-5
+        assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_method_runs_or_is_refused_by_name(family, method):
+    model, processor = ZOO[family]()
+    config = hap.HAPConfig(method=method, retain=0.3)
+    why = refusal(model, config)
+    if method in REFUSED[family]:
+        assert why is not None and type(model).__name__ in why
+        return
+    assert why is None
+    batch = inputs(processor, [QUESTION], [SIZES[family][0]])
+    with hap.patched(model, config) as patch:
+        tokens, steps = greedy(model, batch, 3)
+    assert torch.isfinite(steps).all() and tokens.shape[1] == batch["input_ids"].shape[1] + 3
+    if method != "none":  # the last layer's cache really is shorter than the prompt
+        cached = patch.cache.layers[-1].keys.shape[2]
+        assert cached < batch["input_ids"].shape[1] + 3 - 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_of_two_image_sizes_selects_as_each_sample_alone(family):
+    model, processor = ZOO[family]()
+    sizes = list(SIZES[family])
+    batch = inputs(processor, [QUESTION, "is there a red square ?"], sizes, [0, 1])
+    config = hap.HAPConfig(retain=0.3, groups=2)
+    with hap.patched(model, config) as patch, torch.no_grad():
+        model(**batch)
+        together = [c.kept for c in patch.state.cuts]
+    for b in range(2):
+        alone = inputs(processor, [[QUESTION, "is there a red square ?"][b]], [sizes[b]], [b])
+        with hap.patched(model, config) as patch, torch.no_grad():
+            model(**alone)
+        assert all(torch.equal(t[b], c.kept[0]) for t, c in zip(together, patch.state.cuts))
+
+
+def test_a_batch_of_unequal_visual_counts_is_refused_before_any_work():
+    model, processor = ZOO["llava-onevision"]()
+    batch = inputs(processor, [QUESTION, QUESTION], [(168, 140), (300, 400)])
+    counts = visual_tokens(model, batch).sum(1)
+    assert counts[0] != counts[1]
+    with hap.patched(model, hap.HAPConfig(retain=0.3)), pytest.raises(ValueError, match="same number of visual"):
+        model(**batch)
+
+
+def local_tower(model) -> None:
+    """Zero every vision layer's attention output and MLP output: each patch's feature then depends on its own pixels
+    only (and its position), so a bright square changes only the tokens whose patches it covers."""
+    for module in model.model.vision_tower.modules():
+        for name in ("out_proj", "fc2", "o_proj"):
+            linear = getattr(module, name, None)
+            if isinstance(linear, torch.nn.Linear):
+                torch.nn.init.zeros_(linear.weight)
+                if linear.bias is not None:
+                    torch.nn.init.zeros_(linear.bias)
+
+
+def square_image(size: tuple[int, int], box: tuple[int, int, int, int] | None) -> Image.Image:
+    """A grey image of (height, width) with a white rectangle (x0, y0, x1, y1) pixels, or none."""
+    pixels = np.full((*size, 3), 90, np.uint8)
+    if box is not None:
+        x0, y0, x1, y1 = box
+        pixels[y0:y1, x0:x1] = 255
+    return Image.fromarray(pixels)
+
+
+def decoder_input(model, batch) -> torch.Tensor:
+    """[T, D] the decoder's input embeddings of sample 0."""
+    seen = []
+    hook = decoder_of(model).register_forward_pre_hook(lambda m, a, k: seen.append(k["inputs_embeds"][0]),
+                                                        with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say(family):
+    """Write a bright square into the image: the visual tokens it changes most, in each view, have layout boxes
+    holding the square's centre, and on every drawn panel the hottest cell sits over the square's pixels."""
+    model, processor = ZOO[family]()
+    local_tower(model)
+    height, width = 100, 170  # not a tile multiple: unpadding and, for the tiles, a box beyond the image
+    square = (104, 36, 114, 46)
+    centre = ((square[0] + square[2]) / 2 / width, (square[1] + square[3]) / 2 / height)
+    image = square_image((height, width), square)
+    prompt = chat_prompt(processor, QUESTION)
+    batch = processor(images=image, text=prompt, return_tensors="pt")
+    plain = processor(images=square_image((height, width), None), text=prompt, return_tensors="pt")
+    visual = visual_tokens(model, batch)[0]
+    change = (decoder_input(model, batch) - decoder_input(model, plain))[visual].norm(dim=-1).numpy()
+    where = layout(model, batch, image.size)
+    where.check()
+    boxes = where.boxes()
+    assert len(where.views) == 2
+    for view in where.views:
+        tokens = np.asarray(view.tokens)
+        hottest = tokens[tokens >= 0][np.argmax(change[tokens[tokens >= 0]])]
+        x0, y0, x1, y1 = boxes[hottest]
+        assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1, (view.name, boxes[hottest], centre)
+    result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3), max_new_tokens=2)
+    data = views.ViewData.from_result(result, image)
+    for panel in data.panels("planted", change):
+        r, c = np.unravel_index(np.nanargmax(panel.scores), panel.grid)
+        rows, cols = panel.grid
+        h, w = panel.view.shape[:2]
+        under = panel.view[r * h // rows:(r + 1) * h // rows, c * w // cols:(c + 1) * w // cols]
+        assert under.max() > 200, panel.title  # the white square shows under the hottest cell
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_pipeline_draws_every_view_once_per_image_view(family, tmp_path):
+    model, processor = ZOO[family]()
+    image = square_image((120, 90), (10, 10, 30, 30))
+    result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3, groups=2), max_new_tokens=3)
+    where = Layout.from_dict(result.layout)
+    assert result.num_visual == where.num_visual == int(visual_tokens(
+        model, processor(images=image, text=result.prompt_text, return_tensors="pt")).sum())
+    assert result.retain == pytest.approx(result.retained_tokens / where.num_visual)
+    data = views.ViewData.from_result(result, image)
+    heads = result.num_heads
+    assert len(views.head_map_panels(data).panels) == 2 * heads
+    assert len(views.mask_panels(data).panels) == 2 * len(result.groups)
+    figures = views.figures(data)
+    assert set(figures) == {v.name for v in views.VIEWS}
+    assert len(views.export_png(data, tmp_path)) == len(views.VIEWS)
+
+
+@pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
+def test_the_cli_runs_a_saved_model(family, tmp_path, capsys):
+    from hap.__main__ import main
+
+    model, processor = ZOO[family]()
+    model.save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    square_image((120, 90), (10, 10, 30, 30)).save(tmp_path / "image.png")
+    code = main(["run", "--model", str(tmp_path / "model"), "--image", str(tmp_path / "image.png"), "--prompt",
+                 QUESTION, "--retain", "0.3", "--max-new-tokens", "2", "--device", "cpu",
+                 "--json", str(tmp_path / "out.json"), "--figures", str(tmp_path / "figures")])
+    assert code == 0, capsys.readouterr().err
+    assert f"visual tokens: {layout(model, processor(images=Image.open(tmp_path / 'image.png'), text='<image>', return_tensors='pt')).num_visual}" in capsys.readouterr().out
+
+
+def test_sliding_window_layers_cost_less_attention_and_the_shape_says_which():
+    model, _ = ZOO["llava-next-mistral"]()
+    shape = decoder_shape(model)
+    assert shape.windows == (24,) * 4
+    full = DecoderShape(shape.layers, shape.hidden, shape.intermediate, shape.kv_dim, q_dim=shape.q_dim)
+    assert layer_flops(100, shape, 24) < layer_flops(100, full)
+    assert layer_flops(20, shape, 24) == layer_flops(20, full)  # a sequence inside the window: no difference
+    assert prefill_flops([80] * 4, 18, shape) < prefill_flops([80] * 4, 18, full)
+    gqa = decoder_shape(ZOO["llava-onevision"]()[0])
+    assert gqa.kv_dim == 2 * 16 and gqa.windows == ()
+
+
+@pytest.mark.slow
+def test_onevision_at_the_05b_decoder_shape_cuts_to_the_budget():
+    """LLaVA-OneVision-0.5B's decoder (Qwen2 896 / 14 heads / 2 KV / 4864) on 3 layers and its real 384-px tiles
+    (27 x 27 tokens each): a 336 x 336 image gives the real 1485 tokens; the schedule, the cut and the FLOPs agree."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2Config, SiglipVisionConfig
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+    from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
+    from hap.patch.processors import OnevisionImageProcessor
+
+    tok = build_tokenizer()
+    pins = [[384 * a, 384 * b] for a in range(1, 7) for b in range(1, 7)]
+    processor = OnevisionImageProcessor(LlavaOnevisionImageProcessorPil(size={"height": 384, "width": 384},
+                                                                        image_grid_pinpoints=pins), tok,
+                                        num_image_tokens=729, vision_feature_select_strategy="full",
+                                        chat_template=CHAT_TEMPLATE)
+    config = LlavaOnevisionConfig(
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=384, patch_size=14, vision_use_head=False),
+        text_config=Qwen2Config(vocab_size=len(tok), hidden_size=896, intermediate_size=4864, num_hidden_layers=3,
+                                num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096),
+        image_token_index=tok.image_token_id, image_grid_pinpoints=pins, vision_feature_layer=-1,
+        vision_feature_select_strategy="full")
+    torch.manual_seed(0)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    batch = inputs(processor, [QUESTION], [(336, 336)])
+    assert int((batch["input_ids"] == tok.image_token_id).sum()) == 1485  # the 5.24 processor's real count
+    N = int(visual_tokens(model, batch).sum())
+    assert N == 1485 - 27  # 27 newline tokens kept out of the budget
+    config = hap.HAPConfig(retain=0.5, first_layers=1, groups=1)
+    with hap.patched(model, config) as patch, torch.no_grad():
+        model(**batch, use_cache=True)
+    schedule = patch.state.schedule
+    assert schedule.num_visual == N and schedule.retained_tokens <= 0.5 * N
+    assert patch.cache.layers[-1].keys.shape[2] == batch["input_ids"].shape[1] - (N - schedule.kept[0])
+    shape = decoder_shape(model)
+    text = batch["input_ids"].shape[1] - N
+    assert schedule.flops_ratio(text, shape) == pytest.approx(
+        prefill_flops(schedule.visual_per_layer, text, shape) / prefill_flops([N] * 3, text, shape))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The app serving a saved tiny model of each family (local folders allowed), and their names."""
+    import os
+
+    from app.app import build_demo, launch_options
+    from app_model import free_port
+    from gradio_client import Client
+
+    os.environ["HAP_APP_ALLOW_LOCAL"] = "1"
+    names = {}
+    for family in ("llava-next", "llava-onevision"):
+        folder = tmp_path_factory.mktemp(family)
+        model, processor = ZOO[family](layers=4)
+        model.save_pretrained(folder)
+        processor.save_pretrained(folder)
+        names[family] = str(folder)
+    demo = build_demo(list(names.values()))
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
+                            **launch_options())
+    yield Client(url, verbose=False), names
+    demo.close()
+
+
+@pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
+def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
+    """`/analyze` (with the causal section and head utility) and `/sweep` on a random model of the class: the maps
+    come in panels per image view, the token importance covers every visual token."""
+    from app.handler import OUTPUTS
+    from gradio_client import handle_file
+
+    client, names = served
+    photo = tmp_path / "photo.png"
+    square_image((120, 90), (10, 10, 30, 30)).save(photo)
+    knobs = dict(retain=0.3, groups=2, first_layers=1)
+    out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
+                                           method="hap", **knobs, api_name="/analyze")))
+    report = out["summary"]
+    where = Layout.from_dict(report["layout"])
+    assert report["num_visual"] == where.num_visual and len(where.views) == 2
+    assert len(report["causal"]["token_importance"]) == where.num_visual
+    assert report["head_utility"]["values"]
+    import json
+    masks = json.loads(out["kept_masks"]["plot"])["data"]
+    assert sum(t["type"] == "image" for t in masks) == 2 * len(report["groups"])  # one panel per view and group
+    figure, data = client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
+                                  **{k: v for k, v in knobs.items() if k != "retain"}, api_name="/sweep")
+    assert data["methods"]["hap"]["answers"] and "visionzip" not in data["methods"]  # refused for the class
