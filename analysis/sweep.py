@@ -34,7 +34,7 @@ from hap.budget import OFFICIAL, plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits, load_image
 from hap.methods import policy_for
-from hap.patch import refusal
+from hap.patch import refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import build_inputs, template_tail
 
@@ -154,7 +154,7 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     inputs, _, _ = build_inputs(processor, image, prompt, limits)
     inputs = inputs.to(next(model.parameters()).device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    num_visual = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
+    num_visual = int(visual_tokens(model, inputs)[0].sum())  # the image's own count (no newline tokens)
     text_tokens = inputs["input_ids"].shape[1] - num_visual
     tail = template_tail(processor)
 
@@ -163,7 +163,8 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
         return short_answer(hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
                                     limits=limits).answer)
 
-    step(0.0, "unpruned reference answer")
+    how = " · image encoded once, answers stop at their end" if shared else ""
+    step(0.0, "unpruned reference answer" + how)
     if shared:
         reference, ids, logits = generated_answer(model, processor, inputs, reference_config(config), max_new_tokens)
     else:
@@ -183,7 +184,7 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
            "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals}
     for i, method in enumerate(methods):
-        step(i / len(methods), f"{method}: {len(retains)} budgets")
+        step(i / len(methods), f"{method}: {len(retains)} budgets{how}")
         floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
         for retain in retains:
             cfg = replace(config, method=method, retain=retain, flops_ratio=None)

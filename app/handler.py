@@ -206,7 +206,7 @@ def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: Inp
     """
     with planted(plan), reusing_features(LOADED.model, cache):
         comparison = compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
-                             lambda fraction, description: progress(fraction, desc=description), limits, history)
+                             staged(progress, cache), limits, history)
         timed = dict(comparison.items())
         if cache is None:
             progress(0.8, desc=f"{config.method} again, untraced, for its latency")
@@ -251,6 +251,20 @@ def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: Input
         return sweep(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
                      lambda fraction, description: progress(0.05 + 0.9 * fraction, desc=description),
                      shared=cache is not None)
+
+
+def staged(progress: gr.Progress, cache: FeatureCache | None) -> Callable[[float, str], None]:
+    """The progress bar's stage callback; with a feature `cache` each stage also says whether the image is being
+    encoded or its features are reused (counted from this request's start)."""
+    start = None if cache is None else (cache.hits, cache.misses)
+
+    def stage(fraction: float, description: str) -> None:
+        if start is not None:
+            hits, misses = cache.hits - start[0], cache.misses - start[1]
+            description += " · image features reused" if hits + misses else " · one vision pass for all runs"
+        progress(fraction, desc=description)
+
+    return stage
 
 
 def user_errors(fn: Callable) -> Callable:

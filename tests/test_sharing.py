@@ -73,3 +73,17 @@ def test_auto_on_a_cpu_keeps_head_utility_within_its_budget_and_says_why():
     assert everything == [22] and nothing_said == ""
     none_fit, said = causal_section.cpu_layers(model, [1], 729, 20, budget=3.0)
     assert none_fit == [] and "head utility at no layer" in said
+
+
+def test_the_progress_bar_says_when_the_image_is_encoded_and_when_it_is_reused():
+    said = []
+    cache = handler.FeatureCache(2)
+    cache.get(("earlier request",), lambda: 0)  # counts before this request do not count
+    stage = handler.staged(lambda fraction, desc: said.append(desc), cache)
+    stage(0.1, "first run")
+    cache.get(("this image",), lambda: 1)
+    stage(0.5, "second run")
+    assert said == ["first run · one vision pass for all runs", "second run · image features reused"]
+    plain = handler.staged(lambda fraction, desc: said.append(desc), None)
+    plain(0.1, "run")
+    assert said[-1] == "run"
