@@ -11,8 +11,11 @@ processing: 729 visual tokens), and saves it to a folder. Then, in one run on on
    (HAP_APP_SHARE=1, the default): `python -m app` serving that folder, a warm-up `/analyze` on another scene (the
    load), then `/analyze` with causal off, `/analyze` with causal auto and `/sweep`, each timed from the client
    (`gradio_client`, the real handler and queue).
-Each time is printed as a ratio to the prefill. Random weights answer nonsense, so every generation runs to its
-limit: the times are upper bounds for a real checkpoint, which stops at its end-of-sequence token.
+Each time is printed as a ratio to the prefill. Random weights answer nonsense and never emit the end of the
+sequence, so every answer of the page runs to its 32-token limit: upper bounds for a real checkpoint, which stops at
+its end-of-sequence token (the table says what the decode steps cost). The tokenizer's vocabulary is filled to the
+model's (made-up words), so that every id the model emits decodes to a word, as with a real tokenizer: the sweep,
+which stops an answer once its first words are known, stops as it would on real text.
 Writes `<slug>.json` and `<slug>.md` under `--out` (default results/app_speed).
 """
 
@@ -51,19 +54,20 @@ SHAPES = {  # the real checkpoints' configs (llava-interleave-qwen-0.5b: SigLIP-
         text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1024)),
 }
+PAGE_TOKENS = 32  # app.handler.MAX_NEW_TOKENS: the longest answer the page generates
 IMAGE_SIZE, PATCH = 384, 14  # 27 x 27 = 729 visual tokens, SigLIP has no [CLS]
 MODES = {"before": "0", "after": "1"}
 
 
 def build(name: str) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     """A random-weight LLaVA of `SHAPES[name]` and its offline processor."""
-    tokenizer = build_tokenizer()
+    shape = SHAPES[name]
+    tokenizer = build_tokenizer(size=shape["text"]["vocab_size"])  # every id the model emits is a word
     tokenizer.model_max_length = 4096
     processor = LlavaProcessor(
         image_processor=SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
         tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="full", num_additional_image_tokens=0,
         chat_template=CHAT_TEMPLATE)
-    shape = SHAPES[name]
     config = LlavaConfig(
         vision_config=SiglipVisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, **shape["vision"]),
         text_config=Qwen2Config(**shape["text"], max_position_embeddings=32768, rope_theta=1e6,
@@ -77,18 +81,27 @@ def build(name: str) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     return model, processor
 
 
-def prefill_seconds(model, processor, repeats: int) -> float:
-    """Median seconds of one plain unpruned prefill of the scene and prompt, vision tower included."""
+def prefill_seconds(model, processor, repeats: int) -> tuple[float, float]:
+    """Median seconds of (one plain unpruned prefill of the scene and prompt, vision tower included; one decode step
+    after it: the difference of 9 and 1 generated tokens, over 8)."""
     inputs = processor(images=Image.open(SCENE).convert("RGB"), text=chat_prompt(processor, PROMPT),
                        return_tensors="pt")
-    times = []
-    with torch.inference_mode():
-        model(**inputs)  # warm-up
+
+    def median(call) -> float:
+        times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            model(**inputs)
+            call()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return statistics.median(times)
+
+    def generate(tokens: int):
+        return lambda: model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+
+    with torch.inference_mode():
+        model(**inputs)  # warm-up
+        prefill = median(lambda: model(**inputs))
+        return prefill, (median(generate(9)) - median(generate(1))) / 8
 
 
 def serve(folder: Path, share: str, port: int, threads: int) -> subprocess.Popen:
@@ -139,8 +152,12 @@ def markdown(report: dict) -> str:
     p = report["prefill_s"]
     lines = [f"# /analyze and /sweep in prefills ({report['model']}, {report['parameters'] / 1e9:.2f} B parameters, "
              f"{report['threads']} threads)", "",
-             f"`{report['command']}`; one unpruned prefill {p:.2f} s (vision tower included). Random weights: every "
-             "generation runs to its limit.", "",
+             f"`{report['command']}`; one unpruned prefill {p:.2f} s (vision tower included), one decode step "
+             f"{report['decode_step_s']:.3f} s. Random weights never emit the end of the sequence: each of the page's "
+             f"answers runs to its {PAGE_TOKENS}-token limit ({PAGE_TOKENS - 1} decode steps, "
+             f"{(PAGE_TOKENS - 1) * report['decode_step_s'] / p:.2f} prefills each), where a real checkpoint's short "
+             "answer stops after a few; the sweep stops each answer after its first words as it would on a real "
+             "model.", "",
              "| request | " + " | ".join(f"{m} s (prefills)" for m in report["modes"]) + " | target |",
              "|---|" + "---|" * len(report["modes"]) + "---|"]
     targets = {"analyze_off": "1.8", "analyze_auto": "4", "sweep": "9", "load": ""}
@@ -169,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         folder = Path(tmp) / "model"
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
-        report["prefill_s"] = prefill_seconds(model, processor, args.repeats)
+        report["prefill_s"], report["decode_step_s"] = prefill_seconds(model, processor, args.repeats)
         del model
         for mode in args.modes:
             port = free_port()

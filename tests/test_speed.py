@@ -1,5 +1,7 @@
 """The speed benchmark script runs and prints every row; the reported ratios are those of its own timings."""
 
+import json
+
 import pytest
 
 from analysis.speed import GRID, main, table
@@ -47,3 +49,19 @@ def test_causal_speed_reports_the_gradient_pass_and_head_utility_as_prefills():
         report["utility_s"] / report["prefill_s"])
     predicted = cost(DecoderShape.mha(2, 1024, 2816), 576, 8, 16)  # the "mid" width, 16 heads, keep 64
     assert report["utility_flops_prefills"] == pytest.approx(predicted) and 2 < predicted < 3
+
+
+@pytest.mark.slow
+def test_app_speed_serves_the_app_before_and_after_and_writes_its_ratios(tmp_path):
+    """`python -m analysis.app_speed --smoke`: the real app served twice (sharing off, on), every request timed and
+    written as a ratio to the prefill it measured."""
+    from analysis import app_speed
+
+    report = app_speed.main(["--smoke", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)])
+    assert set(report["modes"]) == {"before", "after"} and report["prefill_s"] > 0
+    for times in report["modes"].values():
+        assert set(times) == {"load", "analyze_off", "analyze_auto", "sweep"} and min(times.values()) > 0
+    table = (tmp_path / "smoke.md").read_text()
+    after = report["modes"]["after"]["sweep"]
+    assert f"{after:.1f} ({after / report['prefill_s']:.2f})" in table
+    assert json.loads((tmp_path / "smoke.json").read_text()) == report

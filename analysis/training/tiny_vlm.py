@@ -73,9 +73,13 @@ IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.25, 0.25, 0.25]
 
 
-def build_tokenizer(bos: bool = True) -> PreTrainedTokenizerFast:
-    """Word-level tokenizer over ``VOCAB``; ``<s>`` is prepended to every encoding when ``bos``."""
-    vocab = {w: i for i, w in enumerate(VOCAB)}
+def build_tokenizer(bos: bool = True, size: int | None = None) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over ``VOCAB``; ``<s>`` is prepended to every encoding when ``bos``. With ``size``, the
+    vocabulary is filled with made-up words (``w<id>``) up to ``size`` ids, so that every id of a model with that
+    output layer decodes to a word, as every id of a real tokenizer decodes to text."""
+    if size is not None and size < len(VOCAB):
+        raise ValueError(f"size={size} must be at least the {len(VOCAB)} words of VOCAB")
+    vocab = {w: i for i, w in enumerate(VOCAB + [f"w{i}" for i in range(len(VOCAB), size or 0)])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
