@@ -51,6 +51,8 @@ HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "llava-hf/llava-onevision-qwen2-7b-ov-hf": 28,
     "llava-hf/llava-v1.6-vicuna-7b-hf": 32,
     "llava-hf/llava-v1.6-mistral-7b-hf": 32,
+    "OpenGVLab/InternVL3-1B-hf": 24,
+    "OpenGVLab/InternVL3-8B-hf": 28,
 }
 UNKNOWN_DEPTH = 32  # decoder layers assumed when a model's config cannot be read (its load will say why)
 EXAMPLES = ROOT / "assets" / "examples"

@@ -37,7 +37,12 @@ def greedy(model, batch, steps: int = 4):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nothing_pruned_reproduces_the_stock_model(family, attn):
     model, processor = ZOO[family](attn)
-    batch = inputs(processor, [QUESTION], [SIZES[family][0]])
+    check_unpruned_is_stock(model, inputs(processor, [QUESTION], [SIZES[family][0]]))
+
+
+def check_unpruned_is_stock(model, batch) -> None:
+    """Patched with nothing to prune (method none; retain 1 in two groups; retain 1 from layer 0), `model` gives the
+    stock logits and greedy decoding of `batch`."""
     with torch.no_grad():
         ref = model(**batch).logits
     ref_tokens, ref_steps = greedy(model, batch)
@@ -100,7 +105,7 @@ def local_tower(model) -> None:
     """Zero every vision layer's attention output and MLP output: each patch's feature then depends on its own pixels
     only (and its position), so a bright square changes only the tokens whose patches it covers."""
     for module in model.model.vision_tower.modules():
-        for name in ("out_proj", "fc2", "o_proj"):
+        for name in ("out_proj", "fc2", "o_proj", "projection_layer"):
             linear = getattr(module, name, None)
             if isinstance(linear, torch.nn.Linear):
                 torch.nn.init.zeros_(linear.weight)
@@ -154,6 +159,12 @@ def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say(family):
         hottest = tokens[tokens >= 0][np.argmax(change[tokens[tokens >= 0]])]
         x0, y0, x1, y1 = boxes[hottest]
         assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1, (view.name, boxes[hottest], centre)
+    check_square_under_hottest_cells(model, processor, image, change)
+
+
+def check_square_under_hottest_cells(model, processor, image: Image.Image, change: np.ndarray) -> None:
+    """Drawn by the pipeline's views, the per-token `change [N]` has its hottest cell of every panel over the white
+    square of `image`."""
     result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3), max_new_tokens=2)
     data = views.ViewData.from_result(result, image)
     for panel in data.panels("planted", change):

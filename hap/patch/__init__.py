@@ -12,9 +12,10 @@ import torch
 
 from ..config import HAPConfig
 from ..layout import Layout
-from . import llava, llava_next, qwen2_vl
+from . import internvl, llava, llava_next, qwen2_vl
 
 ADAPTERS = {
+    "InternVLForConditionalGeneration": internvl,
     "LlavaForConditionalGeneration": llava,
     "LlavaNextForConditionalGeneration": llava_next,
     "LlavaOnevisionForConditionalGeneration": llava_next,

@@ -1,0 +1,63 @@
+"""Tiny random models of InternVL and SmolVLM / Idefics3 (issue 37), built offline from configs, with their processors.
+
+Each builder returns `(model, processor)` on the small word-level tokenizer of `analysis.training.tiny_vlm`, with the
+family's special tokens added; the processors are the stock 5.24 classes or the image-only ones of
+`hap.patch.processors`. InternVL: 112-px tiles of 14-px patches, 0.5 pixel shuffle (4 x 4 tokens per tile), at most
+4 tiles plus the thumbnail.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLVisionConfig,
+    LlamaConfig,
+    Qwen2Config,
+)
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
+from hap.patch.processors import INTERNVL_TOKENS, InternVLImageProcessor
+from tiny_zoo import TEXT
+
+INTERNVL_TILE, INTERNVL_PATCH, INTERNVL_MAX = 112, 14, 4
+INTERNVL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       image_size=INTERNVL_TILE, patch_size=INTERNVL_PATCH)
+
+
+def _tokenizer(tokens: list[str]):
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok.model_max_length = 4096
+    return tok
+
+
+def _text(cls, tok, layers: int):
+    return cls(vocab_size=len(tok), num_hidden_layers=layers, pad_token_id=tok.pad_token_id,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **TEXT)
+
+
+def internvl(attn: str = "sdpa", layers: int = 4, decoder: str = "qwen2"):
+    """InternVL3 in small: InternViT tiles of 112 px (8 x 8 patches, [CLS] dropped, shuffled to 4 x 4 tokens), at most
+    4 tiles plus a thumbnail, a Qwen2 (InternVL3-1B/2B/8B) or Llama (InternVL2.5-8B, InternVL3-9B) decoder."""
+    tok = _tokenizer(list(INTERNVL_TOKENS.values()))
+    tokens = (INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2
+    image_processor = GotOcr2ImageProcessorPil(size={"height": INTERNVL_TILE, "width": INTERNVL_TILE},
+                                               crop_to_patches=True, max_patches=INTERNVL_MAX)
+    template = CHAT_TEMPLATE.replace("<image>", INTERNVL_TOKENS["context_image_token"])
+    processor = InternVLImageProcessor(image_processor, tok, image_seq_length=tokens, chat_template=template)
+    text = _text(Qwen2Config if decoder == "qwen2" else LlamaConfig, tok, layers)
+    config = InternVLConfig(vision_config=InternVLVisionConfig(**INTERNVL_VISION), text_config=text,
+                            image_token_id=processor.image_token_id, image_seq_length=tokens)
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration(config)
+    model.set_attn_implementation(attn)
+    return model.eval(), processor
+
+
+ZOO = {  # family -> builder(attn, layers) -> (model, processor)
+    "internvl": internvl,
+    "internvl-llama": lambda attn="sdpa", layers=4: internvl(attn, layers, "llama"),
+}
