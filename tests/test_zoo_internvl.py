@@ -3,20 +3,15 @@ eager, Qwen2 and Llama decoders), every method runs or is refused by the model's
 layout of the visual tokens on the uploaded image (a planted bright square found where the drawn map says), the
 pipeline, the CLI, and the budget arithmetic at InternVL3-1B's decoder shape and real 448-px tiles."""
 
-import numpy as np
 import pytest
 import torch
 
 import hap
-from hap import views
-from hap.budget import prefill_flops
 from hap.knobs import METHODS
-from hap.layout import Layout
 from hap.patch import layout, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from hap.run import chat_prompt
-from test_zoo import (QUESTION, check_square_under_hottest_cells, check_unpruned_is_stock, decoder_input, greedy,
-                      local_tower, square_image)
+from test_zoo import (QUESTION, check_batch_selects_as_alone, check_cli, check_cut_to_budget, check_method,
+                      check_pipeline, check_planted_square, check_unpruned_is_stock)
 from tiny_zoo import inputs
 from tiny_zoo_more import ZOO
 
@@ -35,33 +30,15 @@ def test_nothing_pruned_reproduces_the_stock_model(family, attn):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_runs_or_is_refused_by_name(method):
     model, processor = ZOO["internvl"]()
-    config = hap.HAPConfig(method=method, retain=0.3)
-    why = refusal(model, config)
+    check_method(model, processor, WIDE, method, method in REFUSED)
     if method in REFUSED:
-        assert why is not None and "InternVLForConditionalGeneration" in why and "[CLS]" in why
-        return
-    assert why is None
-    batch = inputs(processor, [QUESTION], [WIDE])
-    with hap.patched(model, config) as patch:
-        tokens, steps = greedy(model, batch, 3)
-    assert torch.isfinite(steps).all() and tokens.shape[1] == batch["input_ids"].shape[1] + 3
-    if method != "none":  # the last layer's cache really is shorter than the prompt
-        assert patch.cache.layers[-1].keys.shape[2] < batch["input_ids"].shape[1] + 3 - 1
+        assert "[CLS]" in refusal(model, hap.HAPConfig(method=method))
 
 
 def test_a_batch_of_two_images_of_equal_tile_counts_selects_as_each_sample_alone():
     model, processor = ZOO["internvl"]()
-    questions = [QUESTION, "is there a red square ?"]
-    batch = inputs(processor, questions, [WIDE, WIDER], [0, 1])
-    assert visual_tokens(model, batch).sum(1).tolist() == [48, 48]
-    config = hap.HAPConfig(retain=0.3, groups=2)
-    with hap.patched(model, config) as patch, torch.no_grad():
-        model(**batch)
-        together = [c.kept for c in patch.state.cuts]
-    for b, size in enumerate([WIDE, WIDER]):
-        with hap.patched(model, config) as patch, torch.no_grad():
-            model(**inputs(processor, [questions[b]], [size], [b]))
-        assert all(torch.equal(t[b], c.kept[0]) for t, c in zip(together, patch.state.cuts))
+    assert visual_tokens(model, inputs(processor, [QUESTION] * 2, [WIDE, WIDER])).sum(1).tolist() == [48, 48]
+    check_batch_selects_as_alone(model, processor, [WIDE, WIDER])
 
 
 def test_a_batch_of_unequal_tile_counts_is_refused_before_any_work():
@@ -97,52 +74,15 @@ def test_the_layout_has_the_processors_tile_grid_and_the_thumbnail(size, tiles):
 def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say(size, square):
     """Write a bright square into the image: the visual tokens it changes most, in each view (tiles, thumbnail),
     have layout boxes holding the square's centre, and on every drawn panel the hottest cell sits over the square."""
-    model, processor = ZOO["internvl"]()
-    local_tower(model)
-    height, width = size
-    centre = ((square[0] + square[2]) / 2 / width, (square[1] + square[3]) / 2 / height)
-    image = square_image(size, square)
-    prompt = chat_prompt(processor, QUESTION)
-    batch = processor(images=image, text=prompt, return_tensors="pt")
-    plain = processor(images=square_image(size, None), text=prompt, return_tensors="pt")
-    visual = visual_tokens(model, batch)[0]
-    change = (decoder_input(model, batch) - decoder_input(model, plain))[visual].norm(dim=-1).numpy()
-    where = layout(model, batch, image.size)
-    boxes = where.boxes()
-    assert len(where.views) == 2
-    for view in where.views:
-        tokens = np.asarray(view.tokens)
-        hottest = tokens[np.argmax(change[tokens])]
-        x0, y0, x1, y1 = boxes[hottest]
-        assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1, (view.name, boxes[hottest], centre)
-    check_square_under_hottest_cells(model, processor, image, change)
+    check_planted_square(*ZOO["internvl"](), size, square)
 
 
-def test_the_pipeline_draws_the_tiles_and_the_thumbnail():
-    model, processor = ZOO["internvl"]()
-    image = square_image(WIDE, (10, 10, 30, 30))
-    result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3, groups=2), max_new_tokens=3)
-    where = Layout.from_dict(result.layout)
-    assert result.num_visual == where.num_visual == 48
-    assert result.retain == pytest.approx(result.retained_tokens / where.num_visual)
-    data = views.ViewData.from_result(result, image)
-    assert len(views.head_map_panels(data).panels) == 2 * result.num_heads
-    assert len(views.mask_panels(data).panels) == 2 * len(result.groups)
-    assert set(views.figures(data)) == {v.name for v in views.VIEWS}
+def test_the_pipeline_draws_the_tiles_and_the_thumbnail(tmp_path):
+    check_pipeline(*ZOO["internvl"](), WIDE, tmp_path)
 
 
 def test_the_cli_runs_a_saved_model(tmp_path, capsys):
-    from hap.__main__ import main
-
-    model, processor = ZOO["internvl"]()
-    model.save_pretrained(tmp_path / "model")
-    processor.save_pretrained(tmp_path / "model")
-    square_image(WIDE, (10, 10, 30, 30)).save(tmp_path / "image.png")
-    code = main(["run", "--model", str(tmp_path / "model"), "--image", str(tmp_path / "image.png"), "--prompt",
-                 QUESTION, "--retain", "0.3", "--max-new-tokens", "2", "--device", "cpu",
-                 "--json", str(tmp_path / "out.json")])
-    assert code == 0, capsys.readouterr().err
-    assert "visual tokens: 48" in capsys.readouterr().out
+    check_cli(*ZOO["internvl"](), WIDE, tmp_path, capsys)
 
 
 @pytest.mark.slow
@@ -173,11 +113,4 @@ def test_internvl3_1b_decoder_shape_cuts_to_the_budget():
         N = int(visual_tokens(model, batch).sum())
         assert N == count  # the 5.24 processor's real count
         assert layout(model, batch, size[::-1]).num_visual == N
-        with hap.patched(model, hap.HAPConfig(retain=0.5, first_layers=1, groups=1)) as patch, torch.no_grad():
-            model(**batch, use_cache=True)
-        schedule = patch.state.schedule
-        assert schedule.num_visual == N and schedule.retained_tokens <= 0.5 * N
-        assert patch.cache.layers[-1].keys.shape[2] == batch["input_ids"].shape[1] - (N - schedule.kept[0])
-        text = batch["input_ids"].shape[1] - N
-        assert schedule.flops_ratio(text, shape) == pytest.approx(
-            prefill_flops(schedule.visual_per_layer, text, shape) / prefill_flops([N] * 3, text, shape))
+        check_cut_to_budget(model, batch)

@@ -12,15 +12,17 @@ import torch
 
 from ..config import HAPConfig
 from ..layout import Layout
-from . import internvl, llava, llava_next, qwen2_vl
+from . import idefics3, internvl, llava, llava_next, qwen2_vl
 
 ADAPTERS = {
+    "Idefics3ForConditionalGeneration": idefics3,
     "InternVLForConditionalGeneration": internvl,
     "LlavaForConditionalGeneration": llava,
     "LlavaNextForConditionalGeneration": llava_next,
     "LlavaOnevisionForConditionalGeneration": llava_next,
     "Qwen2VLForConditionalGeneration": qwen2_vl,
     "Qwen2_5_VLForConditionalGeneration": qwen2_vl,
+    "SmolVLMForConditionalGeneration": idefics3,
 }
 
 

@@ -23,7 +23,7 @@ import torch
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
 from ..config import HAPConfig
-from ..layout import Layout, TokenView
+from ..layout import Layout
 from ..methods import policy_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
@@ -66,15 +66,10 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
         raise ValueError(f"{count} image tokens are not whole tiles of {per_tile} tokens")
     if count == per_tile:
         return Layout.grid(side, side, image_size, name="image (one tile)")
-    tiles = count // per_tile - 1  # the last tile is the thumbnail
     width, height = image_size
-    rows, cols = tile_grid(model, tiles, height, width)
-    r, c = torch.meshgrid(torch.arange(rows * side), torch.arange(cols * side), indexing="ij")
-    token = ((r // side) * cols + c // side) * per_tile + (r % side) * side + c % side  # cell -> token, row-major cells
-    views = (TokenView(f"tiles ({rows} x {cols})", (rows * side, cols * side), tuple(token.flatten().tolist())),
-             TokenView("thumbnail (the whole image squashed to one tile)", (side, side),
-                       tuple(range(tiles * per_tile, count))))
-    return Layout(count, views, image_size)
+    rows, cols = tile_grid(model, count // per_tile - 1, height, width)  # the last tile is the thumbnail
+    return Layout.tiled(rows, cols, side, image_size, f"tiles ({rows} x {cols})",
+                        "thumbnail (the whole image squashed to one tile)")
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
@@ -82,7 +77,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
     """`decoder.apply_patch`; the [CLS] cues are refused."""
     if policy_for(config).needs_cls:
         raise ValueError("visionzip, autoprune (its vision prior) and first_cut='vision' need one [CLS] attention "
-                         f"over the visual tokens: {type(model).__name__} encodes each tile and the thumbnail on its own, "
-                         "drops their [CLS] and pixel-shuffles 2 x 2 patches into one token, so no single [CLS] row "
-                         "ranks them")
+                         f"over the visual tokens: {type(model).__name__} encodes each tile and the thumbnail on its "
+                         "own, drops their [CLS] and pixel-shuffles 2 x 2 patches into one token, so no single [CLS] "
+                         "row ranks them")
     return decoder.apply_patch(model, config, trace, priority, tail, lead=lead)

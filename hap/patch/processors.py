@@ -1,6 +1,7 @@
 """Image-only processors for the families whose 5.24 processor insists on a video processor (docs/method.md §15).
 
-`LlavaOnevisionProcessor`, InternVL's and Qwen2-VL's / Qwen2.5-VL's (and Qwen3-VL's) build a video processor, which needs torchvision; without it
+`LlavaOnevisionProcessor`, InternVL's, SmolVLM's and Qwen2-VL's / Qwen2.5-VL's (and Qwen3-VL's) build a video
+processor, which needs torchvision; without it
 they fail before any image is seen. The subclasses here take only (image_processor, tokenizer, chat_template) and
 their processor's own settings, set the token attributes the stock `__init__` would, and leave video out (a video
 input raises). `hap.load.load_model` falls back on them where `AutoProcessor` cannot build the stock one; the tests
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import re
 
-from transformers import InternVLProcessor, LlavaOnevisionProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
+from transformers import (InternVLProcessor, LlavaOnevisionProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor,
+                          SmolVLMProcessor)
 from transformers.processing_utils import ProcessorMixin
 
 
@@ -53,6 +55,28 @@ class InternVLImageProcessor(InternVLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
+SMOLVLM_TOKENS = {  # the tokenizer attributes SmolVLMProcessor reads, with SmolVLM's tokens
+    "fake_image_token": "<fake_token_around_image>", "image_token": "<image>", "global_image_token": "<global-img>",
+    "end_of_utterance_token": "<end_of_utterance>", "video_token": "<video>"}
+
+
+class SmolVLMImageProcessor(SmolVLMProcessor):
+    """`SmolVLMProcessor` without its video processor (nor `num2words`, which only its video prompts use); its chat
+    template is applied without the video settings the stock one reads from the video processor."""
+
+    def __init__(self, image_processor=None, tokenizer=None, image_seq_len: int = 169,
+                 chat_template: str | None = None, **kwargs) -> None:
+        for name, token in SMOLVLM_TOKENS.items():
+            setattr(self, name, getattr(tokenizer, name, None) or token)
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.image_seq_len = image_seq_len
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    def apply_chat_template(self, conversation, chat_template: str | None = None, **kwargs) -> str:
+        """`ProcessorMixin.apply_chat_template`: images and text only."""
+        return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
+
+
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 
 
@@ -74,5 +98,6 @@ IMAGE_ONLY = {  # architecture -> processor class
     "InternVLForConditionalGeneration": InternVLImageProcessor,
     "LlavaOnevisionForConditionalGeneration": OnevisionImageProcessor,
     "Qwen2VLForConditionalGeneration": qwen_image_only(Qwen2VLProcessor),
+    "SmolVLMForConditionalGeneration": SmolVLMImageProcessor,
     "Qwen2_5_VLForConditionalGeneration": qwen_image_only(Qwen2_5_VLProcessor),
 }
