@@ -308,11 +308,13 @@ def served(tmp_path_factory):
     from app_model import free_port
     from gradio_client import Client
 
+    from tiny_zoo_more import ZOO as MORE
+
     os.environ["HAP_APP_ALLOW_LOCAL"] = "1"
     names = {}
-    for family in ("llava-next", "llava-onevision"):
+    for family in APP_FAMILIES:
         folder = tmp_path_factory.mktemp(family)
-        model, processor = ZOO[family](layers=4)
+        model, processor = {**ZOO, **MORE}[family](layers=4)
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
         names[family] = str(folder)
@@ -323,7 +325,11 @@ def served(tmp_path_factory):
     demo.close()
 
 
-@pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
+APP_FAMILIES = {  # tiny_zoo's and tiny_zoo_more's families -> (height, width) of a photo seen in two views
+    "llava-next": (120, 90), "llava-onevision": (120, 90), "internvl": (100, 170), "idefics3": (100, 170)}
+
+
+@pytest.mark.parametrize("family", APP_FAMILIES)
 def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
     """`/analyze` (with the causal section and head utility) and `/sweep` on a random model of the class: the maps
     come in panels per image view, the token importance covers every visual token."""
@@ -332,7 +338,7 @@ def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
 
     client, names = served
     photo = tmp_path / "photo.png"
-    square_image((120, 90), (10, 10, 30, 30)).save(photo)
+    square_image(APP_FAMILIES[family], (10, 10, 30, 30)).save(photo)
     knobs = dict(retain=0.3, groups=2, first_layers=1)
     out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
                                            method="hap", **knobs, api_name="/analyze")))
