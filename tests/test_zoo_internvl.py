@@ -3,6 +3,8 @@ eager, Qwen2 and Llama decoders), every method runs or is refused by the model's
 layout of the visual tokens on the uploaded image (a planted bright square found where the drawn map says), the
 pipeline, the CLI, and the budget arithmetic at InternVL3-1B's decoder shape and real 448-px tiles."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -68,6 +70,21 @@ def test_the_layout_has_the_processors_tile_grid_and_the_thumbnail(size, tiles):
     assert grid.tokens[:5] == (0, 1, 2, 3, 16 if tiles[1] > 1 else 4)  # the first row crosses into the second tile
     with pytest.raises(ValueError, match="image's"):
         layout(model, batch)
+
+
+def test_the_tile_grid_from_the_tile_count_is_the_processors_choice():
+    """Over a sweep of image sizes, 448-px tiles and 1..12 (the real default) or 1..4 tiles: the grid the processor picks
+    is the one `tile_grid` recomputes from its tile count and the image size alone."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+    from hap.patch.internvl import tile_grid
+
+    model = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(image_size=(448, 448))))
+    for most in (4, 12):
+        for height in range(20, 2000, 37):
+            for width in range(20, 2000, 41):
+                cols, rows = get_optimal_tiled_canvas((height, width), (448, 448), 1, most)
+                assert tile_grid(model, rows * cols, height, width) == (rows, cols), (most, height, width)
 
 
 @pytest.mark.parametrize("size, square", [((100, 170), (104, 36, 114, 46)), ((300, 100), (55, 204, 65, 216))])
