@@ -15,13 +15,13 @@ from ..layout import Layout
 from . import idefics3, internvl, llava, llava_next, qwen2_vl
 
 ADAPTERS = {
-    "Idefics3ForConditionalGeneration": idefics3,
-    "InternVLForConditionalGeneration": internvl,
     "LlavaForConditionalGeneration": llava,
     "LlavaNextForConditionalGeneration": llava_next,
     "LlavaOnevisionForConditionalGeneration": llava_next,
     "Qwen2VLForConditionalGeneration": qwen2_vl,
     "Qwen2_5_VLForConditionalGeneration": qwen2_vl,
+    "InternVLForConditionalGeneration": internvl,
+    "Idefics3ForConditionalGeneration": idefics3,
     "SmolVLMForConditionalGeneration": idefics3,
 }
 
