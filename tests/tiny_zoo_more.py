@@ -15,7 +15,6 @@ from transformers import (
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3Processor,
-    Idefics3VisionConfig,
     InternVLConfig,
     InternVLForConditionalGeneration,
     InternVLVisionConfig,
@@ -29,11 +28,10 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3I
 
 from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
 from hap.patch.processors import INTERNVL_TOKENS, SMOLVLM_TOKENS, InternVLImageProcessor, SmolVLMImageProcessor
-from tiny_zoo import TEXT
+from tiny_zoo import VISION, _text
 
 INTERNVL_TILE, INTERNVL_PATCH, INTERNVL_MAX = 112, 14, 4
-INTERNVL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       image_size=INTERNVL_TILE, patch_size=INTERNVL_PATCH)
+INTERNVL_VISION = {**VISION, "image_size": INTERNVL_TILE, "patch_size": INTERNVL_PATCH}
 
 
 def _tokenizer(tokens: list[str]):
@@ -41,11 +39,6 @@ def _tokenizer(tokens: list[str]):
     tok.add_special_tokens({"additional_special_tokens": tokens})
     tok.model_max_length = 4096
     return tok
-
-
-def _text(cls, tok, layers: int):
-    return cls(vocab_size=len(tok), num_hidden_layers=layers, pad_token_id=tok.pad_token_id,
-               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **TEXT)
 
 
 def internvl(attn: str = "sdpa", layers: int = 4, decoder: str = "qwen2"):
@@ -67,8 +60,7 @@ def internvl(attn: str = "sdpa", layers: int = 4, decoder: str = "qwen2"):
 
 
 SMOL_CROP, SMOL_PATCH, SMOL_LONGEST = 64, 8, 128
-SMOL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   image_size=SMOL_CROP, patch_size=SMOL_PATCH)
+SMOL_VISION = {**VISION, "image_size": SMOL_CROP, "patch_size": SMOL_PATCH}
 ROW_COL = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 
 
@@ -76,7 +68,7 @@ def idefics3(attn: str = "sdpa", layers: int = 4, smolvlm: bool = False):
     """SmolVLM-256M in small (`Idefics3ForConditionalGeneration`, `Idefics3Processor`), or SmolVLM2 in small
     (`smolvlm`: `SmolVLMForConditionalGeneration`, the image-only `SmolVLMImageProcessor`): SigLIP crops of 64 px
     (8 x 8 patches, shuffled 2 x 2 into 4 x 4 tokens), the longest edge resized to 128 px, a Llama decoder. The
-    tokenizer writes a token for "\n" (the row ends between crops), as the hub tokenizers do."""
+    tokenizer writes a token for "\\n" (the row ends between crops), as the hub tokenizers do."""
     tok = _tokenizer([*SMOLVLM_TOKENS.values(), *ROW_COL])
     tok.add_tokens([AddedToken("\n", normalized=False)])
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": SMOL_LONGEST},
@@ -86,9 +78,8 @@ def idefics3(attn: str = "sdpa", layers: int = 4, smolvlm: bool = False):
     processor = processor_class(image_processor, tok, image_seq_len=tokens, chat_template=CHAT_TEMPLATE)
     config_class, model_class = ((SmolVLMConfig, SmolVLMForConditionalGeneration) if smolvlm
                                  else (Idefics3Config, Idefics3ForConditionalGeneration))
-    config = config_class(vision_config=Idefics3VisionConfig(**SMOL_VISION) if not smolvlm else SMOL_VISION,
-                          text_config=_text(LlamaConfig, tok, layers), image_token_id=processor.image_token_id,
-                          scale_factor=2, pad_token_id=tok.pad_token_id)
+    config = config_class(vision_config=SMOL_VISION, text_config=_text(LlamaConfig, tok, layers), scale_factor=2,
+                          image_token_id=processor.image_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = model_class(config)
     model.set_attn_implementation(attn)
