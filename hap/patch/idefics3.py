@@ -52,8 +52,8 @@ def runs(image: torch.Tensor) -> list[tuple[int, int]]:
 def crop_grid(model, ids: torch.Tensor) -> tuple[int, int]:
     """(rows, cols) of crops of the one image in `ids` long [T] ((0, 0): the global view alone), from the runs of its
     `<image>` ids: one per crop, then the global view's, each of the crop's token count, `MARKERS` tokens between two
-    crops of a row and more between rows. ValueError where the prompt does not read that way (several images, a
-    tokenizer writing no token for the "\\n" after a row)."""
+    crops of a row and more between rows; a split image has at least 2 crops. ValueError where the prompt does not
+    read that way (several images, a tokenizer writing no token for the "\\n" after a row)."""
     side = crop_side(model)
     spans = runs(ids == model.config.image_token_id)
     if not spans or any(end - start != side * side for start, end in spans):
@@ -66,7 +66,7 @@ def crop_grid(model, ids: torch.Tensor) -> tuple[int, int]:
     cols = next((i + 1 for i, gap in enumerate(gaps) if gap > MARKERS), len(gaps) + 1)  # the first row's end
     rows = crops // cols
     row_ends = [(i + 1) % cols == 0 for i in range(crops)]
-    if rows * cols != crops or any((gap > MARKERS) != end for gap, end in zip(gaps, row_ends)):
+    if crops == 1 or rows * cols != crops or any((gap > MARKERS) != end for gap, end in zip(gaps, row_ends)):
         raise ValueError(f"{type(model).__name__}: cannot read the crop grid from the prompt (gaps {gaps} between the "
                          f"<image> runs): its tokenizer must write a token for the newline after each row of crops")
     return rows, cols
