@@ -3,8 +3,8 @@
 `LlavaOnevisionProcessor`, InternVL's, SmolVLM's and Qwen2-VL's / Qwen2.5-VL's (and Qwen3-VL's) build a video
 processor, which needs torchvision; without it they fail before any image is seen. The subclasses here take only
 (image_processor, tokenizer, chat_template) and their processor's own settings, set the token attributes the stock
-`__init__` would, and leave video out (a video input raises). `hap.load.load_model` falls back on them where `AutoProcessor` cannot build the stock one; the tests
-build their tiny models' processors with them.
+`__init__` would, and leave video out (a video input raises). `hap.load.load_model` falls back on them where
+`AutoProcessor` cannot build the stock one; the tests build their tiny models' processors with them.
 """
 
 from __future__ import annotations
