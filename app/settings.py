@@ -51,6 +51,10 @@ HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "llava-hf/llava-onevision-qwen2-7b-ov-hf": 28,
     "llava-hf/llava-v1.6-vicuna-7b-hf": 32,
     "llava-hf/llava-v1.6-mistral-7b-hf": 32,
+    "OpenGVLab/InternVL3-1B-hf": 24,
+    "OpenGVLab/InternVL3-8B-hf": 28,
+    "HuggingFaceTB/SmolVLM-256M-Instruct": 30,  # Idefics3ForConditionalGeneration; small enough for a CPU
+    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": 24,  # SmolVLMForConditionalGeneration
 }
 UNKNOWN_DEPTH = 32  # decoder layers assumed when a model's config cannot be read (its load will say why)
 EXAMPLES = ROOT / "assets" / "examples"

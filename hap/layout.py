@@ -66,6 +66,20 @@ class Layout:
         return cls(rows * cols, (TokenView(name, (rows, cols), tuple(range(rows * cols)), box),), image_size)
 
     @classmethod
+    def tiled(cls, rows: int, cols: int, side: int, image_size: tuple[int, int] | None = None, tiles: str = "tiles",
+              whole: str = "thumbnail") -> Layout:
+        """Two views over the whole image (InternVL's tiles and thumbnail, SmolVLM's crops and global view): the image
+        squashed onto `rows` x `cols` tiles of `side` x `side` tokens, numbered tile by tile (row-major) and row-major
+        inside a tile, then one more tile, the whole image squashed onto it."""
+        per_tile = side * side
+        r, c = np.divmod(np.arange(rows * cols * per_tile), cols * side)  # the cells of the tile grid, row-major
+        token = ((r // side) * cols + c // side) * per_tile + (r % side) * side + c % side
+        count = rows * cols * per_tile
+        return cls(count + per_tile, (TokenView(tiles, (rows * side, cols * side), tuple(token.tolist())),
+                                      TokenView(whole, (side, side), tuple(range(count, count + per_tile)))),
+                   image_size)
+
+    @classmethod
     def from_dict(cls, data: dict) -> Layout:
         """The inverse of `to_dict` (a `Result` read back from JSON)."""
         views = tuple(TokenView(v["name"], tuple(v["grid"]), tuple(v["tokens"]), tuple(v["box"])) for v in data["views"])

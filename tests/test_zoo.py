@@ -37,7 +37,12 @@ def greedy(model, batch, steps: int = 4):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nothing_pruned_reproduces_the_stock_model(family, attn):
     model, processor = ZOO[family](attn)
-    batch = inputs(processor, [QUESTION], [SIZES[family][0]])
+    check_unpruned_is_stock(model, inputs(processor, [QUESTION], [SIZES[family][0]]))
+
+
+def check_unpruned_is_stock(model, batch) -> None:
+    """Patched with nothing to prune (method none; retain 1 in two groups; retain 1 from layer 0), `model` gives the
+    stock logits and greedy decoding of `batch`."""
     with torch.no_grad():
         ref = model(**batch).logits
     ref_tokens, ref_steps = greedy(model, batch)
@@ -56,13 +61,19 @@ def test_nothing_pruned_reproduces_the_stock_model(family, attn):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_method_runs_or_is_refused_by_name(family, method):
     model, processor = ZOO[family]()
+    check_method(model, processor, SIZES[family][0], method, method in REFUSED[family])
+
+
+def check_method(model, processor, size: tuple[int, int], method: str, refused: bool) -> None:
+    """`method` is refused by the model's class name before any work (`refused`), or runs a generate on an image of
+    `size` = (height, width) and leaves the last layer's cache shorter than the prompt."""
     config = hap.HAPConfig(method=method, retain=0.3)
     why = refusal(model, config)
-    if method in REFUSED[family]:
+    if refused:
         assert why is not None and type(model).__name__ in why
         return
     assert why is None
-    batch = inputs(processor, [QUESTION], [SIZES[family][0]])
+    batch = inputs(processor, [QUESTION], [size])
     with hap.patched(model, config) as patch:
         tokens, steps = greedy(model, batch, 3)
     assert torch.isfinite(steps).all() and tokens.shape[1] == batch["input_ids"].shape[1] + 3
@@ -74,7 +85,11 @@ def test_every_method_runs_or_is_refused_by_name(family, method):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_batch_of_two_image_sizes_selects_as_each_sample_alone(family):
     model, processor = ZOO[family]()
-    sizes = list(SIZES[family])
+    check_batch_selects_as_alone(model, processor, list(SIZES[family]))
+
+
+def check_batch_selects_as_alone(model, processor, sizes: list[tuple[int, int]]) -> None:
+    """A batch of two images of `sizes` (equal visual-token counts) keeps at every cut what each sample alone keeps."""
     batch = inputs(processor, [QUESTION, "is there a red square ?"], sizes, [0, 1])
     config = hap.HAPConfig(retain=0.3, groups=2)
     with hap.patched(model, config) as patch, torch.no_grad():
@@ -99,8 +114,9 @@ def test_a_batch_of_unequal_visual_counts_is_refused_before_any_work():
 def local_tower(model) -> None:
     """Zero every vision layer's attention output and MLP output: each patch's feature then depends on its own pixels
     only (and its position), so a bright square changes only the tokens whose patches it covers."""
-    for module in model.model.vision_tower.modules():
-        for name in ("out_proj", "fc2", "o_proj"):
+    tower = getattr(model.model, "vision_tower", None) or model.model.vision_model  # Idefics3 / SmolVLM: vision_model
+    for module in tower.modules():
+        for name in ("out_proj", "fc2", "o_proj", "projection_layer"):
             linear = getattr(module, name, None)
             if isinstance(linear, torch.nn.Linear):
                 torch.nn.init.zeros_(linear.weight)
@@ -135,9 +151,17 @@ def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say(family):
     """Write a bright square into the image: the visual tokens it changes most, in each view, have layout boxes
     holding the square's centre, and on every drawn panel the hottest cell sits over the square's pixels."""
     model, processor = ZOO[family]()
+    # not a tile multiple: unpadding and, for the tiles, a box beyond the image
+    check_planted_square(model, processor, (100, 170), (104, 36, 114, 46))
+
+
+def check_planted_square(model, processor, size: tuple[int, int], square: tuple[int, int, int, int],
+                         views_expected: int = 2) -> None:
+    """A white `square` (x0, y0, x1, y1) pixels on a grey image of `size` = (height, width), through a vision tower
+    made local (`local_tower`): in each of the layout's `views_expected` views the token it changes most has a box
+    holding the square's centre, and every drawn panel shows the square under its hottest cell."""
     local_tower(model)
-    height, width = 100, 170  # not a tile multiple: unpadding and, for the tiles, a box beyond the image
-    square = (104, 36, 114, 46)
+    height, width = size
     centre = ((square[0] + square[2]) / 2 / width, (square[1] + square[3]) / 2 / height)
     image = square_image((height, width), square)
     prompt = chat_prompt(processor, QUESTION)
@@ -148,12 +172,18 @@ def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say(family):
     where = layout(model, batch, image.size)
     where.check()
     boxes = where.boxes()
-    assert len(where.views) == 2
+    assert len(where.views) == views_expected
     for view in where.views:
         tokens = np.asarray(view.tokens)
         hottest = tokens[tokens >= 0][np.argmax(change[tokens[tokens >= 0]])]
         x0, y0, x1, y1 = boxes[hottest]
         assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1, (view.name, boxes[hottest], centre)
+    check_square_under_hottest_cells(model, processor, image, change)
+
+
+def check_square_under_hottest_cells(model, processor, image: Image.Image, change: np.ndarray) -> None:
+    """Drawn by the pipeline's views, the per-token `change [N]` has its hottest cell of every panel over the white
+    square of `image`."""
     result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3), max_new_tokens=2)
     data = views.ViewData.from_result(result, image)
     for panel in data.panels("planted", change):
@@ -166,17 +196,21 @@ def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_pipeline_draws_every_view_once_per_image_view(family, tmp_path):
-    model, processor = ZOO[family]()
-    image = square_image((120, 90), (10, 10, 30, 30))
+    check_pipeline(*ZOO[family](), (120, 90), tmp_path)
+
+
+def check_pipeline(model, processor, size: tuple[int, int], tmp_path, views_expected: int = 2) -> None:
+    """`hap.run` on an image of `size` = (height, width): its layout counts the image's visual tokens, its retained
+    share is against them, and every view draws one panel per image view (`views_expected`) and exports."""
+    image = square_image(size, (10, 10, 30, 30))
     result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3, groups=2), max_new_tokens=3)
     where = Layout.from_dict(result.layout)
     assert result.num_visual == where.num_visual == int(visual_tokens(
         model, processor(images=image, text=result.prompt_text, return_tensors="pt")).sum())
     assert result.retain == pytest.approx(result.retained_tokens / where.num_visual)
     data = views.ViewData.from_result(result, image)
-    heads = result.num_heads
-    assert len(views.head_map_panels(data).panels) == 2 * heads
-    assert len(views.mask_panels(data).panels) == 2 * len(result.groups)
+    assert len(views.head_map_panels(data).panels) == views_expected * result.num_heads
+    assert len(views.mask_panels(data).panels) == views_expected * len(result.groups)
     figures = views.figures(data)
     assert set(figures) == {v.name for v in views.VIEWS}
     assert len(views.export_png(data, tmp_path)) == len(views.VIEWS)
@@ -184,17 +218,25 @@ def test_the_pipeline_draws_every_view_once_per_image_view(family, tmp_path):
 
 @pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
 def test_the_cli_runs_a_saved_model(family, tmp_path, capsys):
+    model, processor = ZOO[family]()
+    check_cli(model, processor, (120, 90), tmp_path, capsys)
+
+
+def check_cli(model, processor, size: tuple[int, int], tmp_path, capsys) -> None:
+    """`python -m hap run --model FOLDER` on `model` and `processor` saved there, an image of `size` = (height,
+    width): it answers, writes its figures and reports the image's visual-token count."""
     from hap.__main__ import main
 
-    model, processor = ZOO[family]()
     model.save_pretrained(tmp_path / "model")
     processor.save_pretrained(tmp_path / "model")
-    square_image((120, 90), (10, 10, 30, 30)).save(tmp_path / "image.png")
+    image = square_image(size, (10, 10, 30, 30))
+    image.save(tmp_path / "image.png")
     code = main(["run", "--model", str(tmp_path / "model"), "--image", str(tmp_path / "image.png"), "--prompt",
                  QUESTION, "--retain", "0.3", "--max-new-tokens", "2", "--device", "cpu",
                  "--json", str(tmp_path / "out.json"), "--figures", str(tmp_path / "figures")])
     assert code == 0, capsys.readouterr().err
-    assert f"visual tokens: {layout(model, processor(images=Image.open(tmp_path / 'image.png'), text='<image>', return_tensors='pt')).num_visual}" in capsys.readouterr().out
+    batch = processor(images=image, text=chat_prompt(processor, QUESTION), return_tensors="pt")
+    assert f"visual tokens: {layout(model, batch, image.size).num_visual}" in capsys.readouterr().out
 
 
 def test_sliding_window_layers_cost_less_attention_and_the_shape_says_which():
@@ -238,8 +280,15 @@ def test_onevision_at_the_05b_decoder_shape_cuts_to_the_budget():
     assert int((batch["input_ids"] == tok.image_token_id).sum()) == 1485  # the 5.24 processor's real count
     N = int(visual_tokens(model, batch).sum())
     assert N == 1485 - 27  # 27 newline tokens kept out of the budget
-    config = hap.HAPConfig(retain=0.5, first_layers=1, groups=1)
-    with hap.patched(model, config) as patch, torch.no_grad():
+    check_cut_to_budget(model, batch)
+
+
+def check_cut_to_budget(model, batch) -> None:
+    """On a 3-layer `model`, retain=0.5 from layer 1 in one group, over the image's own N visual tokens: the schedule
+    keeps at most half of them, the last layer caches the prompt less the dropped ones, and the FLOPs ratio is the
+    pruned prefill's over the unpruned one's."""
+    N = int(visual_tokens(model, batch).sum())
+    with hap.patched(model, hap.HAPConfig(retain=0.5, first_layers=1, groups=1)) as patch, torch.no_grad():
         model(**batch, use_cache=True)
     schedule = patch.state.schedule
     assert schedule.num_visual == N and schedule.retained_tokens <= 0.5 * N
@@ -259,11 +308,13 @@ def served(tmp_path_factory):
     from app_model import free_port
     from gradio_client import Client
 
+    from tiny_zoo_more import ZOO as MORE
+
     os.environ["HAP_APP_ALLOW_LOCAL"] = "1"
     names = {}
-    for family in ("llava-next", "llava-onevision"):
+    for family in APP_FAMILIES:
         folder = tmp_path_factory.mktemp(family)
-        model, processor = ZOO[family](layers=4)
+        model, processor = {**ZOO, **MORE}[family](layers=4)
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
         names[family] = str(folder)
@@ -274,7 +325,11 @@ def served(tmp_path_factory):
     demo.close()
 
 
-@pytest.mark.parametrize("family", ["llava-next", "llava-onevision"])
+APP_FAMILIES = {  # tiny_zoo's and tiny_zoo_more's families -> (height, width) of a photo seen in two views
+    "llava-next": (120, 90), "llava-onevision": (120, 90), "internvl": (100, 170), "idefics3": (100, 170)}
+
+
+@pytest.mark.parametrize("family", APP_FAMILIES)
 def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
     """`/analyze` (with the causal section and head utility) and `/sweep` on a random model of the class: the maps
     come in panels per image view, the token importance covers every visual token."""
@@ -283,7 +338,7 @@ def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
 
     client, names = served
     photo = tmp_path / "photo.png"
-    square_image((120, 90), (10, 10, 30, 30)).save(photo)
+    square_image(APP_FAMILIES[family], (10, 10, 30, 30)).save(photo)
     knobs = dict(retain=0.3, groups=2, first_layers=1)
     out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
                                            method="hap", **knobs, api_name="/analyze")))

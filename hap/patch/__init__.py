@@ -12,7 +12,7 @@ import torch
 
 from ..config import HAPConfig
 from ..layout import Layout
-from . import llava, llava_next, qwen2_vl
+from . import idefics3, internvl, llava, llava_next, qwen2_vl
 
 ADAPTERS = {
     "LlavaForConditionalGeneration": llava,
@@ -20,6 +20,9 @@ ADAPTERS = {
     "LlavaOnevisionForConditionalGeneration": llava_next,
     "Qwen2VLForConditionalGeneration": qwen2_vl,
     "Qwen2_5_VLForConditionalGeneration": qwen2_vl,
+    "InternVLForConditionalGeneration": internvl,
+    "Idefics3ForConditionalGeneration": idefics3,
+    "SmolVLMForConditionalGeneration": idefics3,
 }
 
 

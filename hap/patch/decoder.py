@@ -52,8 +52,9 @@ TokenMasks = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]] |
 
 
 def decoder_of(model) -> torch.nn.Module:
-    """The text decoder (a module with `.layers`); the same path in every supported architecture."""
-    return model.model.language_model
+    """The text decoder (a module with `.layers`): `model.model.language_model`, `.text_model` in Idefics3 / SmolVLM."""
+    inner = model.model
+    return inner.text_model if hasattr(inner, "text_model") else inner.language_model
 
 
 def attention_outputs(model) -> list[torch.nn.Module]:
