@@ -51,6 +51,8 @@ HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "llava-hf/llava-onevision-qwen2-7b-ov-hf": 28,
     "llava-hf/llava-v1.6-vicuna-7b-hf": 32,
     "llava-hf/llava-v1.6-mistral-7b-hf": 32,
+    "Qwen/Qwen3-VL-2B-Instruct": 28,
+    "Qwen/Qwen3-VL-8B-Instruct": 36,
 }
 UNKNOWN_DEPTH = 32  # decoder layers assumed when a model's config cannot be read (its load will say why)
 EXAMPLES = ROOT / "assets" / "examples"

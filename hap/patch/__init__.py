@@ -12,7 +12,7 @@ import torch
 
 from ..config import HAPConfig
 from ..layout import Layout
-from . import llava, llava_next, qwen2_vl
+from . import gemma3, llava, llava_next, qwen2_vl, qwen3_vl
 
 ADAPTERS = {
     "LlavaForConditionalGeneration": llava,
@@ -20,6 +20,8 @@ ADAPTERS = {
     "LlavaOnevisionForConditionalGeneration": llava_next,
     "Qwen2VLForConditionalGeneration": qwen2_vl,
     "Qwen2_5_VLForConditionalGeneration": qwen2_vl,
+    "Qwen3VLForConditionalGeneration": qwen3_vl,
+    "Gemma3ForConditionalGeneration": gemma3,
 }
 
 

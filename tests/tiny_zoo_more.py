@@ -1,0 +1,86 @@
+"""Tiny random Qwen3-VL and Gemma 3 (issue 37), built offline from configs, with their processors.
+
+Each builder returns `(model, processor)` on the small word-level tokenizer of `analysis.training.tiny_vlm` with the
+family's special tokens; the processors are the image-only one of `hap.patch.processors` (Qwen3-VL) and the stock
+`Gemma3Processor`. Qwen3-VL: 16-px patches merged 2 x 2 (one token per 32 px), DeepStack after decoder layers 0 and
+1; Gemma 3: 112-px SigLIP (8 x 8 patches) pooled to 4 x 4 = 16 tokens per image, sliding window 8 on 3 of 4 layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
+from hap.patch.processors import IMAGE_ONLY, QWEN_VISION_TOKENS
+
+QWEN3_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=2048,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]})
+QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                    deepstack_visual_indexes=[0, 1])
+
+
+def qwen3_vl(attn: str = "sdpa", layers: int = 4, text: dict | None = None, max_pixels: int = 256 * 256):
+    """Qwen3-VL in small: QK-norm GQA decoder (4 / 2 heads, head_dim 16, interleaved M-RoPE), a 2-block vision
+    tower whose blocks 0 and 1 feed DeepStack after decoder layers 0 and 1; images of 64^2..`max_pixels` pixels."""
+    text = text or QWEN3_TEXT
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS)})
+    tok.model_max_length = 8192
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": max_pixels},
+                                               patch_size=16, merge_size=2, temporal_patch_size=2)
+    processor = IMAGE_ONLY["Qwen3VLForConditionalGeneration"](
+        image_processor, tok, CHAT_TEMPLATE.replace("<image>\n", "".join(QWEN_VISION_TOKENS[:3])))
+    ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
+                   tok.convert_tokens_to_ids(list(QWEN_VISION_TOKENS))))
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=len(tok), num_hidden_layers=layers, pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **text),
+        vision_config={**QWEN3_VISION, "out_hidden_size": text["hidden_size"]}, **ids)
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(config)
+    model.set_attn_implementation(attn)
+    return model.eval(), processor
+
+
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+GEMMA3_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   query_pre_attn_scalar=16, max_position_embeddings=2048, sliding_window=8,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}})
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=112,
+                     patch_size=14, vision_use_head=False)
+
+
+def gemma3(attn: str = "sdpa", layers: int = 4, text: dict | None = None, tokens: int = 16, pan_and_scan: bool = False):
+    """Gemma 3 in small: a 112-px SigLIP (8 x 8 patches) average-pooled to `tokens` (16: 4 x 4) per image, a QK-norm
+    GQA decoder (4 / 2 heads, head_dim 16) whose layers slide a window of 8 but every 4th (full attention, its own
+    rotary table: theta 1e6, linear scaling 8), image tokens attending bidirectionally within their image."""
+    from tokenizers import AddedToken
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    base = build_tokenizer()
+    base.backend_tokenizer.add_special_tokens([AddedToken(t, special=True) for t in GEMMA3_TOKENS.values()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>", pad_token="<pad>", padding_side="left", model_max_length=8192,
+                                  extra_special_tokens=GEMMA3_TOKENS)
+    image_processor = Gemma3ImageProcessorPil(size={"height": 112, "width": 112}, do_pan_and_scan=pan_and_scan,
+                                              pan_and_scan_min_crop_size=56)
+    processor = Gemma3Processor(image_processor, tok, CHAT_TEMPLATE.replace("<image>\n", GEMMA3_TOKENS["boi_token"]),
+                                image_seq_length=tokens)
+    text = text or GEMMA3_TEXT
+    types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * (layers // 4 + 1)
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tok), num_hidden_layers=layers, layer_types=types[:layers],
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         **text),
+        vision_config=GEMMA3_VISION, mm_tokens_per_image=tokens, image_token_id=tok.image_token_id,
+        boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    model.set_attn_implementation(attn)
+    return model.eval(), processor
