@@ -53,6 +53,8 @@ HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "llava-hf/llava-v1.6-mistral-7b-hf": 32,
     "Qwen/Qwen3-VL-2B-Instruct": 28,
     "Qwen/Qwen3-VL-8B-Instruct": 36,
+    "google/gemma-3-4b-it": 34,
+    "google/gemma-3-12b-it": 48,
 }
 UNKNOWN_DEPTH = 32  # decoder layers assumed when a model's config cannot be read (its load will say why)
 EXAMPLES = ROOT / "assets" / "examples"

@@ -16,12 +16,21 @@ from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
 from test_zoo import decoder_input, greedy, local_tower, square_image
-from tiny_zoo import inputs
+from tiny_zoo import picture
 from tiny_zoo_more import gemma3
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # squashed to 112 x 112: 16 tokens each
 REFUSED = {"visionzip", "autoprune"}  # SigLIP has no [CLS] token
+
+
+def inputs(processor, questions: list[str], sizes: list[tuple[int, int]], seeds: list[int] | None = None) -> dict:
+    """A left-padded batch: one question and one noise image of (height, width) per sample (Gemma 3's processor
+    takes a list of images per sample)."""
+    seeds = seeds or list(range(len(questions)))
+    processor.tokenizer.padding_side = "left"
+    return processor(images=[[picture(s, seed)] for s, seed in zip(sizes, seeds)],
+                     text=[chat_prompt(processor, q) for q in questions], return_tensors="pt", padding=True)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -76,8 +85,9 @@ def test_a_batch_of_two_image_sizes_selects_as_each_sample_alone():
 
 
 def test_pan_and_scan_crops_are_refused_by_name():
-    model, processor = gemma3(pan_and_scan=True)
-    batch = inputs(processor, [QUESTION], [(100, 300)])
+    model, processor = gemma3()
+    batch = processor(images=[[picture((100, 300))]], text=[chat_prompt(processor, QUESTION)], return_tensors="pt",
+                      do_pan_and_scan=True, pan_and_scan_min_crop_size=56)
     assert int((batch["input_ids"] == model.config.image_token_id).sum()) > model.config.mm_tokens_per_image
     with hap.patched(model, hap.HAPConfig(retain=0.4)), pytest.raises(ValueError, match="pan-and-scan"):
         model(**batch)
@@ -193,9 +203,7 @@ def test_the_4b_decoder_shape_cuts_to_the_budget():
                 query_pre_attn_scalar=256, max_position_embeddings=8192, sliding_window=1024,
                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                  "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}})
-    model, processor = gemma3(layers=6, text=text, tokens=256)
-    model.config.text_config.layer_types = decoder_of(model).config.layer_types = ["sliding_attention"] * 5 + [
-        "full_attention"]
+    model, processor = gemma3(layers=6, text=text, tokens=256, image_size=896, every=6)
     batch = inputs(processor, [QUESTION], [(480, 640)])
     N = int(visual_tokens(model, batch).sum())
     assert N == 256

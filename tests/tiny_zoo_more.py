@@ -3,13 +3,23 @@
 Each builder returns `(model, processor)` on the small word-level tokenizer of `analysis.training.tiny_vlm` with the
 family's special tokens; the processors are the image-only one of `hap.patch.processors` (Qwen3-VL) and the stock
 `Gemma3Processor`. Qwen3-VL: 16-px patches merged 2 x 2 (one token per 32 px), DeepStack after decoder layers 0 and
-1; Gemma 3: 112-px SigLIP (8 x 8 patches) pooled to 4 x 4 = 16 tokens per image, sliding window 8 on 3 of 4 layers.
+1; Gemma 3: 112-px SigLIP (8 x 8 patches) pooled to 4 x 4 = 16 tokens per image, sliding window 8 on 3 of 4
+layers.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from tokenizers import AddedToken
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3Processor,
+    PreTrainedTokenizerFast,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
@@ -51,36 +61,34 @@ GEMMA3_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    query_pre_attn_scalar=16, max_position_embeddings=2048, sliding_window=8,
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                     "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}})
-GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=112,
-                     patch_size=14, vision_use_head=False)
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+                     vision_use_head=False)
 
 
-def gemma3(attn: str = "sdpa", layers: int = 4, text: dict | None = None, tokens: int = 16, pan_and_scan: bool = False):
-    """Gemma 3 in small: a 112-px SigLIP (8 x 8 patches) average-pooled to `tokens` (16: 4 x 4) per image, a QK-norm
-    GQA decoder (4 / 2 heads, head_dim 16) whose layers slide a window of 8 but every 4th (full attention, its own
-    rotary table: theta 1e6, linear scaling 8), image tokens attending bidirectionally within their image."""
-    from tokenizers import AddedToken
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, PreTrainedTokenizerFast
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
+def gemma3(attn: str = "sdpa", layers: int = 4, text: dict | None = None, tokens: int = 16, image_size: int = 112,
+           every: int = 4):
+    """Gemma 3 in small: a SigLIP of `image_size` px (112: 8 x 8 patches) average-pooled to `tokens` (16: 4 x 4) per
+    image, a QK-norm GQA decoder (4 / 2 heads, head_dim 16) whose layers slide a window of 8 except every `every`-th
+    (full attention, its own rotary table: theta 1e6, linear scaling 8), image tokens attending bidirectionally within
+    their image. The projector's weight, zero at init, is drawn at random so that the image reaches the decoder."""
     base = build_tokenizer()
     base.backend_tokenizer.add_special_tokens([AddedToken(t, special=True) for t in GEMMA3_TOKENS.values()])
     tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<s>", eos_token="</s>",
                                   unk_token="<unk>", pad_token="<pad>", padding_side="left", model_max_length=8192,
                                   extra_special_tokens=GEMMA3_TOKENS)
-    image_processor = Gemma3ImageProcessorPil(size={"height": 112, "width": 112}, do_pan_and_scan=pan_and_scan,
-                                              pan_and_scan_min_crop_size=56)
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
     processor = Gemma3Processor(image_processor, tok, CHAT_TEMPLATE.replace("<image>\n", GEMMA3_TOKENS["boi_token"]),
                                 image_seq_length=tokens)
     text = text or GEMMA3_TEXT
-    types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * (layers // 4 + 1)
+    types = (["sliding_attention"] * (every - 1) + ["full_attention"]) * (layers // every + 1)
     config = Gemma3Config(
         text_config=dict(vocab_size=len(tok), num_hidden_layers=layers, layer_types=types[:layers],
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          **text),
-        vision_config=GEMMA3_VISION, mm_tokens_per_image=tokens, image_token_id=tok.image_token_id,
+        vision_config={**GEMMA3_VISION, "image_size": image_size}, mm_tokens_per_image=tokens, image_token_id=tok.image_token_id,
         boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(config)
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.05)
     model.set_attn_implementation(attn)
     return model.eval(), processor
