@@ -1,8 +1,10 @@
 """The hook machinery (docs/method.md §9) shared by the adapters of Hugging Face VLMs whose decoder is a stack of
 Llama-style layers (`input_layernorm`, `self_attn.{q,k}_proj`, RoPE from `position_embeddings`,
-a dynamic KV cache): LLaVA with a Llama or Qwen2 decoder, Qwen2-VL, Qwen2.5-VL. Each adapter
-(`llava.py`, `qwen2_vl.py`) says where the decoder and the image token are and how the visual
-tokens lie on the image; this module does the rest.
+a dynamic KV cache): LLaVA with a Llama or Qwen2 decoder, LLaVA-NeXT / OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Gemma 3. Each adapter (`llava.py`, `qwen2_vl.py`, ...) says where the decoder and the image token are and how the
+visual tokens lie on the image, and where its layers differ in attention kind (Gemma 3's sliding / full layers) how
+each kind builds its rotary table and mask (`LayerKinds`); this module does the rest. `Patch.origin` tells an adapter
+which prompt positions the kept tokens came from (Qwen3-VL's DeepStack, Gemma 3's image blocks).
 
 Only forward hooks on one instance, removable by `remove_patch`; no class is modified and the
 decoder layers keep their attention implementation (SDPA, eager, ...). The hooks are the methods
