@@ -17,7 +17,7 @@ from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
 from test_zoo import decoder_input, greedy, local_tower, square_image
 from tiny_zoo import picture
-from tiny_zoo_more import gemma3
+from tiny_zoo_more import fanned_out_error, gemma3, recomputed_rows_error
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # squashed to 112 x 112: 16 tokens each
@@ -50,6 +50,20 @@ def test_nothing_pruned_reproduces_the_stock_model(attn):
         assert (logits - ref).abs().max().item() < 1e-5
         assert (steps - ref_steps).abs().max().item() < 1e-5
         assert torch.equal(tokens, ref_tokens)
+
+
+def test_recomputed_rows_equal_eager_attention(monkeypatch):
+    """The prompt rows HAP recomputes (QK-norm, each kind's rotary table, windows of 8, the image block) equal the model's own eager attention, every layer."""
+    model, processor = gemma3("eager")
+    batch = inputs(processor, [QUESTION, "is there a red square ?"], list(SIZES), [0, 1])
+    assert recomputed_rows_error(monkeypatch, model, batch) < 1e-5
+
+
+def test_a_fanned_out_prompt_equals_one_run_per_variant():
+    """A batch-1 prompt with several priority rows (head utility, the causal section) cut entering layer 1: each
+    variant's logits as if run alone (each variant's kept image block)."""
+    model, processor = gemma3()
+    assert fanned_out_error(model, inputs(processor, [QUESTION], [SIZES[0]]), layer=1) < 1e-5
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -16,7 +16,7 @@ from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
 from test_zoo import decoder_input, greedy, square_image
 from tiny_zoo import inputs
-from tiny_zoo_more import qwen3_vl
+from tiny_zoo_more import fanned_out_error, qwen3_vl, recomputed_rows_error
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # 3 x 5 and 5 x 3 merged tokens: different images, equal counts
@@ -40,6 +40,38 @@ def test_nothing_pruned_reproduces_the_stock_model(attn):
         assert (steps - ref_steps).abs().max().item() < 1e-5
         assert torch.equal(tokens, ref_tokens)
     assert "_deepstack_process" not in vars(decoder_of(model))  # unpatched: the class's own method again
+
+
+def test_recomputed_rows_equal_eager_attention(monkeypatch):
+    """The prompt rows HAP recomputes (interleaved M-RoPE, QK-norm) equal the model's own eager attention, every layer."""
+    model, processor = qwen3_vl("eager")
+    batch = inputs(processor, [QUESTION, "is there a red square ?"], list(SIZES), [0, 1])
+    assert recomputed_rows_error(monkeypatch, model, batch) < 1e-5
+
+
+def test_a_fanned_out_prompt_equals_one_run_per_variant():
+    """A batch-1 prompt with several priority rows (head utility, the causal section) cut entering layer 1: each
+    variant's logits as if run alone (the DeepStack rows of each variant's kept tokens)."""
+    model, processor = qwen3_vl()
+    assert fanned_out_error(model, inputs(processor, [QUESTION], [SIZES[0]]), layer=1) < 1e-5
+
+
+def test_the_causal_sections_repeated_decoder_input_carries_deepstack():
+    """`hap.causal` repeats a batch-1 decoder input per gated variant: each copy gets the DeepStack features too, so
+    the all-open copy equals the stock model and a gated copy equals that gate run alone."""
+    from hap import causal
+
+    model, processor = qwen3_vl()
+    batch = inputs(processor, [QUESTION], [SIZES[0]])
+    L, H = causal.head_layout(model)
+    gates = torch.ones(3, L, H)
+    gates[1, 0, 0] = gates[2, 1, 1] = 0.0
+    together = causal.answer_log_probs(model, batch, gates)
+    with torch.no_grad():
+        stock = model(**batch).logits[0, -1].float().log_softmax(-1)
+    assert (together[0] - stock).abs().max().item() < 1e-5
+    alone = causal.answer_log_probs(model, batch, gates[2:])
+    assert (together[2] - alone[0]).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("method", METHODS)

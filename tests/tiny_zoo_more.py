@@ -22,6 +22,7 @@ from transformers import (
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+import hap
 from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
 from hap.patch.processors import IMAGE_ONLY, QWEN_VISION_TOKENS
 
@@ -92,3 +93,44 @@ def gemma3(attn: str = "sdpa", layers: int = 4, text: dict | None = None, tokens
     torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.05)
     model.set_attn_implementation(attn)
     return model.eval(), processor
+
+
+def recomputed_rows_error(monkeypatch, model, batch) -> float:
+    """Max difference between the prompt rows HAP recomputes at every layer (trace, nothing pruned) and the eager
+    attention probabilities of the same rows; `model` runs eager attention."""
+    from hap.pruner import PruneState
+
+    captured, original = {}, PruneState.record
+
+    def spy(self, layer, rows, hidden, lookahead=False):
+        captured[layer] = rows.clone()
+        return original(self, layer, rows, hidden, lookahead)
+
+    monkeypatch.setattr(PruneState, "record", spy)
+    with torch.no_grad():
+        eager = model(**batch, output_attentions=True).attentions
+        with hap.patched(model, hap.HAPConfig(method="none"), trace=True):
+            model(**batch)
+    assert sorted(captured) == list(range(len(eager)))
+    return max((rows - eager[layer][:, :, -rows.shape[2]:, :].float()).abs().max().item()
+               for layer, rows in captured.items())
+
+
+def fanned_out_error(model, batch, layer: int, keep: int = 5, rows: int = 3) -> float:
+    """Max difference between the last-token logits of a batch-1 prompt fanned out into `rows` priority variants
+    (`hap.patch.apply`'s priority, one cut entering `layer` keeping `keep` visual tokens) and each variant run alone."""
+    from hap.patch import decoder_of
+    from hap.utility import one_cut
+
+    N = int((batch["input_ids"][0] == model.config.image_token_id).sum())
+    order = torch.rand(rows, N, generator=torch.Generator().manual_seed(0)).argsort(1)[:, :keep]
+    priority = torch.zeros(rows, N).scatter_(1, order, 1.0)
+    cut = one_cut(layer, keep, N, len(decoder_of(model).layers))
+    with torch.no_grad():
+        with hap.patched(model, cut, priority=priority):
+            fanned = model(**batch, logits_to_keep=1, use_cache=False).logits[:, -1]
+        errors = []
+        for row, logits in zip(priority, fanned):
+            with hap.patched(model, cut, priority=row[None]):
+                errors.append((model(**batch, logits_to_keep=1, use_cache=False).logits[0, -1] - logits).abs().max())
+    return max(errors).item()

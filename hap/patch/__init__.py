@@ -55,6 +55,14 @@ def visual_tokens(model, inputs) -> torch.Tensor:
     return ids == model.config.image_token_id
 
 
+def repeat_decoder_kwargs(model, kwargs: dict, batch: int) -> None:
+    """The decoder kwargs of a batch-1 input whose embeddings were repeated `batch` times (`hap.causal`), beyond the
+    mask and the positions: the adapter's per-sample inputs repeated alike, in place (Qwen3-VL's DeepStack)."""
+    adapter = adapter_for(model)
+    if hasattr(adapter, "repeat_decoder_kwargs"):
+        adapter.repeat_decoder_kwargs(kwargs, batch)
+
+
 def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
     """Where each visual token of the first sample of `inputs` (the processor's output) lies on its image of
     `image_size` = (width, height) pixels (`hap.layout`): the adapter's tiled layout, else its `visual_grid` over the

@@ -59,8 +59,9 @@ def token_masks(model, input_ids: torch.Tensor, kwargs: dict) -> tuple[torch.Ten
 
 
 def block_ids(patch: decoder.Patch) -> torch.Tensor | None:
-    """long [B, T'] the image block of each token of the running prefill (-1: text, or a recycled token), from the
-    prompt's `token_type_ids` gathered at the kept positions (`Patch.origin`); None without them."""
+    """long [B', T'] the image block of each token of the running prefill (-1: text, or a recycled token), from the
+    prompt's `token_type_ids` gathered at the kept positions (`Patch.origin`; B' = B, or the variants of a batch-1
+    prompt, `hap.patch.apply`'s priority rows); None without them."""
     types = patch.prompt.get("token_type_ids")
     if types is None:
         return None
@@ -68,7 +69,7 @@ def block_ids(patch: decoder.Patch) -> torch.Tensor | None:
     if patch.origin is None:
         return ids
     origin = patch.origin.to(ids.device)
-    return torch.where(origin >= 0, ids.gather(1, origin.clamp(min=0)), -1)
+    return torch.where(origin >= 0, ids.expand(origin.shape[0], -1).gather(1, origin.clamp(min=0)), -1)
 
 
 def kind_mask(model, kind: str, hidden: torch.Tensor, mask_2d: torch.Tensor | None, cache, layer_idx: int,

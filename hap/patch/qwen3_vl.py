@@ -28,7 +28,7 @@ from . import decoder, qwen2_vl
 from .decoder import attention_outputs, decoder_of
 from .qwen2_vl import visual_grid
 
-__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "visual_grid"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "repeat_decoder_kwargs", "visual_grid"]
 
 
 def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:
@@ -40,10 +40,12 @@ def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:
 
 def kept_deepstack(mask: torch.Tensor, embeds: torch.Tensor, origin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepStack's inputs for the kept tokens. `mask` bool [B, T] the prompt's visual positions, `embeds` [n, D] one
-    row per True of `mask` (row-major over the batch), `origin` long [B, T'] each kept token's prompt position (-1:
-    none, a recycled token) -> (bool [B, T'] the kept visual positions, [n', D] their rows in the same order)."""
+    row per True of `mask` (row-major over the batch), `origin` long [B', T'] each kept token's prompt position (-1:
+    none, a recycled token; B' = B, or the variants of a batch-1 prompt, `hap.patch.apply`'s priority rows) ->
+    (bool [B', T'] the kept visual positions, [n', D] their rows in the same order)."""
     mask = mask.to(origin.device)
     rank = mask.flatten().cumsum(0).view(mask.shape) - 1  # the embed row of each visual position
+    mask, rank = (x.expand(origin.shape[0], -1) for x in (mask, rank))
     at = origin.clamp(min=0)
     kept = mask.gather(1, at) & (origin >= 0)
     return kept, embeds[rank.gather(1, at)[kept].to(embeds.device)]
@@ -57,6 +59,14 @@ def deepstack_process(model, hidden: torch.Tensor, mask: torch.Tensor, embeds: t
     if patch is not None and patch.mode == "prefill" and patch.origin is not None:
         mask, embeds = kept_deepstack(mask, embeds, patch.origin)
     return type(text_model)._deepstack_process(text_model, hidden, mask, embeds)
+
+
+def repeat_decoder_kwargs(kwargs: dict, batch: int) -> None:
+    """DeepStack's inputs of a batch-1 decoder input repeated `batch` times (`hap.causal`), in place:
+    `visual_pos_masks` [1, T] -> [batch, T], each layer's features [n, D] -> [batch * n, D]."""
+    if kwargs.get("visual_pos_masks") is not None:
+        kwargs["visual_pos_masks"] = kwargs["visual_pos_masks"].expand(batch, -1)
+        kwargs["deepstack_visual_embeds"] = [e.repeat(batch, 1) for e in kwargs["deepstack_visual_embeds"]]
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
