@@ -17,7 +17,7 @@ from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
 from test_zoo import decoder_input, greedy, local_tower, square_image
 from tiny_zoo import picture
-from tiny_zoo_more import fanned_out_error, gemma3, recomputed_rows_error
+from tiny_zoo_more import decode_loop_error, fanned_out_error, gemma3, recomputed_rows_error
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # squashed to 112 x 112: 16 tokens each
@@ -64,6 +64,12 @@ def test_a_fanned_out_prompt_equals_one_run_per_variant():
     variant's logits as if run alone (each variant's kept image block)."""
     model, processor = gemma3()
     assert fanned_out_error(model, inputs(processor, [QUESTION], [SIZES[0]]), layer=1) < 1e-5
+
+
+def test_a_decode_loop_without_positions_equals_a_fresh_pruned_forward():
+    model, processor = gemma3()
+    config = hap.HAPConfig(method="random", retain=0.5, first_layers=0, groups=2)
+    assert decode_loop_error(model, inputs(processor, [QUESTION], [SIZES[0]]), config) < 1e-5
 
 
 @pytest.mark.parametrize("method", METHODS)

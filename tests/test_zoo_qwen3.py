@@ -16,7 +16,7 @@ from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
 from test_zoo import decoder_input, greedy, square_image
 from tiny_zoo import inputs
-from tiny_zoo_more import fanned_out_error, qwen3_vl, recomputed_rows_error
+from tiny_zoo_more import decode_loop_error, fanned_out_error, qwen3_vl, recomputed_rows_error
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # 3 x 5 and 5 x 3 merged tokens: different images, equal counts
@@ -72,6 +72,12 @@ def test_the_causal_sections_repeated_decoder_input_carries_deepstack():
     assert (together[0] - stock).abs().max().item() < 1e-5
     alone = causal.answer_log_probs(model, batch, gates[2:])
     assert (together[2] - alone[0]).abs().max().item() < 1e-5
+
+
+def test_a_decode_loop_without_positions_equals_a_fresh_pruned_forward():
+    model, processor = qwen3_vl()
+    config = hap.HAPConfig(method="random", retain=0.5, first_layers=0, groups=2)
+    assert decode_loop_error(model, inputs(processor, [QUESTION], [SIZES[0]]), config) < 1e-5
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -134,3 +134,27 @@ def fanned_out_error(model, batch, layer: int, keep: int = 5, rows: int = 3) -> 
             with hap.patched(model, cut, priority=row[None]):
                 errors.append((model(**batch, logits_to_keep=1, use_cache=False).logits[0, -1] - logits).abs().max())
     return max(errors).item()
+
+
+@torch.no_grad()
+def decode_loop_error(model, batch, config) -> float:
+    """Max difference between the logits of a hand-written decode loop on the pruned cache (input_ids, attention_mask
+    and the cache per step, no positions: the patch supplies those of an unpruned cache) and a fresh pruned forward of
+    the same ids (the seeded random policy keeps the same tokens whatever the text)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    types = [k for k in ("mm_token_type_ids", "token_type_ids") if k in batch]
+    images = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", *types)}
+    errors = []
+    with hap.patched(model, config):
+        out = model(**batch, use_cache=True)
+        steps = []
+        for _ in range(3):
+            step = out.logits[:, -1].argmax(-1, keepdim=True)
+            ids, mask = torch.cat([ids, step], 1), torch.cat([mask, torch.ones_like(step)], 1)
+            out = model(input_ids=step, attention_mask=mask, cache=out.cache, use_cache=True)
+            steps.append((ids, mask, out.logits[:, -1]))
+        for ids, mask, logits in steps:  # after the loop: a fresh prefill starts a new pruning state
+            extra = {k: (ids == model.config.image_token_id).int() for k in types}
+            fresh = model(input_ids=ids, attention_mask=mask, use_cache=False, **images, **extra)
+            errors.append((logits - fresh.logits[:, -1]).abs().max().item())
+    return max(errors)
