@@ -53,7 +53,8 @@ def test_nothing_pruned_reproduces_the_stock_model(attn):
 
 
 def test_recomputed_rows_equal_eager_attention(monkeypatch):
-    """The prompt rows HAP recomputes (QK-norm, each kind's rotary table, windows of 8, the image block) equal the model's own eager attention, every layer."""
+    """The prompt rows HAP recomputes (QK-norm, each kind's rotary table, windows of 8) equal the model's own eager
+    attention, every layer."""
     model, processor = gemma3("eager")
     batch = inputs(processor, [QUESTION, "is there a red square ?"], list(SIZES), [0, 1])
     assert recomputed_rows_error(monkeypatch, model, batch) < 1e-5

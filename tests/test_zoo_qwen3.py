@@ -43,7 +43,8 @@ def test_nothing_pruned_reproduces_the_stock_model(attn):
 
 
 def test_recomputed_rows_equal_eager_attention(monkeypatch):
-    """The prompt rows HAP recomputes (interleaved M-RoPE, QK-norm) equal the model's own eager attention, every layer."""
+    """The prompt rows HAP recomputes (interleaved M-RoPE, QK-norm) equal the model's own eager attention, every
+    layer."""
     model, processor = qwen3_vl("eager")
     batch = inputs(processor, [QUESTION, "is there a red square ?"], list(SIZES), [0, 1])
     assert recomputed_rows_error(monkeypatch, model, batch) < 1e-5

@@ -86,8 +86,8 @@ def gemma3(attn: str = "sdpa", layers: int = 4, text: dict | None = None, tokens
         text_config=dict(vocab_size=len(tok), num_hidden_layers=layers, layer_types=types[:layers],
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          **text),
-        vision_config={**GEMMA3_VISION, "image_size": image_size}, mm_tokens_per_image=tokens, image_token_id=tok.image_token_id,
-        boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
+        vision_config={**GEMMA3_VISION, "image_size": image_size}, mm_tokens_per_image=tokens,
+        image_token_id=tok.image_token_id, boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id)
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(config)
     torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.05)

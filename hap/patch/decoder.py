@@ -424,8 +424,8 @@ def _origin(origin: torch.Tensor | None, keep: torch.Tensor, length: int) -> tor
 
 @torch.no_grad()
 def _cut(st: PruneState, index: int, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply the cut entering layer `index` to the hidden states and the layer's positions and (cos, sin) in `kwargs` (in place;
-    the masks are the caller's). Returns the hidden states and `keep` long [B, T']: the kept tokens as indices into
+    """Apply the cut entering layer `index` to the hidden states and the layer's positions and (cos, sin) in
+    `kwargs` (in place; the masks are the caller's). Returns the hidden states and `keep` long [B, T']: the kept tokens as indices into
     the ones before the cut, then its recycled ones."""
     needs = st.sizes is not None or st.recycled is not None
     keep = st.cut(index, _take(hidden, st.visual_pos) if needs else None)  # [B, T']

@@ -32,9 +32,9 @@ QWEN_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|
 
 
 def qwen_image_only(stock: type) -> type:
-    """Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's processor class `stock` for images and text only: built from an image processor and
-    a tokenizer carrying Qwen's vision tokens, no video processor. It keeps the stock class's name, so a processor it
-    saves is the stock one's folder (loaded by the stock class where torchvision is installed)."""
+    """Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's processor class `stock` for images and text only: built from an image
+    processor and a tokenizer carrying Qwen's vision tokens, no video processor. It keeps the stock class's name, so a
+    processor it saves is the stock one's folder (loaded by the stock class where torchvision is installed)."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         self.vision_start_token, self.image_token, self.vision_end_token, self.video_token = QWEN_VISION_TOKENS
