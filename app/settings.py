@@ -55,6 +55,10 @@ HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "OpenGVLab/InternVL3-8B-hf": 28,
     "HuggingFaceTB/SmolVLM-256M-Instruct": 30,  # Idefics3ForConditionalGeneration; small enough for a CPU
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": 24,  # SmolVLMForConditionalGeneration
+    "Qwen/Qwen3-VL-2B-Instruct": 28,
+    "Qwen/Qwen3-VL-8B-Instruct": 36,
+    "google/gemma-3-4b-it": 34,
+    "google/gemma-3-12b-it": 48,
 }
 UNKNOWN_DEPTH = 32  # decoder layers assumed when a model's config cannot be read (its load will say why)
 EXAMPLES = ROOT / "assets" / "examples"

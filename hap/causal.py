@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .inputs import DEFAULT_LIMITS, InputLimits, load_image
-from .patch import attention_outputs, decoder_of, visual_tokens
+from .patch import attention_outputs, decoder_of, repeat_decoder_kwargs, visual_tokens
 from .run import build_inputs
 
 MODES = ("ablation", "attribution")
@@ -321,15 +321,16 @@ def _gate(gates: torch.Tensor, layer: int, module, args: tuple) -> tuple:
 def decoder_input(model, transform: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Within the block, the decoder's input embeddings `[1, T, D]` become `transform(x)` `[B, T, D]`; a batch
     B > 1 repeats the attention mask and the position ids (batch dim second to last: `[B, T]` or M-RoPE's
-    `[k, B, T]`) to match."""
-    handle = decoder_of(model).register_forward_pre_hook(partial(_decoder_pre_hook, transform), with_kwargs=True)
+    `[k, B, T]`) to match, and whatever else the adapter says holds per-sample rows (`repeat_decoder_kwargs`)."""
+    handle = decoder_of(model).register_forward_pre_hook(partial(_decoder_pre_hook, model, transform),
+                                                          with_kwargs=True)
     try:
         yield
     finally:
         handle.remove()
 
 
-def _decoder_pre_hook(transform, module, args, kwargs) -> tuple[tuple, dict]:
+def _decoder_pre_hook(model, transform, module, args, kwargs) -> tuple[tuple, dict]:
     x = kwargs["inputs_embeds"]
     if x.shape[0] != 1:
         raise ValueError(f"causal analysis takes one input at a time, not a batch of {x.shape[0]}")
@@ -342,4 +343,6 @@ def _decoder_pre_hook(transform, module, args, kwargs) -> tuple[tuple, dict]:
         shape = list(positions.shape)
         shape[-2] = B
         kwargs["position_ids"] = positions.expand(*shape)
+    if B > 1:
+        repeat_decoder_kwargs(model, kwargs, B)
     return args, kwargs

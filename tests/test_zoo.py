@@ -16,6 +16,8 @@ from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
 from tiny_zoo import SIZES, ZOO, inputs
+from tiny_zoo_more import ZOO as MORE
+from tiny_zoo_recent import gemma3, qwen3_vl
 
 QUESTION = "what color is the circle ?"
 FAMILIES = list(ZOO)
@@ -299,6 +301,12 @@ def check_cut_to_budget(model, batch) -> None:
         prefill_flops(schedule.visual_per_layer, text, shape) / prefill_flops([N] * 3, text, shape))
 
 
+SERVED = {  # family -> (builder of the model the app serves, (height, width) of the photo, its views)
+    "llava-next": (ZOO["llava-next"], (120, 90), 2), "llava-onevision": (ZOO["llava-onevision"], (120, 90), 2),
+    "internvl": (MORE["internvl"], (100, 170), 2), "idefics3": (MORE["idefics3"], (100, 170), 2),
+    "qwen3-vl": (qwen3_vl, (240, 180), 1), "gemma3": (gemma3, (240, 180), 1)}  # Qwen3-VL: 8 x 6 tokens
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The app serving a saved tiny model of each family (local folders allowed), and their names."""
@@ -308,13 +316,11 @@ def served(tmp_path_factory):
     from app_model import free_port
     from gradio_client import Client
 
-    from tiny_zoo_more import ZOO as MORE
-
     os.environ["HAP_APP_ALLOW_LOCAL"] = "1"
     names = {}
-    for family in APP_FAMILIES:
+    for family, (build, _, _) in SERVED.items():
         folder = tmp_path_factory.mktemp(family)
-        model, processor = {**ZOO, **MORE}[family](layers=4)
+        model, processor = build(layers=4)
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
         names[family] = str(folder)
@@ -325,31 +331,29 @@ def served(tmp_path_factory):
     demo.close()
 
 
-APP_FAMILIES = {  # tiny_zoo's and tiny_zoo_more's families -> (height, width) of a photo seen in two views
-    "llava-next": (120, 90), "llava-onevision": (120, 90), "internvl": (100, 170), "idefics3": (100, 170)}
-
-
-@pytest.mark.parametrize("family", APP_FAMILIES)
+@pytest.mark.parametrize("family", list(SERVED))
 def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
     """`/analyze` (with the causal section and head utility) and `/sweep` on a random model of the class: the maps
-    come in panels per image view, the token importance covers every visual token."""
+    come in panels per image view (two for the tiled families, one for Qwen3-VL and Gemma 3), the token importance
+    covers every visual token."""
     from app.handler import OUTPUTS
     from gradio_client import handle_file
 
     client, names = served
     photo = tmp_path / "photo.png"
-    square_image(APP_FAMILIES[family], (10, 10, 30, 30)).save(photo)
+    _, size, views_seen = SERVED[family]
+    square_image(size, (10, 10, 30, 30)).save(photo)
     knobs = dict(retain=0.3, groups=2, first_layers=1)
     out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
                                            method="hap", **knobs, api_name="/analyze")))
     report = out["summary"]
     where = Layout.from_dict(report["layout"])
-    assert report["num_visual"] == where.num_visual and len(where.views) == 2
+    assert report["num_visual"] == where.num_visual and len(where.views) == views_seen
     assert len(report["causal"]["token_importance"]) == where.num_visual
     assert report["head_utility"]["values"]
     import json
     masks = json.loads(out["kept_masks"]["plot"])["data"]
-    assert sum(t["type"] == "image" for t in masks) == 2 * len(report["groups"])  # one panel per view and group
+    assert sum(t["type"] == "image" for t in masks) == len(where.views) * len(report["groups"])  # per view and group
     figure, data = client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
                                   **{k: v for k, v in knobs.items() if k != "retain"}, api_name="/sweep")
     assert data["methods"]["hap"]["answers"] and "visionzip" not in data["methods"]  # refused for the class

@@ -12,7 +12,7 @@ import torch
 
 from ..config import HAPConfig
 from ..layout import Layout
-from . import idefics3, internvl, llava, llava_next, qwen2_vl
+from . import gemma3, idefics3, internvl, llava, llava_next, qwen2_vl, qwen3_vl
 
 ADAPTERS = {
     "LlavaForConditionalGeneration": llava,
@@ -23,6 +23,8 @@ ADAPTERS = {
     "InternVLForConditionalGeneration": internvl,
     "Idefics3ForConditionalGeneration": idefics3,
     "SmolVLMForConditionalGeneration": idefics3,
+    "Qwen3VLForConditionalGeneration": qwen3_vl,
+    "Gemma3ForConditionalGeneration": gemma3,
 }
 
 
@@ -54,6 +56,14 @@ def visual_tokens(model, inputs) -> torch.Tensor:
     if hasattr(adapter, "token_masks"):
         return adapter.token_masks(model, ids, inputs)[0]
     return ids == model.config.image_token_id
+
+
+def repeat_decoder_kwargs(model, kwargs: dict, batch: int) -> None:
+    """The decoder kwargs of a batch-1 input whose embeddings were repeated `batch` times (`hap.causal`), beyond the
+    mask and the positions: the adapter's per-sample inputs repeated alike, in place (Qwen3-VL's DeepStack)."""
+    adapter = adapter_for(model)
+    if hasattr(adapter, "repeat_decoder_kwargs"):
+        adapter.repeat_decoder_kwargs(kwargs, batch)
 
 
 def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:

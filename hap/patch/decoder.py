@@ -1,8 +1,10 @@
 """The hook machinery (docs/method.md §9) shared by the adapters of Hugging Face VLMs whose decoder is a stack of
 Llama-style layers (`input_layernorm`, `self_attn.{q,k}_proj`, RoPE from `position_embeddings`,
-a dynamic KV cache): LLaVA with a Llama or Qwen2 decoder, Qwen2-VL, Qwen2.5-VL. Each adapter
-(`llava.py`, `qwen2_vl.py`) says where the decoder and the image token are and how the visual
-tokens lie on the image; this module does the rest.
+a dynamic KV cache): LLaVA with a Llama or Qwen2 decoder, LLaVA-NeXT / OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Gemma 3. Each adapter (`llava.py`, `qwen2_vl.py`, ...) says where the decoder and the image token are and how the
+visual tokens lie on the image, and where its layers differ in attention kind (Gemma 3's sliding / full layers) how
+each kind builds its rotary table and mask (`LayerKinds`); this module does the rest. `Patch.origin` tells an adapter
+which prompt positions the kept tokens came from (Qwen3-VL's DeepStack, Gemma 3's image blocks).
 
 Only forward hooks on one instance, removable by `remove_patch`; no class is modified and the
 decoder layers keep their attention implementation (SDPA, eager, ...). The hooks are the methods
@@ -30,6 +32,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -51,6 +54,29 @@ Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
 TokenMasks = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]] | None
 
 
+@dataclass(frozen=True)
+class LayerKinds:
+    """The attention kinds of a decoder's layers, each with its own rotary table and mask (Gemma 3: "sliding_attention"
+    and "full_attention"; `uniform_kinds`: one kind for every layer). A cut or a decode step entering layer i hands
+    each later layer the (cos, sin) and the mask of its own kind, each mask sized to the first layer of that kind from
+    i on (its cache length)."""
+
+    types: tuple  # [layers] each layer's kind
+    rotary: Callable  # (hidden [B, T, D], position_ids [B, T], kind) -> (cos, sin) [B, T, head_dim] each
+    mask: Callable  # (kind, hidden [B, T, D], 2-D padding mask [B, kv] | None, cache, layer_idx, causal_skip) -> mask
+
+    def first(self, kind, index: int) -> int:
+        """The first layer of `kind` at or after layer `index`."""
+        return next(j for j in range(index, len(self.types)) if self.types[j] == kind)
+
+
+def uniform_kinds(model) -> LayerKinds:
+    """One kind for every layer: the decoder's rotary embedding and its stock causal mask (`_mask`)."""
+    lm = decoder_of(model)
+    return LayerKinds((None,) * len(lm.layers), lambda hidden, positions, kind: lm.rotary_emb(hidden, positions),
+                      lambda kind, *args: _mask(lm.config, *args))
+
+
 def decoder_of(model) -> torch.nn.Module:
     """The text decoder (a module with `.layers`): `model.model.language_model`, `.text_model` in Idefics3 / SmolVLM."""
     inner = model.model
@@ -64,10 +90,11 @@ def attention_outputs(model) -> list[torch.nn.Module]:
     return [layer.self_attn.o_proj for layer in decoder_of(model).layers]
 
 
-def check_decoder(model) -> None:
-    """Refuse decoders this machinery would get wrong."""
+def check_decoder(model, kinds: LayerKinds | None = None) -> None:
+    """Refuse decoders this machinery would get wrong: layers of several attention kinds, unless the adapter says how
+    each kind builds its rotary table and mask (`kinds`)."""
     layer_types = getattr(model.config.text_config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
+    if kinds is None and any(t != "full_attention" for t in layer_types):
         raise ValueError(
             f"{type(model).__name__} has {sorted(set(layer_types))} layers; HAP supports full-attention decoders only"
         )
@@ -112,20 +139,22 @@ class Patch:
 
     def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None,
                  priority: torch.Tensor | None = None, tail: int = 0, lead: int = 0,
-                 token_masks: TokenMasks = None) -> None:
+                 token_masks: TokenMasks = None, kinds: LayerKinds | None = None) -> None:
         self.config, self.trace, self.priority, self.tail, self.lead = config, trace, priority, tail, lead
         self.decode_positions = decode_positions or (lambda model, positions: positions)
         self.token_masks = token_masks or (lambda ids, kwargs: (ids == self.image_token,) * 2)
         self.shape = decoder_shape(model)
         self.image_token = model.config.image_token_id
-        self.text_config = decoder_of(model).config
+        self.kinds = kinds or uniform_kinds(model)
         self.handles: list = []
         self.state: PruneState | None = None  # the last prefill's pruning state
         self.mode: str | None = None  # "prefill", "decode" or None (not pruning this forward)
         self.step_mask: torch.Tensor | None = None  # the decode step's 2-D mask as generate passes it
         self.step_positions: torch.Tensor | None = None  # the decode step's position ids, as on an unpruned cache
-        self.rotary_embedding = decoder_of(model).rotary_emb  # positions -> (cos, sin), for renumbered decode steps
-        self.overrides: dict = {}  # layer kwargs a cut changed, handed to every later layer
+        self.overrides: dict = {}  # layer kind -> the layer kwargs a cut changed, handed to every later layer of it
+        self.prompt: dict = {}  # the multimodal model's kwargs of the last prefill (for adapters: token type ids)
+        self.origin: torch.Tensor | None = None  # long [B, T'] each token's prompt position since the prefill's
+        #                                         first cut (-1: a recycled token); None before it (for adapters)
         self.pending: tuple | None = None  # (layer, hidden, rows) of a capture waiting for the layer to run
         self.pending_q: torch.Tensor | None = None  # [B, P, heads * head_dim] its rows of the layer's q projection
         self.rotary: tuple = (None, None)  # (the layers' cos, its rows' (cos, sin)): the same within a segment
@@ -148,7 +177,7 @@ class Patch:
         """Before the multimodal model: a prompt with the image starts a pruned prefill (plans it); a
         decode step on the pruned prefill's cache keeps its 2-D mask; anything else runs stock."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        self.overrides = {}
+        self.overrides, self.origin = {}, None
         fresh = (input_ids is not None and has_pixels(kwargs)
                  and bool((input_ids == self.image_token).any()))  # a prompt with the image (not a generated <image>)
         self.prefill_started = time.perf_counter() if fresh else 0.0  # timed whether it prunes or not
@@ -169,7 +198,7 @@ class Patch:
                 self.priority, self.tail, self.lead, image_mask=image,
             )
             self.state.vision, self.vision_cues = self.vision_cues, None
-            self.mode = "prefill"
+            self.mode, self.prompt = "prefill", kwargs
         elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
             self.mode = "decode"
             self.step_mask = kwargs.get("attention_mask")
@@ -187,7 +216,7 @@ class Patch:
         if self.mode is None:
             return None
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        kwargs.update(self.overrides)
+        kwargs.update(self.overrides.get(self.kinds.types[index], {}))
         if self.mode == "prefill":
             hidden = self.layer_prefill(index, layer, hidden, kwargs)
         else:
@@ -207,9 +236,11 @@ class Patch:
                        window=self.shape.window(index))
             st.scoring_seconds += time.perf_counter() - t0
         if st.cut_index(index) is not None:
-            hidden = _cut(st, self.text_config, index, hidden, kwargs)
-            self.overrides = {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids")
-                              if k in kwargs}
+            length = hidden.shape[1]
+            hidden, keep = _cut(st, index, hidden, kwargs)
+            self.origin = _origin(self.origin, keep, length)
+            key_valid = st.key_valid()
+            self.kind_overrides(index, hidden, None if key_valid is None else key_valid.long(), kwargs)
         if index in st.capture_layers:  # queries and keys come from the layer's own run
             self.pending = (index, hidden, st.row_positions(hidden.shape[1]).to(hidden.device))
         return hidden
@@ -220,14 +251,34 @@ class Patch:
         (`PruneState.decode_shift`)."""
         if self.state.cut_index(index) is None:
             return
-        step_mask = self.state.decode_attention_mask(index, self.step_mask)
-        self.overrides = {"attention_mask": _mask(self.text_config, hidden, step_mask, kwargs, index,
-                                                  self.state.key_bias.get(index))}
         shift = self.state.decode_shift(index)
         if shift:
             positions = self.step_positions.to(hidden.device) - shift
-            self.overrides.update(position_ids=positions, position_embeddings=self.rotary_embedding(hidden, positions))
-        kwargs.update(self.overrides)
+            kwargs.update(position_ids=positions, position_embeddings=self.kinds.rotary(
+                hidden, positions, self.kinds.types[index]))
+        self.kind_overrides(index, hidden, self.state.decode_attention_mask(index, self.step_mask), kwargs,
+                            shift=bool(shift))
+
+    def kind_overrides(self, index: int, hidden: torch.Tensor, mask_2d: torch.Tensor | None, kwargs: dict,
+                       shift: bool = True) -> None:
+        """The kwargs of every layer from `index` on, per kind (`self.overrides`), after a cut or a decode step's
+        entry into a group: each kind's mask over the padding mask `mask_2d` [B, kv] (plus the group's merge bias);
+        where the positions changed (`shift`: a cut, or a renumbered decode step) the positions in `kwargs` (layer
+        `index`'s) and each kind's (cos, sin) of them. Layer `index`'s own `kwargs` are updated in place."""
+        bias = self.state.key_bias.get(index)
+        own = self.kinds.types[index]
+        self.overrides = {}
+        for kind in dict.fromkeys(self.kinds.types[index:]):
+            mask = self.kinds.mask(kind, hidden, None if mask_2d is None else mask_2d.to(hidden.device),
+                                   kwargs.get("cache"), self.kinds.first(kind, index), bias is None)
+            out = {"attention_mask": mask if bias is None else add_key_bias(mask, bias, hidden.dtype)}
+            if shift:
+                out["position_embeddings"] = kwargs["position_embeddings"] if kind == own else self.kinds.rotary(
+                    hidden, kwargs["position_ids"], kind)
+                if kwargs.get("position_ids") is not None:
+                    out["position_ids"] = kwargs["position_ids"]
+            self.overrides[kind] = out
+        kwargs.update(self.overrides[own])
 
     def row_rotary(self, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of the prompt rows `rows` [B, P], gathered once for the layers sharing one rotary embedding."""
@@ -268,13 +319,14 @@ class Patch:
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, decode_positions: Positions = None, lead: int = 0,
-                token_masks: TokenMasks = None) -> Patch:
+                token_masks: TokenMasks = None, kinds: LayerKinds | None = None) -> Patch:
     """Patch `model` in place so that its forward and `generate` prune as `config` says. `priority`
     [batch, visual], `tail` (needed by rows="question") and `lead`: see `PruneState.start`. `decode_positions` (the
     multimodal model, long [1, new] text positions) -> the `position_ids` its decoder takes, for decode steps
     given none (default: as they are). `token_masks`: which tokens are visual and where the image ends
-    (`TokenMasks`; default: the image token's ids)."""
-    check_decoder(model)
+    (`TokenMasks`; default: the image token's ids). `kinds`: the layers' attention kinds where they differ
+    (`LayerKinds`; default: one)."""
+    check_decoder(model, kinds)
     if tail is None and policy_for(config).rows == "question":
         raise ValueError("rows='question' needs the chat template's tail after the question: "
                          "hap.patched(model, config, tail=hap.run.template_tail(processor))")
@@ -284,7 +336,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
                          "load the model with attn_implementation='sdpa' or 'eager', or use merge='none'")
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(model, config, trace, decode_positions, priority, tail or 0, lead, token_masks)
+    patch = Patch(model, config, trace, decode_positions, priority, tail or 0, lead, token_masks, kinds)
     patch.attach(model)
     model._hap = patch
     return patch
@@ -360,9 +412,22 @@ def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor,
     st.record(index, attn, hidden, lookahead)
 
 
+def _origin(origin: torch.Tensor | None, keep: torch.Tensor, length: int) -> torch.Tensor:
+    """The prompt positions long [B, T'] of the tokens a cut kept: `keep` [B, T'] indexes the `length` tokens before
+    it, whose positions are `origin` [B, length] (None: 0..length-1), then its recycled tokens (position -1)."""
+    B = keep.shape[0]
+    if origin is None:
+        origin = torch.arange(length, device=keep.device).expand(B, length)
+    recycled = max(int(keep.max()) + 1 - length, 0)
+    origin = torch.cat([origin.to(keep.device), origin.new_full((B, recycled), -1, device=keep.device)], 1)
+    return origin.gather(1, keep)
+
+
 @torch.no_grad()
-def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """Apply the cut entering layer `index` to the hidden states and the layer kwargs (in place)."""
+def _cut(st: PruneState, index: int, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply the cut entering layer `index` to the hidden states and the layer's positions and (cos, sin) in
+    `kwargs` (in place; the masks are the caller's). Returns the hidden states and `keep` long [B, T']: the kept tokens as indices into
+    the ones before the cut, then its recycled ones."""
     needs = st.sizes is not None or st.recycled is not None
     keep = st.cut(index, _take(hidden, st.visual_pos) if needs else None)  # [B, T']
     if st.appended is not None:  # SparseVLM's / AutoPrune's recycled tokens: indices T.. in `keep`
@@ -373,30 +438,20 @@ def _cut(st: PruneState, text_config, index: int, hidden: torch.Tensor, kwargs: 
         where = positions.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
         hidden = hidden.scatter(1, where, merged.to(hidden))
         st.merged = None
+    at = keep
     if st.policy.renumber:  # the official PyramidDrop / VisionZip: positions 0..T'-1 (the first T' of 0..T-1)
-        keep = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
+        at = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
     cos, sin = kwargs["position_embeddings"]
-    kwargs["position_embeddings"] = (_take(cos, keep), _take(sin, keep))
+    kwargs["position_embeddings"] = (_take(cos, at), _take(sin, at))
     if kwargs.get("position_ids") is not None:
-        kwargs["position_ids"] = _take(kwargs["position_ids"], keep)
-    key_valid = st.key_valid()
-    kwargs["attention_mask"] = _mask(text_config, hidden, None if key_valid is None else key_valid.long(), kwargs,
-                                     index, st.key_bias.get(index))
-    return hidden
+        kwargs["position_ids"] = _take(kwargs["position_ids"], at)
+    return hidden, keep
 
 
-def _mask(text_config, hidden: torch.Tensor, mask_2d: torch.Tensor | None, kwargs: dict, index: int,
-          bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The attention mask of the layers from cut `index` on: the stock causal mask (sliding-window where every layer
-    slides one, as Mistral builds it) over the padding mask `mask_2d` [batch, kv], plus the group's proportional-attention `bias` [batch, T_group] where a merge made one."""
+def _mask(text_config, hidden: torch.Tensor, mask_2d: torch.Tensor | None, cache, index: int,
+          causal_skip: bool) -> torch.Tensor | None:
+    """The stock causal mask of layer `index` (sliding-window where every layer slides one, as Mistral builds it) over
+    the padding mask `mask_2d` [batch, kv], sized to its `cache`; `causal_skip`: may be None where plain causal."""
     build = create_causal_mask if sliding_window(text_config) is None else create_sliding_window_causal_mask
-    mask = build(
-        config=text_config,
-        inputs_embeds=hidden,
-        attention_mask=None if mask_2d is None else mask_2d.to(hidden.device),
-        cache=kwargs.get("cache"),
-        position_ids=None,
-        layer_idx=index,
-        allow_is_causal_skip=bias is None,
-    )
-    return mask if bias is None else add_key_bias(mask, bias, hidden.dtype)
+    return build(config=text_config, inputs_embeds=hidden, attention_mask=mask_2d, cache=cache, position_ids=None,
+                 layer_idx=index, allow_is_causal_skip=causal_skip)

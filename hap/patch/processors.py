@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from transformers import (InternVLProcessor, LlavaOnevisionProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor,
-                          SmolVLMProcessor)
+                          Qwen3VLProcessor, SmolVLMProcessor)
 from transformers.processing_utils import ProcessorMixin
 
 
@@ -80,14 +80,14 @@ QWEN_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|
 
 
 def qwen_image_only(stock: type) -> type:
-    """Qwen2-VL's / Qwen2.5-VL's processor class `stock` for images and text only: built from an image processor and
-    a tokenizer carrying Qwen's vision tokens, no video processor. It keeps the stock class's name, so a processor it
-    saves is the stock one's folder (loaded by the stock class where torchvision is installed)."""
+    """Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's processor class `stock` for images and text only: built from an image
+    processor and a tokenizer carrying Qwen's vision tokens, no video processor. It keeps the stock class's name, so a
+    processor it saves is the stock one's folder (loaded by the stock class where torchvision is installed)."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        self.image_token, self.video_token = QWEN_VISION_TOKENS[1], QWEN_VISION_TOKENS[3]
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        self.vision_start_token, self.image_token, self.vision_end_token, self.video_token = QWEN_VISION_TOKENS
+        for name in ("vision_start_token", "image_token", "vision_end_token", "video_token"):
+            setattr(self, f"{name}_id", tokenizer.convert_tokens_to_ids(getattr(self, name)))
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
     return type(stock.__name__, (stock,), {"__init__": __init__, "__doc__": qwen_image_only.__doc__})
@@ -99,4 +99,5 @@ IMAGE_ONLY = {  # architecture -> processor class
     "Qwen2VLForConditionalGeneration": qwen_image_only(Qwen2VLProcessor),
     "SmolVLMForConditionalGeneration": SmolVLMImageProcessor,
     "Qwen2_5_VLForConditionalGeneration": qwen_image_only(Qwen2_5_VLProcessor),
+    "Qwen3VLForConditionalGeneration": qwen_image_only(Qwen3VLProcessor),
 }

@@ -37,8 +37,14 @@ def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch` with M-RoPE positions for decode steps given none; the [CLS] cues (visionzip,
-    first_cut="vision") are refused."""
+    """`decoder.apply_patch` with M-RoPE positions for decode steps given none, after `refuse`."""
+    refuse(model, config)
+    return decoder.apply_patch(model, config, trace, priority, tail, decode_positions=mrope_positions, lead=lead)
+
+
+def refuse(model, config: HAPConfig) -> None:
+    """ValueError, naming the model class, for what M-RoPE models without a [CLS] token do not take: the [CLS] cues
+    (visionzip, autoprune, first_cut="vision") and the methods that renumber positions."""
     if policy_for(config).needs_cls:
         raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the {type(model).__name__} vision "
                          "tower has no [CLS] token")
@@ -46,4 +52,3 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
         raise ValueError(f"method={config.method!r} renumbers positions 0..T-1 after each drop, as its official LLaVA "
                          f"code does; {type(model).__name__}'s M-RoPE positions cannot be renumbered that way: "
                          "use it on a LLaVA model")
-    return decoder.apply_patch(model, config, trace, priority, tail, decode_positions=mrope_positions, lead=lead)

@@ -1,0 +1,113 @@
+"""Adapter for `Gemma3ForConditionalGeneration` (docs/method.md, "Gemma 3").
+
+Tokens: the processor writes `<start_of_image>` + 256 soft tokens + `<end_of_image>` per image. The visual tokens are
+`config.image_token_id`, the soft token (the processor's `image_token_id` is `<start_of_image>`). The image is
+squashed to 896 x 896 px and its 64 x 64 SigLIP patches are average-pooled 4 x 4: token k is cell (k // 16, k % 16),
+one view uniform over the image (`visual_grid`). Pan-and-scan crops (more 256-token blocks per image) are refused.
+
+Decoder: 5 sliding-window layers to 1 full-attention layer, each kind with its own rotary table (local theta 1e4,
+global 1e6) and its own mask, and image tokens attending bidirectionally within their image (`token_type_ids` ->
+block ids). The shared machinery (`decoder.LayerKinds`) hands every layer after a cut the (cos, sin) and mask of its
+own kind; the masks are rebuilt here as `create_masks_for_vision_model` builds them, over the kept tokens' block ids
+(full: causal OR same block; sliding: window AND (causal OR same block)), each sized to the first layer of its kind
+from the cut on. Decode steps carry no block ids (as in `generate`). The window counts cache slots, so after a drop
+it reaches further back in the original prompt (only prompts longer than the window, 1024 on the real models, see
+the difference).
+
+Refused: the [CLS] cues (visionzip, autoprune, first_cut="vision"): the SigLIP tower has no [CLS] token.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from transformers.masking_utils import (
+    blockwise_overlay,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    sliding_window_overlay,
+)
+from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+from ..config import HAPConfig
+from ..methods import policy_for
+from . import decoder
+from .decoder import attention_outputs, decoder_of, remove_patch
+
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "token_masks", "visual_grid"]
+
+
+def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
+    """(rows, cols) of the pooled tokens of one image: a square of `mm_tokens_per_image` (16 x 16 on the real ones)."""
+    side = math.isqrt(model.config.mm_tokens_per_image)
+    return (side, side) if side * side == num_visual else (1, num_visual)
+
+
+def token_masks(model, input_ids: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visual, image) bool [batch, T]: the soft image tokens, both. ValueError unless every prompt holds exactly one
+    image of `mm_tokens_per_image` tokens (pan-and-scan crops and several images are refused)."""
+    image = input_ids == model.config.image_token_id
+    per = model.config.mm_tokens_per_image
+    counts = image.sum(1)
+    if (counts != per).any():
+        raise ValueError(f"{type(model).__name__}: {counts.tolist()} image tokens per prompt, not one image of {per}: "
+                         "pan-and-scan crops (do_pan_and_scan=True) and several images per prompt are not supported; "
+                         "give one image per prompt with pan-and-scan off")
+    return image, image
+
+
+def block_ids(patch: decoder.Patch) -> torch.Tensor | None:
+    """long [B', T'] the image block of each token of the running prefill (-1: text, or a recycled token), from the
+    prompt's `token_type_ids` gathered at the kept positions (`Patch.origin`; B' = B, or the variants of a batch-1
+    prompt, `hap.patch.apply`'s priority rows); None without them."""
+    types = patch.prompt.get("token_type_ids")
+    if types is None:
+        return None
+    ids = get_block_sequence_ids_for_mask(types)
+    if patch.origin is None:
+        return ids
+    origin = patch.origin.to(ids.device)
+    return torch.where(origin >= 0, ids.expand(origin.shape[0], -1).gather(1, origin.clamp(min=0)), -1)
+
+
+def kind_mask(model, kind: str, hidden: torch.Tensor, mask_2d: torch.Tensor | None, cache, layer_idx: int,
+              causal_skip: bool):
+    """The mask of the layers of `kind` ("full_attention" / "sliding_attention") sized to layer `layer_idx`'s cache:
+    in a prefill with image blocks as `create_masks_for_vision_model` composes it, over the kept tokens' blocks
+    (a prefill is fresh, so the block ids need no padding to a cached prefix); in a decode step the plain causal /
+    sliding-window mask, as `generate` builds it."""
+    patch, config = model._hap, decoder_of(model).config
+    common = dict(config=config, inputs_embeds=hidden, attention_mask=mask_2d, cache=cache, position_ids=None,
+                  layer_idx=layer_idx, allow_is_causal_skip=causal_skip)
+    blocks = block_ids(patch) if patch.mode == "prefill" else None
+    if blocks is None:
+        build = create_causal_mask if kind == "full_attention" else create_sliding_window_causal_mask
+        return build(**common)
+    blocks = blocks.to(hidden.device)
+    if kind == "full_attention":
+        return create_causal_mask(**common, block_sequence_ids=blocks)
+    return create_causal_mask(**common, or_mask_function=blockwise_overlay(blocks),
+                              and_mask_function=sliding_window_overlay(config.sliding_window))
+
+
+def layer_kinds(model) -> decoder.LayerKinds:
+    """Gemma 3's two layer kinds: each its own rotary table (`rotary_emb(x, positions, kind)`) and `kind_mask`."""
+    lm = decoder_of(model)
+    return decoder.LayerKinds(tuple(lm.config.layer_types), lambda hidden, positions, kind: lm.rotary_emb(
+        hidden, positions, kind), partial(kind_mask, model))
+
+
+def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
+                tail: int | None = None, lead: int = 0) -> decoder.Patch:
+    """`decoder.apply_patch` with Gemma 3's layer kinds and image tokens; the [CLS] cues are refused."""
+    if policy_for(config).needs_cls:
+        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the "
+                         f"{type(model).__name__} vision tower (SigLIP) has no [CLS] token")
+    if getattr(model.config.text_config, "use_bidirectional_attention", False):
+        raise ValueError(f"{type(model).__name__} with use_bidirectional_attention (every token sees every other) is "
+                         "not a causal decoder; HAP supports the causal Gemma 3 only")
+    return decoder.apply_patch(model, config, trace, priority, tail, lead=lead,
+                               token_masks=lambda ids, kwargs: token_masks(model, ids, kwargs),
+                               kinds=layer_kinds(model))
