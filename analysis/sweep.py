@@ -36,7 +36,7 @@ from hap.inputs import InputLimits, load_image
 from hap.methods import policy_for
 from hap.patch import refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from hap.run import build_inputs, template_tail
+from hap.run import build_inputs, check_context, template_tail
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
@@ -152,6 +152,7 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     step = on_step or (lambda fraction, description: None)
     image = load_image(image, limits)
     inputs, _, _ = build_inputs(processor, image, prompt, limits)
+    check_context(model, inputs["input_ids"].shape[1], max_new_tokens)
     inputs = inputs.to(next(model.parameters()).device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     num_visual = int(visual_tokens(model, inputs)[0].sum())  # the image's own count (no newline tokens)

@@ -115,6 +115,16 @@ def run(
         ) from err
 
 
+def check_context(model, tokens: int, max_new_tokens: int, history: bool = False) -> None:
+    """ValueError when a prompt of `tokens` tokens and `max_new_tokens` exceed the model's positions."""
+    limit = getattr(model.config.text_config, "max_position_embeddings", None)
+    if limit is not None and tokens + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt too long: {tokens} tokens + max_new_tokens={max_new_tokens} exceed the model's {limit} "
+            "positions; shorten the prompt" + (" or the conversation" if history else "")
+        )
+
+
 def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens: int, trace: bool,
          limits: InputLimits, history: Sequence[tuple[str, str]]) -> Result:
     t0 = time.perf_counter()
@@ -125,12 +135,7 @@ def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens
     inputs = inputs.to(device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     T = inputs["input_ids"].shape[1]
-    limit = getattr(model.config.text_config, "max_position_embeddings", None)
-    if limit is not None and T + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt too long: {T} tokens + max_new_tokens={max_new_tokens} exceed the model's {limit} positions; "
-            "shorten the prompt" + (" or the conversation" if history else "")
-        )
+    check_context(model, T, max_new_tokens, bool(history))
     patch = apply(model, config, trace=trace, tail=template_tail(processor), lead=question_lead(processor, history))
     try:
         t1 = time.perf_counter()

@@ -38,6 +38,7 @@ def _analyze(share: bool, session: str) -> dict:
 
 @pytest.mark.slow
 def test_the_shared_analysis_is_the_unshared_one_with_one_vision_pass_per_client():
+    handler.LOADED.features.clear()  # what earlier tests' clients left
     plain = _analyze(False, "a")
     assert handler.LOADED.features == {}  # nothing kept where the sharing is off
     shared = _analyze(True, "a")
