@@ -15,7 +15,7 @@ from hap.layout import Layout
 from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
-from test_zoo import decoder_input, greedy, local_tower, square_image
+from test_zoo import check_unpruned_is_stock, decoder_input, greedy, local_tower, square_image
 from tiny_zoo import picture
 from tiny_zoo_recent import decode_loop_error, fanned_out_error, gemma3, recomputed_rows_error
 
@@ -38,18 +38,7 @@ def test_nothing_pruned_reproduces_the_stock_model(attn):
     model, processor = gemma3(attn)
     batch = inputs(processor, [QUESTION], [SIZES[0]])
     assert batch["input_ids"].shape[1] > 2 * model.config.text_config.sliding_window  # the windows matter
-    with torch.no_grad():
-        ref = model(**batch).logits
-    ref_tokens, ref_steps = greedy(model, batch)
-    for config in (hap.HAPConfig(method="none"), hap.HAPConfig(retain=1.0, groups=2),
-                   hap.HAPConfig(retain=1.0, first_layers=0)):
-        with hap.patched(model, config, trace=True):
-            with torch.no_grad():
-                logits = model(**batch).logits
-            tokens, steps = greedy(model, batch)
-        assert (logits - ref).abs().max().item() < 1e-5
-        assert (steps - ref_steps).abs().max().item() < 1e-5
-        assert torch.equal(tokens, ref_tokens)
+    check_unpruned_is_stock(model, batch)
 
 
 def test_recomputed_rows_equal_eager_attention(monkeypatch):

@@ -14,7 +14,7 @@ from hap.layout import Layout
 from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
-from test_zoo import decoder_input, greedy, square_image
+from test_zoo import check_unpruned_is_stock, decoder_input, greedy, square_image
 from tiny_zoo import inputs
 from tiny_zoo_recent import decode_loop_error, fanned_out_error, qwen3_vl, recomputed_rows_error
 
@@ -27,18 +27,7 @@ REFUSED = {"pdrop", "visionzip", "sparsevlm", "autoprune"}  # no [CLS] token; M-
 def test_nothing_pruned_reproduces_the_stock_model(attn):
     model, processor = qwen3_vl(attn)
     batch = inputs(processor, [QUESTION], [SIZES[0]])
-    with torch.no_grad():
-        ref = model(**batch).logits
-    ref_tokens, ref_steps = greedy(model, batch)
-    for config in (hap.HAPConfig(method="none"), hap.HAPConfig(retain=1.0, groups=2),
-                   hap.HAPConfig(retain=1.0, first_layers=0)):
-        with hap.patched(model, config, trace=True):
-            with torch.no_grad():
-                logits = model(**batch).logits
-            tokens, steps = greedy(model, batch)
-        assert (logits - ref).abs().max().item() < 1e-5
-        assert (steps - ref_steps).abs().max().item() < 1e-5
-        assert torch.equal(tokens, ref_tokens)
+    check_unpruned_is_stock(model, batch)
     assert "_deepstack_process" not in vars(decoder_of(model))  # unpatched: the class's own method again
 
 
