@@ -55,12 +55,14 @@ def answer_card(label: str, result: hap.Result, traced: bool = False) -> str:
     title = f"{LABELS.get(label, label)}" + (f" ({result.method})" if label == "pruned" else "")
     run = ("traced run (attention capture included; the figures come from this run)" if traced else "untraced run"
            + ("; the figures come from a separate traced run" if label == "pruned" else ""))
+    together = t.get("decode_batch", 1)
+    shared = f", shared by the {together} answers decoded as one batch" if together > 1 else ""
     return (
         f"#### {title}\n"
         f"**{result.answer or '(empty answer)'}**\n\n"
         f"{result.retained_tokens:.1f} of {result.num_visual} visual tokens ({result.retain:.1%}, layer average) · "
         f"prefill FLOPs {result.flops_ratio:.1%} · latency {latency(result):.2f} s, {run} "
-        f"(prefill {t['prefill_s']:.2f} s, scoring {t['scoring_s']:.3f} s, decode {t['decode_s']:.2f} s)"
+        f"(prefill {t['prefill_s']:.2f} s, scoring {t['scoring_s']:.3f} s, decode {t['decode_s']:.2f} s{shared})"
     )
 
 

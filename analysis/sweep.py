@@ -32,11 +32,11 @@ import torch
 import hap
 from hap.budget import OFFICIAL, plan
 from hap.budget import smallest_retain as floor_retain
-from hap.inputs import InputLimits, load_image
+from hap.inputs import InputLimits
 from hap.methods import policy_for
-from hap.patch import refusal, visual_tokens
+from hap.patch import batch, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from hap.run import build_inputs, check_context, template_tail
+from hap.run import Prepared, eos_ids, prefill, prepare, template_tail
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
@@ -74,18 +74,30 @@ def refused(model, config: hap.HAPConfig) -> dict[str, str]:
     return {m: w for m, w in why.items() if w is not None}
 
 
+def answer_complete(text: str, words: int = ANSWER_WORDS) -> bool:
+    """Whether generated `text` holds its whole cut answer (`short_answer`): a line break after some text, or more
+    than `words` words (the first `words` can no longer change)."""
+    text = text.strip()
+    return "\n" in text or len(text.split()) > words
+
+
 class AnswerEnd:
-    """A stopping criterion for `generate`: stop once the text generated after position `start` holds the whole
-    cut answer (`short_answer`): a line break after some text, or more than `words` words (the first `words` can no
-    longer change)."""
+    """A stopping criterion for `generate`: stop each sample once the text it generated after position `start` holds
+    the whole cut answer (`answer_complete`)."""
 
     def __init__(self, tokenizer, start: int, words: int = ANSWER_WORDS) -> None:
         self.tokenizer, self.start, self.words = tokenizer, start, words
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=True).strip()
-        done = "\n" in text or len(text.split()) > self.words
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+        done = [answer_complete(self.tokenizer.decode(row[self.start:], skip_special_tokens=True), self.words)
+                for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def answer_length(tokenizer, ids: list[int], ends: set[int], words: int = ANSWER_WORDS) -> int:
+    """Tokens of `ids` a generation stopped by `AnswerEnd` and the end of the sequence (`ends`) keeps."""
+    return next((n for n in range(1, len(ids) + 1) if ids[n - 1] in ends or answer_complete(
+        tokenizer.decode(ids[:n], skip_special_tokens=True), words)), len(ids))
 
 
 def keeps_everything(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, text_tokens: int) -> bool:
@@ -130,6 +142,49 @@ def generated_answer(model, processor, inputs, config: hap.HAPConfig, max_new_to
     return short_answer(processor.decode(ids, skip_special_tokens=True)), ids, out.logits
 
 
+def generated_together(model, processor, p: Prepared, configs: list[hap.HAPConfig], max_new_tokens: int
+                       ) -> tuple[list[tuple[str, list[int], list]], list[batch.Prefilled], list[torch.Tensor]]:
+    """`generated_answer` of each config (the same answers and logits): one prefill each, the greedy answers
+    continued as one batch (`hap.patch.batch`) until each is complete, each row cut where it would have stopped
+    alone. Also returns the prefills and their first logits `[1, vocab]`, for `forced_together`."""
+    runs, firsts, first_logits = [], [], []
+    for config in configs:
+        done, out, _ = prefill(model, p, config, output_logits=True)
+        runs.append(done)
+        firsts.append(out.sequences)
+        first_logits.append(out.logits[0])
+    T, tokenizer, ends = p.prompt_len, processor.tokenizer, set(eos_ids(model))
+    sequences, steps = torch.cat(firsts), ()
+    if max_new_tokens > 1:
+        with torch.inference_mode():
+            out = batch.decode(model, runs, sequences, T, max_new_tokens - 1, output_logits=True,
+                               return_dict_in_generate=True, stopping_criteria=[AnswerEnd(tokenizer, T)])
+        sequences, steps = out.sequences, out.logits
+    rows = []
+    for i in range(len(configs)):
+        ids = sequences[i, T:].tolist()
+        ids = ids[:answer_length(tokenizer, ids, ends)]
+        logits = [first_logits[i], *(step[i:i + 1] for step in steps)][:len(ids)]
+        rows.append((short_answer(processor.decode(ids, skip_special_tokens=True)), ids, logits))
+    return rows, runs, first_logits
+
+
+def forced_together(model, p: Prepared, runs: list[batch.Prefilled], first_logits: list[torch.Tensor],
+                    answer_ids: list[int]) -> list[float]:
+    """`answer_probability` of `answer_ids` on each prefilled run (`generated_together`), forced on its own cache, the
+    runs as one batch."""
+    T, steps = p.prompt_len, ()
+    if len(answer_ids) > 1:
+        forced = torch.tensor([answer_ids[:1]], device=p.inputs["input_ids"].device)
+        sequences = torch.cat([p.inputs["input_ids"], forced], 1).expand(len(runs), -1)
+        with torch.inference_mode():
+            steps = batch.decode(model, runs, sequences, T, len(answer_ids) - 1, output_logits=True,
+                                 return_dict_in_generate=True,
+                                 prefix_allowed_tokens_fn=lambda _, ids: [answer_ids[ids.shape[-1] - T]]).logits
+    return [forced_probability([first, *(step[i:i + 1] for step in steps)], answer_ids)
+            for i, first in enumerate(first_logits)]
+
+
 def read_probability(ids: list[int], logits, answer_ids: list[int]) -> float | None:
     """The probability of `answer_ids` from a generation's own logits where its tokens `ids` begin with them (the
     forced pass would compute exactly these logits), else None (not readable here)."""
@@ -150,21 +205,19 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     (its method and budget are replaced); None for both where a budget is below a method's floor (out of reach).
     `shared`: the same figures for less work (module docstring)."""
     step = on_step or (lambda fraction, description: None)
-    image = load_image(image, limits)
-    inputs, _, _ = build_inputs(processor, image, prompt, limits)
-    check_context(model, inputs["input_ids"].shape[1], max_new_tokens)
-    inputs = inputs.to(next(model.parameters()).device)
-    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    p = prepare(model, processor, image, prompt, max_new_tokens, limits, ())
+    inputs, image = p.inputs, p.picture
     num_visual = int(visual_tokens(model, inputs)[0].sum())  # the image's own count (no newline tokens)
-    text_tokens = inputs["input_ids"].shape[1] - num_visual
-    tail = template_tail(processor)
+    text_tokens = p.prompt_len - num_visual
+    together = shared and batch.refusal(model) is None
 
     def answer(cfg: hap.HAPConfig) -> str:
         """The answer cut at its end, from `hap.run` (untraced) as the page's runs give it."""
         return short_answer(hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
                                     limits=limits).answer)
 
-    how = " · image encoded once, answers stop at their end" if shared else ""
+    how = (" · image encoded once, answers stop at their end" if shared else "") + (
+        ", one batch per method" if together else "")
     step(0.0, "unpruned reference answer" + how)
     if shared:
         reference, ids, logits = generated_answer(model, processor, inputs, reference_config(config), max_new_tokens)
@@ -179,7 +232,7 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     def probability(cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
         """Read from a generation's own logits where it allows, else teacher-forced."""
         read = read_probability(list(ids), logits, answer_ids)
-        return read if read is not None else answer_probability(model, inputs, cfg, answer_ids, tail)
+        return read if read is not None else answer_probability(model, inputs, cfg, answer_ids, p.tail)
 
     stock = probability(reference_config(config), *((ids, logits) if shared else ()))
     out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
@@ -187,17 +240,39 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     for i, method in enumerate(methods):
         step(i / len(methods), f"{method}: {len(retains)} budgets{how}")
         floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
+        found: dict[float, tuple] = {}
+        todo = []  # the budgets that need a pruned generation of their own
         for retain in retains:
             cfg = replace(config, method=method, retain=retain, flops_ratio=None)
             if retain < floor - 1e-12:  # out of reach (an official schedule below its floor)
-                found = (None, None)
+                found[retain] = (None, None)
             elif not shared:
-                found = (answer(cfg), probability(cfg))
+                found[retain] = (answer(cfg), probability(cfg))
             elif keeps_everything(cfg, shape, num_visual, text_tokens):
-                found = (reference, stock)
-            else:
+                found[retain] = (reference, stock)
+            elif not together:
                 text, ids, logits = generated_answer(model, processor, inputs, cfg, max_new_tokens)
-                found = (text, probability(cfg, ids, logits))
-            out["methods"][method]["answers"].append(found[0])
-            out["methods"][method]["answer_prob"].append(found[1])
+                found[retain] = (text, probability(cfg, ids, logits))
+            else:
+                todo.append((retain, cfg))
+        if todo:
+            found.update(zip((r for r, _ in todo), answered(model, processor, p, [c for _, c in todo],
+                                                            max_new_tokens, answer_ids)))
+        out["methods"][method]["answers"] = [found[r][0] for r in retains]
+        out["methods"][method]["answer_prob"] = [found[r][1] for r in retains]
     return out
+
+
+def answered(model, processor, p: Prepared, configs: list[hap.HAPConfig], max_new_tokens: int,
+             answer_ids: list[int]) -> list[tuple[str, float | None]]:
+    """(cut answer, probability of `answer_ids`) of each config, its answers generated together
+    (`generated_together`), the probabilities read from their own logits where they allow, else forced together on
+    the same prefills (`forced_together`)."""
+    rows, runs, first_logits = generated_together(model, processor, p, configs, max_new_tokens)
+    read = [read_probability(ids, logits, answer_ids) if answer_ids else None for _, ids, logits in rows]
+    unread = [i for i, r in enumerate(read) if r is None and answer_ids]
+    if unread:
+        forced = forced_together(model, p, [runs[i] for i in unread], [first_logits[i] for i in unread], answer_ids)
+        for i, value in zip(unread, forced):
+            read[i] = value
+    return [(text, value) for (text, _, _), value in zip(rows, read)]

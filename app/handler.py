@@ -183,30 +183,33 @@ def planted(plan: Plan):
     return hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength)
 
 
-def compare_runs(shared: bool, plan: Plan) -> int:
-    """Generations of `_compare`: the three answers, the method again untraced unless `shared`, the lab's two with
-    a plan."""
-    return 3 + (not shared) + 2 * (not plan.empty)
+def compare_work(shared: bool, plan: Plan) -> zerogpu.Work:
+    """What `_compare` runs: the three answers (decoded as one batch where `shared` and nothing is planted), the method
+    again untraced unless `shared`, the lab's two with a plan."""
+    runs = 3 + (not shared) + 2 * (not plan.empty)
+    together = shared and plan.empty
+    return zerogpu.answers(runs=runs, traced=1, new_tokens=MAX_NEW_TOKENS, together=together)
 
 
-@gpu(lambda call: zerogpu.answers(runs=compare_runs(call.arguments["cache"] is not None, call.arguments["plan"]),
-                                   traced=1, new_tokens=MAX_NEW_TOKENS))
+@gpu(lambda call: compare_work(call.arguments["cache"] is not None, call.arguments["plan"]))
 def _compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
              history: list[tuple[str, str]], plan: Plan = Plan(), cache: FeatureCache | None = None):
     """The GPU part: the three runs on the loaded model, each with `plan` planted. Returns (comparison with the
     traced run, for the figures; the three results to report, for their latencies; with a plan, the head lab's four
     answers: unpruned, uniform, the paper's HAP and HAP+).
 
-    With a `cache` (HAP_APP_SHARE=1) the image is encoded once for every run (`hap.features`) and the method is
-    timed on its traced run, whose latency then includes the attention capture (the card says so); without one,
-    every run encodes the image and the method runs again untraced for its latency.
+    With a `cache` (HAP_APP_SHARE=1) the image is encoded once for every run (`hap.features`), the three answers are
+    decoded as one batch after each run's own prefill (`hap.compare`'s `together`; one by one with a plan planted)
+    and the method is timed on its traced run, whose latency then includes the attention capture (the card says
+    so); without one, every run encodes the image and decodes alone, and the method runs again untraced for its
+    latency.
 
     On ZeroGPU this runs in a forked worker, so the model is loaded before (in the main process,
     where it persists between calls) and read from LOADED here, not loaded inside.
     """
     with planted(plan), reusing_features(LOADED.model, cache):
         comparison = compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
-                             staged(progress, cache), limits, history)
+                             staged(progress, cache), limits, history, together=cache is not None)
         timed = dict(comparison.items())
         if cache is None:
             progress(0.8, desc=f"{config.method} again, untraced, for its latency")

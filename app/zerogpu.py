@@ -57,9 +57,10 @@ class Call:
     text: int
 
 
-def answers(runs: int, traced: int, new_tokens: int) -> Work:
-    """`runs` generations of up to `new_tokens` tokens, `traced` of them traced (every layer's rows captured)."""
-    return Work(runs + traced, runs * new_tokens)
+def answers(runs: int, traced: int, new_tokens: int, together: bool = False) -> Work:
+    """`runs` generations of up to `new_tokens` tokens, `traced` of them traced (every layer's rows captured);
+    `together`: their answers decoded as one batch (`hap.run.run_together`), each step streaming the weights once."""
+    return Work(runs + traced, (1 if together else runs) * new_tokens)
 
 
 def sweep_work(new_tokens: int, shared: bool = False) -> Work:

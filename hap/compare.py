@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
-from .run import run
+from .run import run, run_together
 from .trace import Result
 
 
@@ -34,14 +34,25 @@ def compare(
     on_stage: Callable[[float, str], None] | None = None,
     limits: InputLimits = DEFAULT_LIMITS,
     history: Sequence[tuple[str, str]] = (),
+    together: bool = False,
 ) -> Comparison:
     """Run the stock model, `config` (traced) and uniform averaging with `config`'s budget, each on the
-    conversation `history` then `prompt` (`hap.run.run`).
+    conversation `history` then `prompt` (`hap.run.run`); `together`: prepared once, each prefilled alone and the
+    answers decoded as one batch where the model allows (`hap.run.run_together`: the same answers).
 
     `on_stage(fraction, description)` is called before each run (a progress bar). A run the
     chosen method already is (method "none" or "uniform") is not repeated.
     """
     stage = on_stage or (lambda fraction, description: None)
+    if together:
+        runs = {"pruned": (config, True)}
+        for method in ("none", "uniform"):
+            if config.method != method:
+                runs[method] = (replace(config, method=method), False)
+        stage(0.15, f"{config.method} (traced), unpruned and uniform: one prefill each, the answers as one batch")
+        done = dict(zip(runs, run_together(model, processor, image, prompt, list(runs.values()), max_new_tokens,
+                                           limits, history)))
+        return Comparison(done.get("none", done["pruned"]), done["pruned"], done.get("uniform", done["pruned"]))
 
     def one(cfg: HAPConfig, trace: bool) -> Result:
         return run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace, limits=limits,

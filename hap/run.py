@@ -5,13 +5,14 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from PIL import Image
 
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
-from .patch import apply, layout, remove
+from .patch import apply, batch, layout, remove
 from .patch.decoder import decoder_shape
 from .patch.planted import PLANTS
 from .trace import Outcome, Result, to_result
@@ -102,17 +103,12 @@ def run(
     """
     config = config or HAPConfig()
     config.validate()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= 1024:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer in [1, 1024]")
+    _check_new_tokens(max_new_tokens)
     try:
-        return _run(model, processor, image, prompt, config, max_new_tokens, trace, limits, history)
+        return alone(model, processor, prepare(model, processor, image, prompt, max_new_tokens, limits, history),
+                     config, trace, max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
-        free_memory()
-        device = next(model.parameters()).device
-        raise MemoryError(
-            f"out of memory on {device.type} while answering ({err.__class__.__name__}); memory was freed. "
-            "Try a smaller image, fewer new tokens or a smaller model"
-        ) from err
+        raise _out_of_memory(model, err) from err
 
 
 def check_context(model, tokens: int, max_new_tokens: int, history: bool = False) -> None:
@@ -125,44 +121,146 @@ def check_context(model, tokens: int, max_new_tokens: int, history: bool = False
         )
 
 
-def _run(model, processor, image, prompt: str, config: HAPConfig, max_new_tokens: int, trace: bool,
-         limits: InputLimits, history: Sequence[tuple[str, str]]) -> Result:
+@dataclass
+class Prepared:
+    """One request's inputs, cleaned and encoded once for every run of it."""
+
+    inputs: dict  # the processor's output on the model's device, pixels in the model's dtype
+    text: str  # the chat prompt
+    picture: Image.Image  # the loaded image
+    history: list[tuple[str, str]]  # the cleaned earlier turns
+    notes: list[str]  # what the cleaning changed
+    tail: int  # `template_tail`
+    lead: int  # `question_lead`
+    prepare_s: float  # seconds to clean, load and encode
+
+    @property
+    def prompt_len(self) -> int:
+        return self.inputs["input_ids"].shape[1]
+
+
+def prepare(model, processor, image, prompt: str, max_new_tokens: int, limits: InputLimits,
+            history: Sequence[tuple[str, str]]) -> Prepared:
+    """Clean the conversation, load the image, run the processor and check the context length."""
     t0 = time.perf_counter()
     prompt, history, notes = conversation(processor, prompt, history, limits)
     picture = load_image(image, limits)
     inputs, text = encode(processor, picture, prompt, history)
-    device = next(model.parameters()).device
-    inputs = inputs.to(device)
+    inputs = inputs.to(next(model.parameters()).device)
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    T = inputs["input_ids"].shape[1]
-    check_context(model, T, max_new_tokens, bool(history))
-    patch = apply(model, config, trace=trace, tail=template_tail(processor), lead=question_lead(processor, history))
+    check_context(model, inputs["input_ids"].shape[1], max_new_tokens, bool(history))
+    return Prepared(inputs, text, picture, history, notes, template_tail(processor), question_lead(processor, history),
+                    time.perf_counter() - t0)
+
+
+def generate(model, p: Prepared, config: HAPConfig, trace: bool, max_new_tokens: int, **kwargs):
+    """(the patch, `generate`'s output, its seconds): greedy decoding of `p` on the model patched with `config`."""
+    patch = apply(model, config, trace=trace, tail=p.tail, lead=p.lead)
     try:
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
-        generate_s = time.perf_counter() - t1
+            out = model.generate(**p.inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, **kwargs)
+        return patch, out, time.perf_counter() - t0
     finally:
         remove(model)
-    answer = processor.decode(out[0, T:], skip_special_tokens=True).strip()
-    where = layout(model, inputs, picture.size)
+
+
+def alone(model, processor, p: Prepared, config: HAPConfig, trace: bool, max_new_tokens: int) -> Result:
+    """One run of `p`, prefilled and decoded on its own."""
+    patch, out, generate_s = generate(model, p, config, trace, max_new_tokens)
+    timings = {"prefill_s": patch.prefill_seconds, "decode_s": generate_s - patch.prefill_seconds,
+               "generate_s": generate_s, "decode_batch": 1}
+    return finish(model, processor, p, config, patch, out[0, p.prompt_len:], timings)
+
+
+def finish(model, processor, p: Prepared, config: HAPConfig, patch, answer: torch.Tensor, timings: dict) -> Result:
+    """The `Result` of one run: `answer` long [new] its generated tokens, `timings` its seconds after `prepare`."""
+    where = layout(model, p.inputs, p.picture.size)
     N, grid = where.num_visual, where.views[0].grid
     shape, st = decoder_shape(model), patch.state
-    facts = Outcome(config.resolved(shape.layers), shape, model.config.text_config.num_attention_heads, N, T,
-                st.schedule if st else None, st.cuts if st else [], st.tracer if st else None, st.curve if st else None)
-    result = to_result(facts, answer, text, grid, notes)
-    result.history = [list(turn) for turn in history]
+    facts = Outcome(config.resolved(shape.layers), shape, model.config.text_config.num_attention_heads, N,
+                    p.prompt_len, st.schedule if st else None, st.cuts if st else [], st.tracer if st else None,
+                    st.curve if st else None)
+    result = to_result(facts, processor.decode(answer, skip_special_tokens=True).strip(), p.text, grid, p.notes)
+    result.history = [list(turn) for turn in p.history]
     result.layout = where.to_dict()
     lab = PLANTS.get(model)
     result.plant = None if lab is None else lab.report(result.head_class)
-    result.timings = {
-        "prepare_s": t1 - t0,
-        "prefill_s": patch.prefill_seconds,
-        "decode_s": generate_s - patch.prefill_seconds,
-        "generate_s": generate_s,
-        "scoring_s": patch.state.scoring_seconds if patch.state else 0.0,
-    }
+    result.timings = {"prepare_s": p.prepare_s, **timings, "scoring_s": st.scoring_seconds if st else 0.0}
     return result
+
+
+def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPConfig, bool]],
+                 max_new_tokens: int = 32, limits: InputLimits = DEFAULT_LIMITS,
+                 history: Sequence[tuple[str, str]] = ()) -> list[Result]:
+    """`run` of each `(config, trace)` of `runs` on one image and prompt, prepared once and, where the model allows
+    (`hap.patch.batch.refusal`), their answers decoded as one batch after each run's own prefill: the same answers
+    as `run` one by one. Each result's timings give its own prefill and the batch's decode (`decode_batch`: runs
+    decoded together; 1 where each decoded alone)."""
+    for config, _ in runs:
+        config.validate()
+    _check_new_tokens(max_new_tokens)
+    try:
+        return _run_together(model, processor, image, prompt, runs, max_new_tokens, limits, history)
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        raise _out_of_memory(model, err) from err
+
+
+def prefill(model, p: Prepared, config: HAPConfig, trace: bool = False, **kwargs):
+    """(the run's `batch.Prefilled`, `generate`'s output: its first token `sequences` [1, T + 1], its seconds): the
+    prefill of one run alone, its cache kept for a batched continuation (`batch.decode`); `kwargs` go to `generate`
+    (e.g. `output_logits=True`)."""
+    patch, out, seconds = generate(model, p, config, trace, 1, return_dict_in_generate=True, **kwargs)
+    return batch.Prefilled(patch, out.cache), out, seconds
+
+
+def _run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPConfig, bool]], max_new_tokens: int,
+                  limits: InputLimits, history: Sequence[tuple[str, str]]) -> list[Result]:
+    p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
+    T = p.prompt_len
+    if len(runs) < 2 or max_new_tokens < 2 or batch.refusal(model) is not None:
+        return [alone(model, processor, p, config, trace, max_new_tokens) for config, trace in runs]
+    prefilled, firsts, seconds = [], [], []
+    for config, trace in runs:
+        done, out, generate_s = prefill(model, p, config, trace)
+        prefilled.append(done)
+        firsts.append(out.sequences)
+        seconds.append(generate_s)
+    out, ends = torch.cat(firsts), set(eos_ids(model))
+    t0 = time.perf_counter()
+    if not all(int(token) in ends for token in out[:, -1]):  # an answer goes on after its first token
+        with torch.inference_mode():
+            out = batch.decode(model, prefilled, out, T, max_new_tokens - 1)
+    decode_s = time.perf_counter() - t0
+    results = []
+    for i, ((config, _), done) in enumerate(zip(runs, prefilled)):
+        tokens = out[i, T:].tolist()
+        stop = next((j + 1 for j, t in enumerate(tokens) if t in ends), len(tokens))  # where this run's answer ended
+        timings = {"prefill_s": done.patch.prefill_seconds, "generate_s": seconds[i] + decode_s,
+                   "decode_s": seconds[i] - done.patch.prefill_seconds + decode_s, "decode_batch": len(runs)}
+        results.append(finish(model, processor, p, config, done.patch, out[i, T:T + stop], timings))
+    return results
+
+
+def eos_ids(model) -> list[int]:
+    """The token ids that end an answer (the generation config's `eos_token_id`, one or a list)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _check_new_tokens(max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= 1024:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer in [1, 1024]")
+
+
+def _out_of_memory(model, err: BaseException) -> MemoryError:
+    """A MemoryError saying what ran out, after freeing the memory."""
+    free_memory()
+    device = next(model.parameters()).device
+    return MemoryError(
+        f"out of memory on {device.type} while answering ({err.__class__.__name__}); memory was freed. "
+        "Try a smaller image, fewer new tokens or a smaller model"
+    )
 
 
 def free_memory() -> None:

@@ -72,7 +72,7 @@ def test_analysis_causal_and_sweep_ask_zerogpu_for_what_they_need(on_zerogpu):
     assert app.sweep(image, PROMPT, SHIPPED, **swept)["sweep"]["unpruned"]["answer"]
     assert [name for name, _, _ in calls] == ["_compare", "_causal", "_sweep"]
     model = handler.LOADED.model
-    inputs = {"_compare": zerogpu.answers(3, 1, handler.MAX_NEW_TOKENS),  # HAP_APP_SHARE=1: no untraced rerun
+    inputs = {"_compare": zerogpu.answers(3, 1, handler.MAX_NEW_TOKENS, together=True),  # HAP_APP_SHARE=1
               "_sweep": zerogpu.sweep_work(32, shared=True)}
     for name, asked, took in calls:
         assert isinstance(asked, int) and zerogpu.MIN_S <= asked and took < asked, (name, asked, took)
