@@ -147,18 +147,17 @@ def generated_together(model, processor, p: Prepared, configs: list[hap.HAPConfi
     """`generated_answer` of each config (the same answers and logits): one prefill each, the greedy answers
     continued as one batch (`hap.patch.batch`) until each is complete, each row cut where it would have stopped
     alone. Also returns the prefills and their first logits `[1, vocab]`, for `forced_together`."""
-    runs, firsts, first_logits = [], [], []
+    runs, first_logits = [], []
     for config in configs:
         done, out, _ = prefill(model, p, config, output_logits=True)
         runs.append(done)
-        firsts.append(out.sequences)
         first_logits.append(out.logits[0])
     T, tokenizer, ends = p.prompt_len, processor.tokenizer, set(eos_ids(model))
-    sequences, steps = torch.cat(firsts), ()
+    sequences, steps = torch.cat([done.first for done in runs]), ()
     if max_new_tokens > 1:
         with torch.inference_mode():
-            out = batch.decode(model, runs, sequences, T, max_new_tokens - 1, output_logits=True,
-                               return_dict_in_generate=True, stopping_criteria=[AnswerEnd(tokenizer, T)])
+            out = batch.decode(model, runs, max_new_tokens - 1, output_logits=True, return_dict_in_generate=True,
+                               stopping_criteria=[AnswerEnd(tokenizer, T)])
         sequences, steps = out.sequences, out.logits
     rows = []
     for i in range(len(configs)):
@@ -173,12 +172,13 @@ def forced_together(model, p: Prepared, runs: list[batch.Prefilled], first_logit
                     answer_ids: list[int]) -> list[float]:
     """`answer_probability` of `answer_ids` on each prefilled run (`generated_together`), forced on its own cache, the
     runs as one batch."""
-    T, steps = p.prompt_len, ()
+    steps = ()
     if len(answer_ids) > 1:
         forced = torch.tensor([answer_ids[:1]], device=p.inputs["input_ids"].device)
-        sequences = torch.cat([p.inputs["input_ids"], forced], 1).expand(len(runs), -1)
+        first = torch.cat([p.inputs["input_ids"], forced], 1)
+        T = p.prompt_len
         with torch.inference_mode():
-            steps = batch.decode(model, runs, sequences, T, len(answer_ids) - 1, output_logits=True,
+            steps = batch.decode(model, runs, len(answer_ids) - 1, [first] * len(runs), output_logits=True,
                                  return_dict_in_generate=True,
                                  prefix_allowed_tokens_fn=lambda _, ids: [answer_ids[ids.shape[-1] - T]]).logits
     return [forced_probability([first, *(step[i:i + 1] for step in steps)], answer_ids)

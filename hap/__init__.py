@@ -4,6 +4,8 @@
     result = hap.run(model, processor, image, "What is in the image?", hap.HAPConfig(retain=0.056, first_layers=1))
 
 (`hap.HAPConfig()` alone uses per-model defaults, see `hap.knobs`), or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
+Images of different sizes (their own visual-token counts, their own budgets) go together through
+`hap.run_batch(model, processor, images, prompts, cfg)`; several configs on one input through `hap.run_together`.
 """
 
 from .budget import DecoderShape, Schedule, plan, solve_schedule
@@ -16,7 +18,7 @@ from .patch import apply as patch
 from .patch import patched
 from .patch import remove as unpatch
 from .patch.planted import plant
-from .run import run
+from .run import run, run_batch, run_together
 from .trace import Group, Maps, Result
 from .utility import HeadUtility, head_utility
 
@@ -43,6 +45,8 @@ __all__ = [
     "plant",
     "plan",
     "run",
+    "run_batch",
+    "run_together",
     "solve_schedule",
     "token_importance",
     "unpatch",

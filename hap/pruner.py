@@ -102,7 +102,8 @@ class PruneState:
         B, T = visual_mask.shape
         counts = visual_mask.sum(-1)
         if not bool((counts == counts[0]).all()):
-            raise ValueError(f"every sample needs the same number of visual tokens; got {counts.tolist()}")
+            raise ValueError(f"every sample of a batch needs the same number of visual tokens; got {counts.tolist()}: "
+                             "give images of different sizes to hap.run_batch (each its own budget)")
         N = int(counts[0])
         if N == 0:
             raise ValueError("the input holds no visual tokens: the prompt must contain exactly one image")

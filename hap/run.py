@@ -201,7 +201,28 @@ def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPC
         config.validate()
     _check_new_tokens(max_new_tokens)
     try:
-        return _run_together(model, processor, image, prompt, runs, max_new_tokens, limits, history)
+        p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
+        return _together(model, processor, [(p, config, trace) for config, trace in runs], max_new_tokens)
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        raise _out_of_memory(model, err) from err
+
+
+def run_batch(model, processor, images: Sequence, prompts: Sequence[str], config: HAPConfig | None = None,
+              max_new_tokens: int = 32, trace: bool = False, limits: InputLimits = DEFAULT_LIMITS) -> list[Result]:
+    """`run` of `config` on each `(image, prompt)` pair of a batch, images of any sizes: each sample is prefilled
+    alone, so its budget and retained share count its own visual tokens (a tiled or dynamic-resolution image gives
+    its own count), and the answers are decoded as one batch where the model allows (`hap.patch.batch.refusal`):
+    the results of `run` one by one."""
+    config = config or HAPConfig()
+    config.validate()
+    _check_new_tokens(max_new_tokens)
+    if isinstance(prompts, str) or len(images) != len(prompts) or not prompts:
+        raise ValueError(f"run_batch takes one prompt per image: got {len(images)} images and "
+                         f"{'a string' if isinstance(prompts, str) else len(prompts)} prompts")
+    try:
+        jobs = [(prepare(model, processor, image, prompt, max_new_tokens, limits, ()), config, trace)
+                for image, prompt in zip(images, prompts)]
+        return _together(model, processor, jobs, max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err
 
@@ -211,34 +232,36 @@ def prefill(model, p: Prepared, config: HAPConfig, trace: bool = False, **kwargs
     prefill of one run alone, its cache kept for a batched continuation (`batch.decode`); `kwargs` go to `generate`
     (e.g. `output_logits=True`)."""
     patch, out, seconds = generate(model, p, config, trace, 1, return_dict_in_generate=True, **kwargs)
-    return batch.Prefilled(patch, out.cache), out, seconds
+    deltas = getattr(model.model, "rope_deltas", None)
+    return batch.Prefilled(patch, out.cache, out.sequences, None if deltas is None else deltas.clone()), out, seconds
 
 
-def _run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPConfig, bool]], max_new_tokens: int,
-                  limits: InputLimits, history: Sequence[tuple[str, str]]) -> list[Result]:
-    p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
-    T = p.prompt_len
-    if len(runs) < 2 or max_new_tokens < 2 or batch.refusal(model) is not None:
-        return [alone(model, processor, p, config, trace, max_new_tokens) for config, trace in runs]
-    prefilled, firsts, seconds = [], [], []
-    for config, trace in runs:
-        done, out, generate_s = prefill(model, p, config, trace)
+def _together(model, processor, jobs: list[tuple[Prepared, HAPConfig, bool]], max_new_tokens: int) -> list[Result]:
+    """The results of `(prepared input, config, trace)` jobs: each prefilled alone, the answers decoded as one batch
+    where the model allows, else each alone."""
+    if len(jobs) < 2 or max_new_tokens < 2 or batch.refusal(model) is not None:
+        return [alone(model, processor, p, config, trace, max_new_tokens) for p, config, trace in jobs]
+    prefilled, seconds = [], []
+    for p, config, trace in jobs:
+        done, _, generate_s = prefill(model, p, config, trace)
         prefilled.append(done)
-        firsts.append(out.sequences)
         seconds.append(generate_s)
-    out, ends = torch.cat(firsts), set(eos_ids(model))
+    ends, T = set(eos_ids(model)), max(done.prompt_len for done in prefilled)
     t0 = time.perf_counter()
-    if not all(int(token) in ends for token in out[:, -1]):  # an answer goes on after its first token
+    if all(int(done.first[0, -1]) in ends for done in prefilled):  # every answer ended at its first token
+        sequences = torch.cat([done.first[:, -1:] for done in prefilled])
+        T = 0
+    else:
         with torch.inference_mode():
-            out = batch.decode(model, prefilled, out, T, max_new_tokens - 1)
+            sequences = batch.decode(model, prefilled, max_new_tokens - 1)
     decode_s = time.perf_counter() - t0
     results = []
-    for i, ((config, _), done) in enumerate(zip(runs, prefilled)):
-        tokens = out[i, T:].tolist()
+    for i, ((p, config, _), done) in enumerate(zip(jobs, prefilled)):
+        tokens = sequences[i, T:].tolist()
         stop = next((j + 1 for j, t in enumerate(tokens) if t in ends), len(tokens))  # where this run's answer ended
         timings = {"prefill_s": done.patch.prefill_seconds, "generate_s": seconds[i] + decode_s,
-                   "decode_s": seconds[i] - done.patch.prefill_seconds + decode_s, "decode_batch": len(runs)}
-        results.append(finish(model, processor, p, config, done.patch, out[i, T:T + stop], timings))
+                   "decode_s": seconds[i] - done.patch.prefill_seconds + decode_s, "decode_batch": len(jobs)}
+        results.append(finish(model, processor, p, config, done.patch, sequences[i, T:T + stop], timings))
     return results
 
 

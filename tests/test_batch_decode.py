@@ -13,13 +13,14 @@ from tiny_models import llava_case, llava_qwen2_case, noise_image, qwen_vl_case
 from tiny_zoo import ZOO as NEXT
 from tiny_zoo import SIZES
 from tiny_zoo import inputs as zoo_inputs
+from tiny_zoo import picture
 from tiny_zoo_more import ZOO as MORE
 from tiny_zoo_recent import gemma3, qwen3_vl
 from transformers.cache_utils import DynamicCache
 
 import hap
-from hap.patch import apply, batch, refusal, remove
-from hap.run import run, run_together
+from hap.patch import apply, batch, refusal, remove, visual_tokens
+from hap.run import run, run_batch, run_together
 
 QUESTION = "what color is the square ?"
 BASE = hap.HAPConfig(retain=0.4)
@@ -35,6 +36,13 @@ def _zoo(build, size=(112, 112)):
     return case
 
 
+UNEQUAL = {  # family -> (builder, two (height, width) image sizes of different visual-token counts)
+    "llava-next": (NEXT["llava-next"], ((112, 112), (112, 224))),
+    "llava-onevision": (NEXT["llava-onevision"], ((336, 280), (112, 112))),
+    "internvl": (MORE["internvl"], ((112, 112), (112, 336))),
+    "idefics3": (MORE["idefics3"], ((112, 112), (112, 224))),
+    "qwen3-vl": (qwen3_vl, ((100, 170), (200, 200))),
+}
 FAMILIES = {  # family -> case(layers) -> (model, questions -> a batch-1 input)
     "llava": llava_case, "llava-qwen2": llava_qwen2_case, "qwen2-vl": qwen_vl_case,
     "llava-next": _zoo(NEXT["llava-next"], SIZES["llava-next"][0]),
@@ -54,39 +62,43 @@ def _alone(model, inputs: dict, config: hap.HAPConfig, steps: int):
         remove(model)
 
 
-def batched_error(model, inputs: dict, methods: list[str], steps: int = STEPS) -> tuple[float, list[str]]:
-    """(max |logit difference| over the continued steps of every method run together and alone, the methods run):
-    each method not refused on `model` prefills alone (batch 1), then `batch.decode` continues them as one batch; the
-    greedy tokens must be the same."""
-    configs = [c for c in (replace(BASE, method=m) for m in methods) if refusal(model, c) is None]
-    alone = [_alone(model, inputs, config, steps) for config in configs]
-    runs, firsts = [], []
-    for config in configs:
+def method_jobs(model, inputs: dict, methods: list[str]) -> list[tuple[dict, hap.HAPConfig]]:
+    """(inputs, config) of each method of `methods` that `model` does not refuse."""
+    return [(inputs, c) for c in (replace(BASE, method=m) for m in methods) if refusal(model, c) is None]
+
+
+def batched_error(model, jobs: list[tuple[dict, hap.HAPConfig]], steps: int = STEPS) -> float:
+    """Max |logit difference| over the continued steps of `jobs` (a batch-1 input and a config each) decoded together
+    and alone: each job prefills alone, then `batch.decode` continues them as one batch; the greedy tokens must be
+    the same."""
+    alone = [_alone(model, inputs, config, steps) for inputs, config in jobs]
+    runs = []
+    for inputs, config in jobs:
         patch = apply(model, config)
         try:
             with torch.inference_mode():
                 out = model.generate(**inputs, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
         finally:
             remove(model)
-        runs.append(batch.Prefilled(patch, out.cache))
-        firsts.append(out.sequences)
+        deltas = getattr(model.model, "rope_deltas", None)
+        runs.append(batch.Prefilled(patch, out.cache, out.sequences, None if deltas is None else deltas.clone()))
     with torch.inference_mode():
-        together = batch.decode(model, runs, torch.cat(firsts), inputs["input_ids"].shape[1], steps - 1,
-                                return_dict_in_generate=True, output_logits=True)
-    error = 0.0
+        together = batch.decode(model, runs, steps - 1, return_dict_in_generate=True, output_logits=True)
+    T, error = max(run.prompt_len for run in runs), 0.0
     for i, one in enumerate(alone):
-        assert torch.equal(together.sequences[i], one.sequences[0]), configs[i].method
+        assert torch.equal(together.sequences[i, T:], one.sequences[0, runs[i].prompt_len:]), jobs[i][1].method
         for step, logits in enumerate(one.logits[1:]):
             error = max(error, float((together.logits[step][i] - logits[0]).abs().max()))
-    return error, [c.method for c in configs]
+    return error
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_answers_decoded_together_are_those_decoded_alone(family):
     model, make = FAMILIES[family](layers=6)
     assert batch.refusal(model) is None
-    error, methods = batched_error(model, make([QUESTION]), METHODS)
-    assert error < 1e-5
+    jobs = method_jobs(model, make([QUESTION]), METHODS)
+    methods = [config.method for _, config in jobs]
+    assert batched_error(model, jobs) < 1e-5
     assert {"none", "hap", "uniform", "fastv", "random"} <= set(methods)  # keep positions (and merge), or cut at 0
     if family in ("llava", "llava-next", "internvl"):  # renumbered positions, recycled tokens
         assert {"pdrop", "sparsevlm"} <= set(methods)
@@ -97,7 +109,7 @@ def test_the_batch_holds_each_run_s_cache_left_padded_with_its_merge_bias():
         cache = DynamicCache([(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)) for n in lengths])
         state = None if bias is None else type("State", (), {"bias_at": lambda self, layer: bias if layer else None,
                                                              "segment_index": {}})()
-        return batch.Prefilled(type("Patch", (), {"state": state})(), cache)
+        return batch.Prefilled(type("Patch", (), {"state": state})(), cache, torch.zeros(1, 11, dtype=torch.long))
 
     short, full = run_of([9, 5], torch.tensor([[0.5, 0.0, -1.0, 0.0, 2.0]])), run_of([10, 10])
     merged, masks = batch.merge_caches([short, full], prompt_len=10)
@@ -106,7 +118,8 @@ def test_the_batch_holds_each_run_s_cache_left_padded_with_its_merge_bias():
     assert masks[0][0].tolist() == [low] + [0.0] * 9 and masks[0][1].tolist() == [0.0] * 10
     assert masks[1][0].tolist() == [low] * 5 + [0.5, 0.0, -1.0, 0.0, 2.0]
     assert torch.equal(merged.layers[1].keys[0, :, 5:], short.cache.layers[1].keys[0])
-    assert not merged.layers[1].keys[0, :, :5].any() and torch.equal(merged.layers[1].values[1], full.cache.layers[1].values[0])
+    assert not merged.layers[1].keys[0, :, :5].any()
+    assert torch.equal(merged.layers[1].values[1], full.cache.layers[1].values[0])
 
 
 def test_layers_that_slide_a_window_and_planted_heads_decode_alone_saying_why():
@@ -118,7 +131,8 @@ def test_layers_that_slide_a_window_and_planted_heads_decode_alone_saying_why():
     picture = noise_image(1, (100, 170))
     together = run_together(gemma, processor, picture, QUESTION, configs, max_new_tokens=4)
     assert [r.timings["decode_batch"] for r in together] == [1, 1]
-    assert [r.answer for r in together] == [run(gemma, processor, picture, QUESTION, c, 4, t).answer for c, t in configs]
+    alone = [run(gemma, processor, picture, QUESTION, config, 4, trace).answer for config, trace in configs]
+    assert [r.answer for r in together] == alone
     model, _ = llava_case()
     with hap.plant(model, sink=[(1, 0)]):
         assert "head-lab plan" in batch.refusal(model)
@@ -145,3 +159,41 @@ def test_run_together_gives_the_results_of_run_one_by_one():
     assert run_together(model, processor, image, prompt, configs[:1])[0].timings["decode_batch"] == 1
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         run_together(model, processor, image, prompt, configs, 0)
+
+
+@pytest.mark.parametrize("family", UNEQUAL)
+def test_images_of_different_sizes_decode_together_each_with_its_own_budget(family):
+    """Two images whose visual-token counts differ (prompts of different lengths, left-padded in the batch), each
+    pruned to its own count's budget, plus a second method on the first and PyramidDrop's renumbered positions on the
+    second where the family takes it: the tokens and logits of each alone."""
+    build, sizes = UNEQUAL[family]
+    model, processor = build(layers=6)
+    questions = [QUESTION, "is there a red circle in the picture ?"]
+    jobs = [(zoo_inputs(processor, [q], [size], [seed]), replace(BASE, method="hap"))
+            for seed, (q, size) in enumerate(zip(questions, sizes))]
+    counts = [int(visual_tokens(model, inputs).sum()) for inputs, _ in jobs]
+    lengths = [inputs["input_ids"].shape[1] for inputs, _ in jobs]
+    assert counts[0] != counts[1] and lengths[0] != lengths[1]
+    extra = [(jobs[0][0], replace(BASE, method="fastv")), *method_jobs(model, jobs[1][0], ["pdrop"])]  # renumbered
+    assert batched_error(model, [*jobs, *extra]) < 1e-5
+
+
+def test_run_batch_gives_each_image_the_result_of_run_alone():
+    model, processor = NEXT["llava-next"]()
+    images = [picture(size, seed) for seed, size in enumerate(UNEQUAL["llava-next"][1])]
+    prompts = [QUESTION, "is there a red circle in the picture ?"]
+    config = replace(BASE, method="hap")
+    results = run_batch(model, processor, images, prompts, config, max_new_tokens=5, trace=True)
+    assert results[0].num_visual != results[1].num_visual
+    for image, prompt, got in zip(images, prompts, results):
+        want = run(model, processor, image, prompt, config, 5, trace=True)
+        assert got.timings["decode_batch"] == 2 and got.retained_tokens <= 0.4 * got.num_visual + 1e-6
+        got_json, want_json = got.to_json(), want.to_json()
+        got_json.pop("timings"), want_json.pop("timings")
+        assert got_json == want_json
+    with pytest.raises(ValueError, match="one prompt per image: got 2 images and 1 prompts"):
+        run_batch(model, processor, images, prompts[:1], config)
+    with pytest.raises(ValueError, match="hap.run_batch"):
+        batch_input = zoo_inputs(processor, prompts, list(UNEQUAL["llava-next"][1]))
+        with hap.patched(model, config), torch.no_grad():
+            model(**batch_input)

@@ -158,11 +158,13 @@ def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say(family):
 
 
 def check_planted_square(model, processor, size: tuple[int, int], square: tuple[int, int, int, int],
-                         views_expected: int = 2) -> None:
+                         views_expected: int = 2, grid: tuple[int, int] | None = None, retain: float = 0.3,
+                         localize=None) -> None:
     """A white `square` (x0, y0, x1, y1) pixels on a grey image of `size` = (height, width), through a vision tower
-    made local (`local_tower`): in each of the layout's `views_expected` views the token it changes most has a box
-    holding the square's centre, and every drawn panel shows the square under its hottest cell."""
-    local_tower(model)
+    made local (`localize(model)`, default `local_tower`): in each of the layout's `views_expected` views (the first
+    of `grid` (rows, cols) tokens, where given) the token it changes most has a box holding the square's centre, and
+    every panel the pipeline draws at `retain` shows the square under its hottest cell."""
+    (localize or local_tower)(model)
     height, width = size
     centre = ((square[0] + square[2]) / 2 / width, (square[1] + square[3]) / 2 / height)
     image = square_image((height, width), square)
@@ -174,23 +176,24 @@ def check_planted_square(model, processor, size: tuple[int, int], square: tuple[
     where = layout(model, batch, image.size)
     where.check()
     boxes = where.boxes()
-    assert len(where.views) == views_expected
+    assert len(where.views) == views_expected and grid in (None, where.views[0].grid)
     for view in where.views:
         tokens = np.asarray(view.tokens)
         hottest = tokens[tokens >= 0][np.argmax(change[tokens[tokens >= 0]])]
         x0, y0, x1, y1 = boxes[hottest]
         assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1, (view.name, boxes[hottest], centre)
-    check_square_under_hottest_cells(model, processor, image, change)
+    check_square_under_hottest_cells(model, processor, image, change, retain)
 
 
-def check_square_under_hottest_cells(model, processor, image: Image.Image, change: np.ndarray) -> None:
-    """Drawn by the pipeline's views, the per-token `change [N]` has its hottest cell of every panel over the white
-    square of `image`."""
-    result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3), max_new_tokens=2)
+def check_square_under_hottest_cells(model, processor, image: Image.Image, change: np.ndarray,
+                                     retain: float = 0.3) -> None:
+    """Drawn by the pipeline's views (a run at `retain`), the per-token `change [N]` has its hottest cell of every
+    panel over the white square of `image`."""
+    result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=retain), max_new_tokens=2)
     data = views.ViewData.from_result(result, image)
     for panel in data.panels("planted", change):
-        r, c = np.unravel_index(np.nanargmax(panel.scores), panel.grid)
-        rows, cols = panel.grid
+        rows, cols = panel.grid or data.grid  # one view over the whole image: the run's grid
+        r, c = np.unravel_index(np.nanargmax(panel.scores), (rows, cols))
         h, w = panel.view.shape[:2]
         under = panel.view[r * h // rows:(r + 1) * h // rows, c * w // cols:(c + 1) * w // cols]
         assert under.max() > 200, panel.title  # the white square shows under the hottest cell
@@ -224,9 +227,9 @@ def test_the_cli_runs_a_saved_model(family, tmp_path, capsys):
     check_cli(model, processor, (120, 90), tmp_path, capsys)
 
 
-def check_cli(model, processor, size: tuple[int, int], tmp_path, capsys) -> None:
-    """`python -m hap run --model FOLDER` on `model` and `processor` saved there, an image of `size` = (height,
-    width): it answers, writes its figures and reports the image's visual-token count."""
+def check_cli(model, processor, size: tuple[int, int], tmp_path, capsys, retain: float = 0.3) -> None:
+    """`python -m hap run --model FOLDER --retain RETAIN` on `model` and `processor` saved there, an image of `size` =
+    (height, width): it answers, writes its figures and reports the image's visual-token count."""
     from hap.__main__ import main
 
     model.save_pretrained(tmp_path / "model")
@@ -234,7 +237,7 @@ def check_cli(model, processor, size: tuple[int, int], tmp_path, capsys) -> None
     image = square_image(size, (10, 10, 30, 30))
     image.save(tmp_path / "image.png")
     code = main(["run", "--model", str(tmp_path / "model"), "--image", str(tmp_path / "image.png"), "--prompt",
-                 QUESTION, "--retain", "0.3", "--max-new-tokens", "2", "--device", "cpu",
+                 QUESTION, "--retain", str(retain), "--max-new-tokens", "2", "--device", "cpu",
                  "--json", str(tmp_path / "out.json"), "--figures", str(tmp_path / "figures")])
     assert code == 0, capsys.readouterr().err
     batch = processor(images=image, text=chat_prompt(processor, QUESTION), return_tensors="pt")

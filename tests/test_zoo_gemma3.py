@@ -3,7 +3,6 @@ runs or is refused by the model's name, batches of two image sizes, the bidirect
 full masks and rotary tables kept consistent after a drop, pan-and-scan refused by name, the layout of the visual
 tokens on the uploaded image, the pipeline and the CLI, and the budget arithmetic at the real 4B decoder's shape."""
 
-import numpy as np
 import pytest
 import torch
 from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
@@ -12,10 +11,10 @@ import hap
 from hap.budget import DecoderShape, layer_flops, prefill_flops
 from hap.knobs import METHODS
 from hap.layout import Layout
-from hap.patch import decoder_of, layout, refusal, visual_tokens
+from hap.patch import decoder_of, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
-from test_zoo import check_unpruned_is_stock, decoder_input, greedy, local_tower, square_image
+from test_zoo import check_cli, check_planted_square, check_unpruned_is_stock, greedy, square_image
 from tiny_zoo import picture
 from tiny_zoo_recent import decode_loop_error, fanned_out_error, gemma3, recomputed_rows_error
 
@@ -150,49 +149,17 @@ def test_after_a_drop_the_image_block_sliding_windows_and_rotary_tables_stay_con
 def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say():
     """A bright square changes most the pooled token whose layout box holds its centre; the drawn map's hottest cell
     sits over the square's pixels."""
-    from hap import views
-
     model, processor = gemma3()
-    local_tower(model)
-    height, width = 100, 170
     square = (104, 36, 134, 66)  # 30 px: at least one pooled 28 x 28 cell of the squashed image inside it
-    centre = ((square[0] + square[2]) / 2 / width, (square[1] + square[3]) / 2 / height)
-    image = square_image((height, width), square)
-    prompt = chat_prompt(processor, QUESTION)
-    batch = processor(images=image, text=prompt, return_tensors="pt")
-    plain = processor(images=square_image((height, width), None), text=prompt, return_tensors="pt")
-    visual = visual_tokens(model, batch)[0]
-    change = (decoder_input(model, batch) - decoder_input(model, plain))[visual].norm(dim=-1).numpy()
-    where = layout(model, batch, image.size)
-    where.check()
-    assert where.views[0].grid == (4, 4)
-    x0, y0, x1, y1 = where.boxes()[np.argmax(change)]
-    assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1
-    result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.4), max_new_tokens=2)
-    data = views.ViewData.from_result(result, image)
-    for panel in data.panels("planted", change):
-        rows, cols = panel.grid or data.grid  # one view over the whole image: the run's grid
-        r, c = np.unravel_index(np.nanargmax(panel.scores), (rows, cols))
-        h, w = panel.view.shape[:2]
-        under = panel.view[r * h // rows:(r + 1) * h // rows, c * w // cols:(c + 1) * w // cols]
-        assert under.max() > 200, panel.title
+    check_planted_square(model, processor, (100, 170), square, views_expected=1, grid=(4, 4), retain=0.4)
 
 
 def test_the_pipeline_and_the_cli_run_a_saved_model(tmp_path, capsys):
-    from hap.__main__ import main
-
     model, processor = gemma3()
     image = square_image((120, 90), (10, 10, 30, 30))
     result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.4, groups=2), max_new_tokens=3)
     assert result.num_visual == Layout.from_dict(result.layout).num_visual == 16
-    model.save_pretrained(tmp_path / "model")
-    processor.save_pretrained(tmp_path / "model")
-    image.save(tmp_path / "image.png")
-    code = main(["run", "--model", str(tmp_path / "model"), "--image", str(tmp_path / "image.png"), "--prompt",
-                 QUESTION, "--retain", "0.4", "--max-new-tokens", "2", "--device", "cpu",
-                 "--json", str(tmp_path / "out.json")])
-    assert code == 0, capsys.readouterr().err
-    assert "visual tokens: 16" in capsys.readouterr().out
+    check_cli(model, processor, (120, 90), tmp_path, capsys, retain=0.4)
 
 
 def test_sliding_layers_cost_less_attention_and_the_shape_says_which():

@@ -3,7 +3,6 @@ runs or is refused by the model's name, batches of two image sizes, DeepStack fe
 whatever the cut's layer, the layout of the visual tokens on the uploaded image, the pipeline and the CLI, and the
 budget arithmetic at the real 2B decoder's shape."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,10 +10,9 @@ import hap
 from hap.budget import prefill_flops
 from hap.knobs import METHODS
 from hap.layout import Layout
-from hap.patch import decoder_of, layout, refusal, visual_tokens
+from hap.patch import decoder_of, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from hap.run import chat_prompt
-from test_zoo import check_unpruned_is_stock, decoder_input, greedy, square_image
+from test_zoo import check_cli, check_planted_square, check_unpruned_is_stock, greedy, square_image
 from tiny_zoo import inputs
 from tiny_zoo_recent import decode_loop_error, fanned_out_error, qwen3_vl, recomputed_rows_error
 
@@ -165,50 +163,18 @@ def local_visual(model) -> None:
 def test_a_planted_square_lands_where_the_layout_and_the_drawn_map_say():
     """A bright square changes most the token whose layout box holds its centre; the drawn map's hottest cell sits
     over the square's pixels."""
-    from hap import views
-
     model, processor = qwen3_vl()
-    local_visual(model)
-    height, width = 100, 170
     square = (104, 36, 114, 46)
-    centre = ((square[0] + square[2]) / 2 / width, (square[1] + square[3]) / 2 / height)
-    image = square_image((height, width), square)
-    prompt = chat_prompt(processor, QUESTION)
-    batch = processor(images=image, text=prompt, return_tensors="pt")
-    plain = processor(images=square_image((height, width), None), text=prompt, return_tensors="pt")
-    visual = visual_tokens(model, batch)[0]
-    change = (decoder_input(model, batch) - decoder_input(model, plain))[visual].norm(dim=-1).numpy()
-    where = layout(model, batch, image.size)
-    where.check()
-    assert where.views[0].grid == (3, 5)
-    x0, y0, x1, y1 = where.boxes()[np.argmax(change)]
-    assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1
-    result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3), max_new_tokens=2)
-    data = views.ViewData.from_result(result, image)
-    for panel in data.panels("planted", change):
-        rows, cols = panel.grid or data.grid  # one view over the whole image: the run's grid
-        r, c = np.unravel_index(np.nanargmax(panel.scores), (rows, cols))
-        h, w = panel.view.shape[:2]
-        under = panel.view[r * h // rows:(r + 1) * h // rows, c * w // cols:(c + 1) * w // cols]
-        assert under.max() > 200, panel.title
+    check_planted_square(model, processor, (100, 170), square, views_expected=1, grid=(3, 5), retain=0.3,
+                         localize=local_visual)
 
 
 def test_the_pipeline_and_the_cli_run_a_saved_model(tmp_path, capsys):
-    from hap.__main__ import main
-
     model, processor = qwen3_vl()
     image = square_image((120, 90), (10, 10, 30, 30))
     result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=0.3, groups=2), max_new_tokens=3)
-    where = Layout.from_dict(result.layout)
-    assert result.num_visual == where.num_visual == 4 * 3
-    model.save_pretrained(tmp_path / "model")
-    processor.save_pretrained(tmp_path / "model")
-    image.save(tmp_path / "image.png")
-    code = main(["run", "--model", str(tmp_path / "model"), "--image", str(tmp_path / "image.png"), "--prompt",
-                 QUESTION, "--retain", "0.3", "--max-new-tokens", "2", "--device", "cpu",
-                 "--json", str(tmp_path / "out.json")])
-    assert code == 0, capsys.readouterr().err
-    assert "visual tokens: 12" in capsys.readouterr().out
+    assert result.num_visual == Layout.from_dict(result.layout).num_visual == 12
+    check_cli(model, processor, (120, 90), tmp_path, capsys, retain=0.3)
 
 
 @pytest.mark.slow

@@ -32,11 +32,18 @@ MASKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-
 
 @dataclass
 class Prefilled:
-    """One run's prefill: its hooks (removed from the model; `patch.state` is None for an unpruned, untraced run) and
-    the KV cache it wrote (batch 1, each layer its own length)."""
+    """One run's prefill: its hooks (removed from the model; `patch.state` is None for an unpruned, untraced run), the
+    KV cache it wrote (batch 1, each layer its own length), its prompt and first token `first` long [1, T + 1], and
+    the M-RoPE offset the model kept after it (`rope_deltas` [1, 1] of Qwen2/2.5/3-VL; None elsewhere)."""
 
     patch: Patch
     cache: DynamicCache
+    first: torch.Tensor
+    rope_deltas: torch.Tensor | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.first.shape[1] - 1
 
     def shift(self, layer: int) -> int:
         """Positions a decode step at `layer` is lowered by (`PruneState.decode_shift` of its group; 0 before a cut)."""
@@ -99,7 +106,7 @@ class BatchDecode:
         self.patch = runs[0].patch  # the adapter's rotary tables and decode positions (one model)
         layers = len(masks)
         self.shifts = [torch.tensor([run.shift(i) for run in runs]) for i in range(layers)]  # [layers] long [B]
-        self.cached = masks[0].shape[1]  # layer 0's cached tokens before the first decode step
+        self.pad = torch.tensor([masks[0].shape[1] - run.prompt_len for run in runs], device=masks[0].device)
         self.cache: DynamicCache | None = None
         self.positions: torch.Tensor | None = None  # this step's position ids as on an unpruned cache
         self.handles: list = []
@@ -121,9 +128,9 @@ class BatchDecode:
         if kwargs.get("position_ids") is None and any(bool(s.any()) for s in self.shifts):
             ids = kwargs.get("input_ids", args[0] if args else None)
             new = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
-            start = self.cache.get_seq_length(0)
-            kwargs["position_ids"] = self.patch.decode_positions(
-                module, torch.arange(start, start + new, device=self.masks[0].device)[None])
+            start = self.cache.get_seq_length(0)  # the longest prompt's count; a shorter one's less its padding
+            steps = torch.arange(start, start + new, device=self.masks[0].device)[None] - self.pad[:, None]
+            kwargs["position_ids"] = self.patch.decode_positions(module, steps)
         self.positions = kwargs.get("position_ids")
         return args, kwargs
 
@@ -145,16 +152,28 @@ class BatchDecode:
         return args, kwargs
 
 
-def decode(model, runs: list[Prefilled], sequences: torch.Tensor, prompt_len: int, max_new_tokens: int,
-           **generate_kwargs) -> torch.Tensor:
-    """Continue the runs' greedy answers as one batch: `sequences` long [B, T + 1] each run's prompt and first
-    token, `max_new_tokens` more at most -> long [B, T + 1 + n]; the runs' caches are read, not changed. The model
-    must be unpatched (the runs' own hooks removed)."""
-    cache, masks = merge_caches(runs, prompt_len)
+def decode(model, runs: list[Prefilled], max_new_tokens: int, firsts: list[torch.Tensor] | None = None,
+           **generate_kwargs):
+    """Continue the runs' greedy answers as one batch, `max_new_tokens` more at most, from each run's prompt and
+    first token (`firsts`: others in their place, long [1, T_b + 1] each, e.g. a forced first token); prompts of
+    different lengths are left-padded to the longest, T. Returns `generate`'s output, whose `sequences` [B, T + 1 + n]
+    hold the generated tokens from column T. The runs' caches are read, not changed. The model must be unpatched
+    (the runs' own hooks removed)."""
+    firsts = firsts or [run.first for run in runs]
+    T = max(run.prompt_len for run in runs)
+    pad = [T - run.prompt_len for run in runs]
+    sequences = torch.cat([torch.nn.functional.pad(f, (p, 0)) for f, p in zip(firsts, pad)])
+    attention = torch.cat([torch.nn.functional.pad(torch.ones_like(f), (p, 0)) for f, p in zip(firsts, pad)])
+    cache, masks = merge_caches(runs, T)
     hooks = BatchDecode(model, runs, masks)
     hooks.attach(model, cache)
+    inner, deltas = model.model, getattr(model.model, "rope_deltas", None)
+    if runs[0].rope_deltas is not None:  # each run's own M-RoPE offset (positions count each row's real tokens)
+        inner.rope_deltas = torch.cat([run.rope_deltas for run in runs])
     try:
-        return model.generate(input_ids=sequences, attention_mask=torch.ones_like(sequences), cache=cache,
+        return model.generate(input_ids=sequences, attention_mask=attention, cache=cache,
                               max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, **generate_kwargs)
     finally:
         hooks.detach()
+        if runs[0].rope_deltas is not None:
+            inner.rope_deltas = deltas
