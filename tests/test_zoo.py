@@ -177,21 +177,31 @@ def check_planted_square(model, processor, size: tuple[int, int], square: tuple[
     where.check()
     boxes = where.boxes()
     assert len(where.views) == views_expected and grid in (None, where.views[0].grid)
-    for view in where.views:
+    for view in covering(where.views, centre):
         tokens = np.asarray(view.tokens)
         hottest = tokens[tokens >= 0][np.argmax(change[tokens[tokens >= 0]])]
         x0, y0, x1, y1 = boxes[hottest]
         assert x0 <= centre[0] <= x1 and y0 <= centre[1] <= y1, (view.name, boxes[hottest], centre)
-    check_square_under_hottest_cells(model, processor, image, change, retain)
+    check_square_under_hottest_cells(model, processor, image, change, retain, centre)
+
+
+def covering(token_views, centre: tuple[float, float]) -> list:
+    """The views of a layout whose box holds the point `centre` (x, y), fractions of the image (all of a layout whose
+    every view spans the image; the crops holding it of Gemma 3's pan-and-scan)."""
+    return [v for v in token_views if v.box[0] <= centre[0] <= v.box[2] and v.box[1] <= centre[1] <= v.box[3]]
 
 
 def check_square_under_hottest_cells(model, processor, image: Image.Image, change: np.ndarray,
-                                     retain: float = 0.3) -> None:
+                                     retain: float = 0.3, centre: tuple[float, float] | None = None) -> None:
     """Drawn by the pipeline's views (a run at `retain`), the per-token `change [N]` has its hottest cell of every
-    panel over the white square of `image`."""
+    panel over the white square of `image` (where given, of every panel whose view holds the square's `centre`)."""
     result = hap.run(model, processor, image, QUESTION, hap.HAPConfig(retain=retain), max_new_tokens=2)
     data = views.ViewData.from_result(result, image)
-    for panel in data.panels("planted", change):
+    drawn = data.panels("planted", change)
+    if centre is not None and data.layout is not None:
+        kept = covering(data.layout.views, centre)
+        drawn = [panel for panel, view in zip(drawn, data.layout.views) if view in kept]
+    for panel in drawn:
         rows, cols = panel.grid or data.grid  # one view over the whole image: the run's grid
         r, c = np.unravel_index(np.nanargmax(panel.scores), (rows, cols))
         h, w = panel.view.shape[:2]

@@ -1,6 +1,6 @@
 """Gemma 3 (issue 37) on a tiny random model: stock equality when nothing is pruned (SDPA and eager), every method
 runs or is refused by the model's name, batches of two image sizes, the bidirectional image block and the sliding /
-full masks and rotary tables kept consistent after a drop, pan-and-scan refused by name, the layout of the visual
+full masks and rotary tables kept consistent after a drop, pan-and-scan crops (stock, pruned, drawn), the layout of the visual
 tokens on the uploaded image, the pipeline and the CLI, and the budget arithmetic at the real 4B decoder's shape."""
 
 import pytest
@@ -11,7 +11,8 @@ import hap
 from hap.budget import DecoderShape, layer_flops, prefill_flops
 from hap.knobs import METHODS
 from hap.layout import Layout
-from hap.patch import decoder_of, refusal, visual_tokens
+from hap.patch import decoder_of, layout, refusal, visual_tokens
+from hap.patch.gemma3 import crop_boxes
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt
 from test_zoo import check_cli, check_planted_square, check_unpruned_is_stock, greedy, square_image
@@ -93,13 +94,39 @@ def test_a_batch_of_two_image_sizes_selects_as_each_sample_alone():
         assert all(torch.equal(t[b], c.kept[0]) for t, c in zip(together, patch.state.cuts))
 
 
-def test_pan_and_scan_crops_are_refused_by_name():
+def pan_and_scan(processor) -> None:
+    """The processor's pan-and-scan on for every call (its `images_kwargs` defaults; `hap.run` passes none), with crops
+    of at least 56 px (the tiny model's images are small)."""
+    processor.images_kwargs = {**processor.images_kwargs, "do_pan_and_scan": True, "pan_and_scan_min_crop_size": 56}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_pan_and_scan_crops_run_unpruned_as_stock_and_pruned_over_every_block(attn):
+    """A 100 x 300 image gives the whole image and 3 crops (4 blocks of 16 tokens, each bidirectional within itself):
+    stock logits when nothing is pruned, and a pruned run ranks the tokens of every block together."""
+    model, processor = gemma3(attn)
+    pan_and_scan(processor)
+    batch = processor(images=[[picture((100, 300))]], text=[chat_prompt(processor, QUESTION)], return_tensors="pt")
+    assert int((batch["input_ids"] == model.config.image_token_id).sum()) == 4 * model.config.mm_tokens_per_image
+    check_unpruned_is_stock(model, batch)
+    with hap.patched(model, hap.HAPConfig(retain=0.4)) as patch, torch.no_grad():
+        model.generate(**batch, max_new_tokens=2)
+    kept = torch.cat([cut.kept[0] for cut in patch.state.cuts])
+    assert patch.state.num_visual == 64 and set((kept // 16).tolist()) == {0, 1, 2, 3}  # tokens kept in every block
+
+
+def test_pan_and_scan_crops_are_drawn_over_their_strips():
+    """The layout: the whole image, then 3 crops of 100 px side by side (portrait: stacked); a bright square changes
+    most the token over it in the whole image and in the crop holding it, and the drawn maps show it there."""
     model, processor = gemma3()
-    batch = processor(images=[[picture((100, 300))]], text=[chat_prompt(processor, QUESTION)], return_tensors="pt",
-                      do_pan_and_scan=True, pan_and_scan_min_crop_size=56)
-    assert int((batch["input_ids"] == model.config.image_token_id).sum()) > model.config.mm_tokens_per_image
-    with hap.patched(model, hap.HAPConfig(retain=0.4)), pytest.raises(ValueError, match="pan-and-scan"):
-        model(**batch)
+    pan_and_scan(processor)
+    batch = processor(images=[[picture((100, 300))]], text=[chat_prompt(processor, QUESTION)], return_tensors="pt")
+    where = layout(model, batch, (300, 100))
+    where.check()
+    assert [v.name for v in where.views] == ["whole image", "crop 1", "crop 2", "crop 3"]
+    assert [v.box for v in where.views[1:]] == [(0.0, 0.0, 1 / 3, 1.0), (1 / 3, 0.0, 2 / 3, 1.0), (2 / 3, 0.0, 1.0, 1.0)]
+    assert crop_boxes(2, (100, 301)) == [(0.0, 0.0, 1.0, 151 / 301), (0.0, 151 / 301, 1.0, 1.0)]
+    check_planted_square(model, processor, (100, 300), (160, 30, 200, 70), views_expected=4, grid=(4, 4), retain=0.4)
 
 
 def by_hand(model, batch, keep: torch.Tensor, cut: int, blocks: bool = True) -> torch.Tensor:

@@ -3,7 +3,10 @@
 Tokens: the processor writes `<start_of_image>` + 256 soft tokens + `<end_of_image>` per image. The visual tokens are
 `config.image_token_id`, the soft token (the processor's `image_token_id` is `<start_of_image>`). The image is
 squashed to 896 x 896 px and its 64 x 64 SigLIP patches are average-pooled 4 x 4: token k is cell (k // 16, k % 16),
-one view uniform over the image (`visual_grid`). Pan-and-scan crops (more 256-token blocks per image) are refused.
+one view uniform over the image. With pan-and-scan (`do_pan_and_scan=True`, for images far from square) the processor
+also cuts the image along its longer side into k crops of equal length (the last one shorter) and writes one more
+block of 256 tokens for each, after the whole image's: `layout` draws the whole image as one view and each crop as its
+own view over its strip of the image, and the pruner ranks the tokens of every block together.
 
 Decoder: 5 sliding-window layers to 1 full-attention layer, each kind with its own rotary table (local theta 1e4,
 global 1e6) and its own mask, and image tokens attending bidirectionally within their image (`token_type_ids` ->
@@ -32,29 +35,51 @@ from transformers.masking_utils import (
 from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
 from ..config import HAPConfig
+from ..layout import Layout, TokenView
 from ..methods import policy_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
-__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "token_masks", "visual_grid"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "token_masks"]
 
 
-def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
-    """(rows, cols) of the pooled tokens of one image: a square of `mm_tokens_per_image` (16 x 16 on the real ones)."""
-    side = math.isqrt(model.config.mm_tokens_per_image)
-    return (side, side) if side * side == num_visual else (1, num_visual)
+def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
+    """The visual tokens of the first prompt on its image of `image_size` = (width, height): a square of
+    `mm_tokens_per_image` tokens over the whole image, then one over each pan-and-scan crop (`crop_boxes`)."""
+    per = model.config.mm_tokens_per_image
+    side = math.isqrt(per)
+    count = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
+    crops = crop_boxes(count // per - 1, image_size)
+    views = [TokenView("image" if not crops else "whole image", (side, side), tuple(range(per)))]
+    views += [TokenView(f"crop {i + 1}", (side, side), tuple(range(per * (i + 1), per * (i + 2))), box)
+              for i, box in enumerate(crops)]
+    return Layout(count, tuple(views), image_size)
+
+
+def crop_boxes(crops: int, image_size: tuple[int, int] | None) -> list[tuple[float, float, float, float]]:
+    """The (x0, y0, x1, y1) boxes, fractions of the image, of the processor's `crops` pan-and-scan crops of an image of
+    `image_size` = (width, height): the longer side (width where equal) cut into `crops` pieces of ceil(side /
+    crops) pixels, the last one what remains."""
+    if crops < 1:
+        return []
+    if image_size is None:
+        raise ValueError("the pan-and-scan crops' boxes need the image's size")
+    width, height = image_size
+    length = width if width >= height else height
+    step = math.ceil(length / crops)
+    spans = [(i * step / length, min((i + 1) * step, length) / length) for i in range(crops)]
+    return [(a, 0.0, b, 1.0) if width >= height else (0.0, a, 1.0, b) for a, b in spans]
 
 
 def token_masks(model, input_ids: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(visual, image) bool [batch, T]: the soft image tokens, both. ValueError unless every prompt holds exactly one
-    image of `mm_tokens_per_image` tokens (pan-and-scan crops and several images are refused)."""
+    """(visual, image) bool [batch, T]: the soft image tokens, both. ValueError unless every prompt holds whole blocks
+    of `mm_tokens_per_image` tokens (an image, and its pan-and-scan crops)."""
     image = input_ids == model.config.image_token_id
     per = model.config.mm_tokens_per_image
     counts = image.sum(1)
-    if (counts != per).any():
-        raise ValueError(f"{type(model).__name__}: {counts.tolist()} image tokens per prompt, not one image of {per}: "
-                         "pan-and-scan crops (do_pan_and_scan=True) and several images per prompt are not supported; "
-                         "give one image per prompt with pan-and-scan off")
+    if ((counts == 0) | (counts % per != 0)).any():
+        raise ValueError(f"{type(model).__name__}: {counts.tolist()} image tokens per prompt, not whole images of "
+                         f"{per} tokens each")
     return image, image
 
 
