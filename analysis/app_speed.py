@@ -6,11 +6,12 @@
 Builds a random-weight model of the checkpoint's real shape offline (`SHAPES`: SigLIP tower, Qwen2 decoder, its
 vocabulary; no download), with a processor built here (the small model's word-level tokenizer, SigLIP's 384-px image
 processing: 729 visual tokens), and saves it to a folder. Then, in one run on one machine:
-1. one plain unpruned prefill (`model(**inputs)`, vision tower included), median of `--repeats`, in this process;
-2. for each mode, `before` (HAP_APP_SHARE=0: every run from the pixels, as before the sharing) and `after`
-   (HAP_APP_SHARE=1, the default): `python -m app` serving that folder, a warm-up `/analyze` on another scene (the
-   load), then `/analyze` with causal off, `/analyze` with causal auto and `/sweep`, each timed from the client
-   (`gradio_client`, the real handler and queue).
+1. one plain unpruned prefill (`model(**inputs)`, vision tower included), median of `--repeats`, in this process,
+   before the requests and again after them (the mean of the two: the machine's speed drifts);
+2. for each mode, `before` (HAP_APP_SHARE=0: every run from the pixels, each answer decoded alone, as before the
+   sharing) and `after` (HAP_APP_SHARE=1, the default): `python -m app` serving that folder, a warm-up `/analyze` on
+   another scene (the load), then `/analyze` with causal off and with causal auto (each the median of `--repeats`,
+   each from a new client) and `/sweep`, each timed from the client (`gradio_client`, the real handler and queue).
 Each time is printed as a ratio to the prefill. Random weights answer nonsense and never emit the end of the
 sequence, so every answer of the page runs to its 32-token limit: upper bounds for a real checkpoint, which stops at
 its end-of-sequence token (the table says what the decode steps cost). The tokenizer's vocabulary is filled to the
@@ -125,15 +126,20 @@ def connect(port: int, proc: subprocess.Popen, seconds: float = 300) -> Client:
     raise SystemExit(f"the app did not serve within {seconds:.0f} s")
 
 
-def requests(client: Client, folder: Path) -> dict[str, float]:
-    """Seconds of the load (a warm-up /analyze on another scene), /analyze with causal off and auto, /sweep."""
-    def analyze(image: Path, causal: str | None) -> float:
+def requests(connect_client, folder: Path, repeats: int) -> dict[str, float]:
+    """Seconds of the load (a warm-up /analyze on another scene), /analyze with causal off and auto (each the median
+    of `repeats`, each from a new client: a new session, so no image features kept from before), /sweep (once: a
+    repeat would read the app's sweep cache)."""
+    def analyze(client: Client, image: Path, causal: str | None) -> float:
         t0 = time.perf_counter()
         client.predict(image=handle_file(str(image)), prompt=PROMPT, model_name=str(folder), causal=causal,
                        api_name="/analyze")
         return time.perf_counter() - t0
 
-    out = {"load": analyze(WARMUP, "off"), "analyze_off": analyze(SCENE, "off"), "analyze_auto": analyze(SCENE, None)}
+    out = {"load": analyze(connect_client(), WARMUP, "off")}
+    for key, causal in (("analyze_off", "off"), ("analyze_auto", None)):
+        out[key] = statistics.median(analyze(connect_client(), SCENE, causal) for _ in range(repeats))
+    client = connect_client()
     t0 = time.perf_counter()
     client.predict(image=handle_file(str(SCENE)), prompt=PROMPT, model_name=str(folder), api_name="/sweep")
     out["sweep"] = time.perf_counter() - t0
@@ -152,12 +158,14 @@ def markdown(report: dict) -> str:
     p = report["prefill_s"]
     lines = [f"# /analyze and /sweep in prefills ({report['model']}, {report['parameters'] / 1e9:.2f} B parameters, "
              f"{report['threads']} threads)", "",
-             f"`{report['command']}`; one unpruned prefill {p:.2f} s (vision tower included), one decode step "
-             f"{report['decode_step_s']:.3f} s. Random weights never emit the end of the sequence: each of the page's "
-             f"answers runs to its {PAGE_TOKENS}-token limit ({PAGE_TOKENS - 1} decode steps, "
-             f"{(PAGE_TOKENS - 1) * report['decode_step_s'] / p:.2f} prefills each), where a real checkpoint's short "
-             "answer stops after a few; the sweep stops each answer after its first words as it would on a real "
-             "model.", "",
+             f"`{report['command']}`; one unpruned prefill {p:.2f} s (vision tower included; "
+             + " and ".join(f"{t:.2f}" for t in report["prefill_before_after_s"]) + " s before and after the "
+             f"requests), one decode step {report['decode_step_s']:.3f} s. Random weights never emit the end of the "
+             f"sequence: each of the page's answers runs to its {PAGE_TOKENS}-token limit ({PAGE_TOKENS - 1} decode "
+             f"steps, {(PAGE_TOKENS - 1) * report['decode_step_s'] / p:.2f} prefills for one answer alone; `after` "
+             "decodes the three as one batch), where a real checkpoint's short answer stops after a few; the sweep "
+             "stops each answer after its first words as it would on a real model. `/analyze` rows: the median of "
+             f"{report['repeats']} requests, each from a new client.", "",
              "| request | " + " | ".join(f"{m} s (prefills)" for m in report["modes"]) + " | target |",
              "|---|" + "---|" * len(report["modes"]) + "---|"]
     targets = {"analyze_off": "1.8", "analyze_auto": "4", "sweep": "9", "load": ""}
@@ -181,21 +189,24 @@ def main(argv: list[str] | None = None) -> dict:
     model, processor = build(name)
     report = {"command": "python -m analysis.app_speed " + " ".join(sys.argv[1:] if argv is None else argv),
               "model": name, "parameters": sum(t.numel() for t in model.parameters()), "threads": args.threads,
+              "repeats": args.repeats,
               "torch": torch.__version__, "modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
-        report["prefill_s"], report["decode_step_s"] = prefill_seconds(model, processor, args.repeats)
-        del model
+        first = prefill_seconds(model, processor, args.repeats)
         for mode in args.modes:
             port = free_port()
             proc = serve(folder, MODES[mode], port, args.threads)
             try:
-                report["modes"][mode] = requests(connect(port, proc), folder)
+                report["modes"][mode] = requests(lambda: connect(port, proc), folder, args.repeats)
             finally:
                 proc.terminate()
                 proc.wait(60)
+        last = prefill_seconds(model, processor, args.repeats)  # the machine's speed again, after the requests
+        report["prefill_before_after_s"] = [first[0], last[0]]
+        report["prefill_s"], report["decode_step_s"] = (statistics.mean(pair) for pair in zip(first, last))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = name.split("/")[-1]

@@ -51,6 +51,7 @@ from hap.compare import compare
 from hap.features import FeatureCache, reusing_features
 from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.knobs import KNOBS
+from hap.patch import batch
 from hap.planting import Plan
 from hap.run import free_memory, run
 
@@ -245,7 +246,13 @@ def _causal(image: Image.Image, prompt: str, setting: str | None, limits: InputL
                                       config, cuts)
 
 
-@gpu(lambda call: zerogpu.sweep_work(MAX_NEW_TOKENS, shared=call.arguments["cache"] is not None))
+def sweep_work(call: zerogpu.Call) -> zerogpu.Work:
+    """What `_sweep` runs: shared with a feature cache, its budgets decoded together where the model allows."""
+    shared = call.arguments["cache"] is not None
+    return zerogpu.sweep_work(MAX_NEW_TOKENS, shared, together=shared and batch.refusal(call.model) is None)
+
+
+@gpu(sweep_work)
 def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
            cache: FeatureCache | None = None):
     """The GPU part of `/sweep` (see `_compare` for ZeroGPU); with a `cache` the image is encoded once and the

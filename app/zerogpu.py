@@ -63,11 +63,14 @@ def answers(runs: int, traced: int, new_tokens: int, together: bool = False) -> 
     return Work(runs + traced, (1 if together else runs) * new_tokens)
 
 
-def sweep_work(new_tokens: int, shared: bool = False) -> Work:
+def sweep_work(new_tokens: int, shared: bool = False, together: bool = False) -> Work:
     """`/sweep` (`analysis.sweep`): the unpruned answer and every method at POINTS budgets, each generated then its
     unpruned answer's probability teacher-forced (an upper estimate where the sweep is `shared`: every generation
-    then stops at its answer's end, FORCED_TOKENS tokens at most here, and a forced pass runs only where needed)."""
+    then stops at its answer's end, FORCED_TOKENS tokens at most here, and a forced pass runs only where needed;
+    `together`: a method's budgets are decoded, and forced on their own prefills, as one batch)."""
     runs = 1 + len(METHODS) * POINTS
+    if together:
+        return Work(runs + 1, (1 + len(METHODS)) * 2 * FORCED_TOKENS)
     return Work(2 * runs, runs * ((FORCED_TOKENS if shared else new_tokens) + FORCED_TOKENS))
 
 
