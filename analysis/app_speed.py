@@ -82,9 +82,10 @@ def build(name: str) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     return model, processor
 
 
-def prefill_seconds(model, processor, repeats: int) -> tuple[float, float]:
-    """Median seconds of (one plain unpruned prefill of the scene and prompt, vision tower included; one decode step
-    after it: the difference of 9 and 1 generated tokens, over 8)."""
+def prefill_seconds(model, processor, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of (one plain unpruned prefill of the scene and prompt, vision tower included, as
+    `model(**inputs)` runs it: logits at every position; the same with the last position's logits only, as a
+    generation's prefill runs it; one decode step after it: the difference of 9 and 1 generated tokens, over 8)."""
     inputs = processor(images=Image.open(SCENE).convert("RGB"), text=chat_prompt(processor, PROMPT),
                        return_tensors="pt")
 
@@ -101,8 +102,8 @@ def prefill_seconds(model, processor, repeats: int) -> tuple[float, float]:
 
     with torch.inference_mode():
         model(**inputs)  # warm-up
-        prefill = median(lambda: model(**inputs))
-        return prefill, (median(generate(9)) - median(generate(1))) / 8
+        prefill, last = median(lambda: model(**inputs)), median(lambda: model(**inputs, logits_to_keep=1))
+        return prefill, last, (median(generate(9)) - median(generate(1))) / 8
 
 
 def serve(folder: Path, share: str, port: int, threads: int) -> subprocess.Popen:
@@ -155,22 +156,26 @@ def free_port() -> int:
 
 
 def markdown(report: dict) -> str:
-    p = report["prefill_s"]
+    p, g = report["prefill_s"], report["prefill_last_s"]
     lines = [f"# /analyze and /sweep in prefills ({report['model']}, {report['parameters'] / 1e9:.2f} B parameters, "
              f"{report['threads']} threads)", "",
-             f"`{report['command']}`; one unpruned prefill {p:.2f} s (vision tower included; "
+             f"`{report['command']}`; one unpruned prefill {p:.2f} s as `model(**inputs)` runs it (vision tower "
+             "included, logits at every position; "
              + " and ".join(f"{t:.2f}" for t in report["prefill_before_after_s"]) + " s before and after the "
-             f"requests), one decode step {report['decode_step_s']:.3f} s. Random weights never emit the end of the "
+             f"requests), {g:.2f} s with the last position's logits only, as a generation's prefill runs it; one "
+             f"decode step {report['decode_step_s']:.3f} s. Each time is given in both prefills (`plain | "
+             "generation`). Random weights never emit the end of the "
              f"sequence: each of the page's answers runs to its {PAGE_TOKENS}-token limit ({PAGE_TOKENS - 1} decode "
-             f"steps, {(PAGE_TOKENS - 1) * report['decode_step_s'] / p:.2f} prefills for one answer alone; `after` "
-             "decodes the three as one batch), where a real checkpoint's short answer stops after a few; the sweep "
-             "stops each answer after its first words as it would on a real model. `/analyze` rows: the median of "
-             f"{report['repeats']} requests, each from a new client.", "",
-             "| request | " + " | ".join(f"{m} s (prefills)" for m in report["modes"]) + " | target |",
+             f"steps, {(PAGE_TOKENS - 1) * report['decode_step_s'] / p:.2f} plain prefills for one answer alone; "
+             "`after` decodes the three as one batch), where a real checkpoint's short answer stops after a few; the "
+             "sweep stops each answer after its first words as it would on a real model. `/analyze` rows: the "
+             f"median of {report['repeats']} requests, each from a new client.", "",
+             "| request | " + " | ".join(f"{m} s (plain \\| generation prefills)" for m in report["modes"])
+             + " | target |",
              "|---|" + "---|" * len(report["modes"]) + "---|"]
     targets = {"analyze_off": "1.8", "analyze_auto": "4", "sweep": "9", "load": ""}
     for key in ("analyze_off", "analyze_auto", "sweep", "load"):
-        cells = [f"{t[key]:.1f} ({t[key] / p:.2f})" for t in report["modes"].values()]
+        cells = [f"{t[key]:.1f} ({t[key] / p:.2f} \\| {t[key] / g:.2f})" for t in report["modes"].values()]
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {targets[key]} |")
     return "\n".join(lines) + "\n"
 
@@ -206,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
                 proc.wait(60)
         last = prefill_seconds(model, processor, args.repeats)  # the machine's speed again, after the requests
         report["prefill_before_after_s"] = [first[0], last[0]]
-        report["prefill_s"], report["decode_step_s"] = (statistics.mean(pair) for pair in zip(first, last))
+        report["prefill_s"], report["prefill_last_s"], report["decode_step_s"] = (
+            statistics.mean(pair) for pair in zip(first, last))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = name.split("/")[-1]

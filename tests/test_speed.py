@@ -63,5 +63,6 @@ def test_app_speed_serves_the_app_before_and_after_and_writes_its_ratios(tmp_pat
         assert set(times) == {"load", "analyze_off", "analyze_auto", "sweep"} and min(times.values()) > 0
     table = (tmp_path / "smoke.md").read_text()
     after = report["modes"]["after"]["sweep"]
-    assert f"{after:.1f} ({after / report['prefill_s']:.2f})" in table
+    ratios = f"{after / report['prefill_s']:.2f} \\| {after / report['prefill_last_s']:.2f}"
+    assert f"{after:.1f} ({ratios})" in table and report["prefill_last_s"] > 0
     assert json.loads((tmp_path / "smoke.json").read_text()) == report
