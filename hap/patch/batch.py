@@ -101,12 +101,11 @@ class BatchDecode:
     """The hooks of a batched continuation (`decode`): each layer's mask, and where a run renumbers its positions,
     its rows of the layer's positions and rotary tables."""
 
-    def __init__(self, model, runs: list[Prefilled], masks: list[torch.Tensor]) -> None:
-        self.runs, self.masks = runs, masks
+    def __init__(self, runs: list[Prefilled], masks: list[torch.Tensor], pad: list[int]) -> None:
+        self.masks = masks
         self.patch = runs[0].patch  # the adapter's rotary tables and decode positions (one model)
-        layers = len(masks)
-        self.shifts = [torch.tensor([run.shift(i) for run in runs]) for i in range(layers)]  # [layers] long [B]
-        self.pad = torch.tensor([masks[0].shape[1] - run.prompt_len for run in runs], device=masks[0].device)
+        self.shifts = [torch.tensor([run.shift(i) for run in runs]) for i in range(len(masks))]  # [layers] long [B]
+        self.pad = torch.tensor(pad, device=masks[0].device)  # [B] each run's left padding to the longest prompt
         self.cache: DynamicCache | None = None
         self.positions: torch.Tensor | None = None  # this step's position ids as on an unpruned cache
         self.handles: list = []
@@ -138,12 +137,11 @@ class BatchDecode:
         """Layer `index` of a decode step: the mask over its padded cache plus the step's tokens; the renumbered
         runs' positions."""
         hidden = args[0] if args else kwargs["hidden_states"]
-        prefix = self.masks[index].to(hidden.device, hidden.dtype)
-        grown = self.cache.layers[index].keys.shape[2] - prefix.shape[1] + hidden.shape[1]  # generated + this step
-        mask = torch.cat([prefix, prefix.new_zeros(prefix.shape[0], grown)], 1)[:, None, None, :]
         if hidden.shape[1] > 1:
             raise ValueError("a batched continuation decodes one token per step")
-        kwargs["attention_mask"] = mask
+        prefix = self.masks[index].to(hidden.device, hidden.dtype)
+        grown = self.cache.layers[index].keys.shape[2] - prefix.shape[1] + 1  # the tokens generated, this step's
+        kwargs["attention_mask"] = torch.cat([prefix, prefix.new_zeros(prefix.shape[0], grown)], 1)[:, None, None, :]
         shift = self.shifts[index]
         if bool(shift.any()):
             positions = self.positions.to(hidden.device) - shift.to(hidden.device).view(-1, 1)
@@ -165,7 +163,7 @@ def decode(model, runs: list[Prefilled], max_new_tokens: int, firsts: list[torch
     sequences = torch.cat([torch.nn.functional.pad(f, (p, 0)) for f, p in zip(firsts, pad)])
     attention = torch.cat([torch.nn.functional.pad(torch.ones_like(f), (p, 0)) for f, p in zip(firsts, pad)])
     cache, masks = merge_caches(runs, T)
-    hooks = BatchDecode(model, runs, masks)
+    hooks = BatchDecode(runs, masks, pad)
     hooks.attach(model, cache)
     inner, deltas = model.model, getattr(model.model, "rope_deltas", None)
     if runs[0].rope_deltas is not None:  # each run's own M-RoPE offset (positions count each row's real tokens)
