@@ -6,8 +6,9 @@ small model's prefill (4.4 of 10.3 s for a 0.5B LLaVA at 729 visual tokens on a 
 cache)` memoises the model's `get_image_features` for a block: the first run of an image computes its features,
 the later ones read them. `FeatureCache` keys each entry by everything the features depend on (the pixel tensor's
 bytes, shape, dtype and device, and every other argument, e.g. Qwen2-VL's `image_grid_thw`) and by the model
-instance, so one cache never hands one image's, model's or dtype's features to another; it keeps the `size` most
-recently used entries.
+instance and the processor options in effect (`hap.patch.processors.processor_options`: LLaVA-NeXT's pinpoints
+change how the model packs the same pixels), so one cache never hands one image's, model's, dtype's or tiling's
+features to another; it keeps the `size` most recently used entries.
 
 A run whose method reads the vision tower itself (VisionZip, AutoPrune's [CLS] prior, HAP's first_cut="vision":
 the patch captures the tower's [CLS] attention while it runs) always runs the tower (`needs_tower`).
@@ -117,7 +118,7 @@ def reusing_features(model, cache: FeatureCache | None) -> Iterator[FeatureCache
         if needs_tower(model):
             return compute(*args, **kwargs)
         key = (id(model), model.config._name_or_path, str(model.dtype), fingerprint(args),
-               fingerprint(explicit(model.config, kwargs)))
+               fingerprint(explicit(model.config, kwargs)), getattr(model, "_hap_options", None))
         return cache.get(key, lambda: compute(*args, **kwargs))
 
     setattr(owner, FEATURES, features)

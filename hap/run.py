@@ -12,9 +12,11 @@ from PIL import Image
 
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
+from .options import ProcessorOptions
 from .patch import apply, batch, layout, remove
 from .patch.decoder import decoder_shape
 from .patch.planted import PLANTS
+from .patch.processors import processor_options
 from .trace import Outcome, Result, to_result
 
 
@@ -91,12 +93,16 @@ def run(
     trace: bool = True,
     limits: InputLimits = DEFAULT_LIMITS,
     history: Sequence[tuple[str, str]] = (),
+    options: ProcessorOptions | None = None,
 ) -> Result:
     """Run the full HAP pipeline on one image and prompt; greedy decoding on the pruned cache.
 
     `history`: earlier `(question, answer)` turns about the same image (a list of `[question, answer]` pairs of
     strings); the prompt is the chat template over the whole conversation, and the pruner's rows come from the
     new question's turn only (`question_lead`).
+
+    `options`: the processor options (`hap.options.ProcessorOptions`: pan-and-scan, max tiles, min / max pixels, ...)
+    of this run, None for the checkpoint's own; an option the model's family does not take is refused by name.
 
     Bad input raises ValueError naming the problem; running out of memory raises MemoryError
     after the memory is freed, so the next call can succeed.
@@ -105,8 +111,9 @@ def run(
     config.validate()
     _check_new_tokens(max_new_tokens)
     try:
-        return alone(model, processor, prepare(model, processor, image, prompt, max_new_tokens, limits, history),
-                     config, trace, max_new_tokens)
+        with processor_options(model, processor, options):
+            return alone(model, processor, prepare(model, processor, image, prompt, max_new_tokens, limits, history),
+                         config, trace, max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err
 
@@ -192,8 +199,9 @@ def finish(model, processor, p: Prepared, config: HAPConfig, patch, answer: torc
 
 def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPConfig, bool]],
                  max_new_tokens: int = 32, limits: InputLimits = DEFAULT_LIMITS,
-                 history: Sequence[tuple[str, str]] = ()) -> list[Result]:
-    """`run` of each `(config, trace)` of `runs` on one image and prompt, prepared once and, where the model allows
+                 history: Sequence[tuple[str, str]] = (), options: ProcessorOptions | None = None) -> list[Result]:
+    """`run` of each `(config, trace)` of `runs` on one image and prompt (`options`: see `run`), prepared once and,
+    where the model allows
     (`hap.patch.batch.refusal`), their answers decoded as one batch after each run's own prefill: the same answers
     as `run` one by one. Each result's timings give its own prefill and the batch's decode (`decode_batch`: runs
     decoded together; 1 where each decoded alone)."""
@@ -201,15 +209,18 @@ def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPC
         config.validate()
     _check_new_tokens(max_new_tokens)
     try:
-        p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
-        return _together(model, processor, [(p, config, trace) for config, trace in runs], max_new_tokens)
+        with processor_options(model, processor, options):
+            p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
+            return _together(model, processor, [(p, config, trace) for config, trace in runs], max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err
 
 
 def run_batch(model, processor, images: Sequence, prompts: Sequence[str], config: HAPConfig | None = None,
-              max_new_tokens: int = 32, trace: bool = False, limits: InputLimits = DEFAULT_LIMITS) -> list[Result]:
-    """`run` of `config` on each `(image, prompt)` pair of a batch, images of any sizes: each sample is prefilled
+              max_new_tokens: int = 32, trace: bool = False, limits: InputLimits = DEFAULT_LIMITS,
+              options: ProcessorOptions | None = None) -> list[Result]:
+    """`run` of `config` on each `(image, prompt)` pair of a batch (`options`: see `run`), images of any sizes: each
+    sample is prefilled
     alone, so its budget and retained share count its own visual tokens (a tiled or dynamic-resolution image gives
     its own count), and the answers are decoded as one batch where the model allows (`hap.patch.batch.refusal`):
     the results of `run` one by one."""
@@ -220,9 +231,10 @@ def run_batch(model, processor, images: Sequence, prompts: Sequence[str], config
         raise ValueError(f"run_batch takes one prompt per image: got {len(images)} images and "
                          f"{'a string' if isinstance(prompts, str) else len(prompts)} prompts")
     try:
-        jobs = [(prepare(model, processor, image, prompt, max_new_tokens, limits, ()), config, trace)
-                for image, prompt in zip(images, prompts)]
-        return _together(model, processor, jobs, max_new_tokens)
+        with processor_options(model, processor, options):
+            jobs = [(prepare(model, processor, image, prompt, max_new_tokens, limits, ()), config, trace)
+                    for image, prompt in zip(images, prompts)]
+            return _together(model, processor, jobs, max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err
 

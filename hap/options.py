@@ -1,0 +1,94 @@
+"""Processor options: the image settings of a model's processor that change how many visual tokens an image gives.
+
+`ProcessorOptions` holds one request's choices; None leaves an option at the checkpoint's own value (its processor's
+configuration), so `ProcessorOptions()` is the processor exactly as loaded. Each option is a `Knob` of `OPTIONS` (its
+type, range, meaning, CLI flag `--max-tiles`, `/analyze` parameter `max_tiles`); which families take it and what it
+becomes in the processor call is `hap.patch.processors.option_kwargs`, the one place that maps options to processor
+kwargs. A model whose processor has no such setting refuses the option by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from .knobs import Knob
+
+SWITCH = ("on", "off")  # the values of an on / off option as text (CLI, page); True / False in Python
+OPTIONS: tuple[Knob, ...] = (
+    Knob("pan_and_scan", str, None, "Gemma 3: also cut an image far from square into crops along its longer side, "
+         "each crop its own block of image tokens (the processor's do_pan_and_scan; off in the checkpoints)",
+         choices=SWITCH, optional=True),
+    Knob("pan_and_scan_max_crops", int, None, "Gemma 3 pan-and-scan: the most crops of an image "
+         "(pan_and_scan_max_num_crops; the processor's default 4)", low=1, high=32, optional=True),
+    Knob("pan_and_scan_min_crop", int, None, "Gemma 3 pan-and-scan: the shortest side of a crop in pixels "
+         "(pan_and_scan_min_crop_size; the processor's default 256)", low=1, high=4096, optional=True),
+    Knob("pan_and_scan_min_ratio", float, None, "Gemma 3 pan-and-scan: the aspect ratio from which an image is cut "
+         "(pan_and_scan_min_ratio_to_activate; the processor's default 1.2)", low=1.0, high=100.0, optional=True),
+    Knob("max_tiles", int, None, "the most tiles an image is cut into: InternVL's max_patches (12 in InternVL3), "
+         "LLaVA-NeXT / OneVision: only the grid pinpoints of at most this many tiles (v1.6: 4; OneVision: 36)",
+         low=1, high=64, optional=True),
+    Knob("anyres_max", int, None, "LLaVA-OneVision: a tile grid of more than about this many tiles' worth of tokens "
+         "is shrunk to it (vision_aspect_ratio anyres_max_N; 9 in the checkpoints)", low=1, high=64, optional=True),
+    Knob("image_splitting", str, None, "SmolVLM / Idefics3: cut the image into crops plus a global view (on, the "
+         "checkpoints' setting) or give the global view alone (off) (do_image_splitting)",
+         choices=SWITCH, optional=True),
+    Knob("longest_edge", int, None, "SmolVLM / Idefics3: the image is resized to this longest edge in pixels "
+         "before it is cut into crops (size.longest_edge; SmolVLM-256M 2048, SmolVLM2-2.2B 1536)",
+         low=1, high=8192, optional=True),
+    Knob("min_pixels", int, None, "Qwen2-VL / 2.5-VL / 3-VL: an image under this many pixels is enlarged to it "
+         "(size.shortest_edge; Qwen3-VL 65536)", low=1, high=2**26, optional=True),
+    Knob("max_pixels", int, None, "Qwen2-VL / 2.5-VL / 3-VL: an image over this many pixels is shrunk to it "
+         "(size.longest_edge; Qwen3-VL 16777216)", low=1, high=2**26, optional=True),
+)
+_BY_NAME = {k.name: k for k in OPTIONS}
+
+
+def check_option(name: str, value: object) -> object:
+    """`value` of option `name` as the dataclass holds it (an on / off option as a bool, also from "on" / "off";
+    numbers as `Knob.check` coerces them; None, and "" or "default" from a form, as None), else ValueError naming
+    the option and what it allows."""
+    k = _BY_NAME[name]
+    if isinstance(value, str) and value.strip().lower() in ("", "default", "none", "null"):
+        return None
+    if k.choices != SWITCH:
+        return k.check(value)
+    if value is None or isinstance(value, bool):
+        return value
+    return k.check(value.strip().lower() if isinstance(value, str) else value) == "on"
+
+
+@dataclass(frozen=True)
+class ProcessorOptions:
+    """One request's processor options (`OPTIONS`); None: the checkpoint's own value."""
+
+    pan_and_scan: bool | None = None
+    pan_and_scan_max_crops: int | None = None
+    pan_and_scan_min_crop: int | None = None
+    pan_and_scan_min_ratio: float | None = None
+    max_tiles: int | None = None
+    anyres_max: int | None = None
+    image_splitting: bool | None = None
+    longest_edge: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, check_option(f.name, getattr(self, f.name)))
+
+    @classmethod
+    def of(cls, values: dict | None) -> ProcessorOptions:
+        """The options of a mapping by name (a request's fields); None or {}: none set. ValueError names an
+        unknown option or a bad value."""
+        values = values or {}
+        unknown = set(values) - set(_BY_NAME)
+        if unknown:
+            raise ValueError(f"unknown processor options {', '.join(sorted(unknown))}; known: {', '.join(_BY_NAME)}")
+        return cls(**values)
+
+    def given(self) -> dict[str, object]:
+        """The options set (not None), by name."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+
+NO_OPTIONS = ProcessorOptions()
