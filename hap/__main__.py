@@ -12,7 +12,9 @@ from .config import HAPConfig
 from .inputs import check_history
 from .knobs import KNOBS, SEED
 from .load import ModelLoadError, load_model
+from .options import OPTIONS, ProcessorOptions
 from .patch.planted import plant
+from .patch.processors import option_defaults, processor_options
 from .planting import Plan, plant_line
 from .run import run
 from .views import export_png
@@ -36,6 +38,10 @@ def parser() -> argparse.ArgumentParser:
                    'command: {"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...] or null, '
                    '"strength": 0.9}; the --json result gains "plant" (the plan, the sink tokens used, the '
                    "classifier's precision / recall on it)")
+    images = r.add_argument_group("processor options", "how the image becomes visual tokens; unset: the "
+                                  "checkpoint's own; a model whose processor has no such setting refuses it by name")
+    for option in OPTIONS:
+        option.add_to(images)
     r.add_argument("--max-new-tokens", type=int, default=32)
     r.add_argument("--device", default="auto")
     r.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
@@ -76,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         config = HAPConfig(**{name: value for name, value in given.items() if value is not None})
         history = read_history(args.history)
         plan = read_plan(args.plant)
+        options = ProcessorOptions.of({o.name: getattr(args, o.name) for o in OPTIONS
+                                      if getattr(args, o.name) is not None})
         model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
-        with plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength):
+        images = {**option_defaults(model, processor), **options.given()}
+        with plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength), \
+                processor_options(model, processor, options):
             result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens,
                          history=history)
             mode = causal.resolve_setting(model, args.causal)
@@ -113,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     if result.plant is not None:
         print(plant_line(result.plant))
     print("timings: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in result.timings.items()))
+    if images:
+        print("processor options: " + ", ".join(f"{k} {v}" for k, v in images.items()))
     report = result.to_json()
+    report["processor_options"] = images
     if found is not None:
         report["causal"] = causal.to_json(found, result.paq, [g.kept for g in result.groups])
         print(f"causal ({found.mode}, {found.seconds:.2f} s): answer token {found.answer_text!r}, "
