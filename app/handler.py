@@ -29,7 +29,7 @@ import logging
 import socket
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from functools import wraps
 from pathlib import Path
@@ -51,7 +51,9 @@ from hap.compare import compare
 from hap.features import FeatureCache, reusing_features
 from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.knobs import KNOBS
+from hap.options import NO_OPTIONS, OPTIONS, ProcessorOptions
 from hap.patch import batch
+from hap.patch.processors import option_defaults, processor_options
 from hap.planting import Plan
 from hap.run import free_memory, run
 
@@ -99,6 +101,7 @@ class LoadedModel:
         self.model = None
         self.processor = None
         self.features: OrderedDict[str, FeatureCache] = OrderedDict()  # client -> its images' features
+        self.options: ProcessorOptions = NO_OPTIONS  # the request's processor options (`planted`), reset after it
 
     def feature_cache(self, client: str) -> FeatureCache:
         """The image features kept for `client` (a session) on the loaded model; a new model starts empty."""
@@ -127,7 +130,9 @@ class LoadedModel:
         return bool(getattr(self.processor.image_processor, "do_center_crop", False))
 
     def reset(self) -> None:
-        """Leave the loaded model stock after a request, whatever happened (no patch left behind)."""
+        """Leave the loaded model stock after a request, whatever happened (no patch left behind, no processor
+        options)."""
+        self.options = NO_OPTIONS
         if self.model is not None:
             hap.unpatch(self.model)
 
@@ -179,9 +184,21 @@ def check_settings(settings: dict) -> hap.HAPConfig:
     return hap.HAPConfig(**values, seed=SEED)
 
 
+@contextmanager
 def planted(plan: Plan):
-    """`hap.plant` of `plan` on the loaded model, for a block (the empty plan plants nothing)."""
-    return hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength)
+    """`hap.plant` of `plan` on the loaded model, for a block (the empty plan plants nothing), with the request's
+    processor options (`LOADED.options`, `hap.patch.processors.processor_options`) in effect."""
+    with hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength), \
+            processor_options(LOADED.model, LOADED.processor, LOADED.options):
+        yield
+
+
+def split_options(settings: dict) -> tuple[dict, ProcessorOptions]:
+    """(the knobs, the processor options) of a request's settings: the options of `hap.options.OPTIONS` by name,
+    checked (ValueError names a bad one); the rest are the knobs, for `check_settings`."""
+    names = {o.name for o in OPTIONS}
+    return ({k: v for k, v in settings.items() if k not in names},
+            ProcessorOptions.of({k: v for k, v in settings.items() if k in names}))
 
 
 def compare_work(shared: bool, plan: Plan) -> zerogpu.Work:
@@ -257,7 +274,7 @@ def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: Input
            cache: FeatureCache | None = None):
     """The GPU part of `/sweep` (see `_compare` for ZeroGPU); with a `cache` the image is encoded once and the
     runs share what `analysis.sweep` shares."""
-    with reusing_features(LOADED.model, cache):
+    with processor_options(LOADED.model, LOADED.processor, LOADED.options), reusing_features(LOADED.model, cache):
         return sweep(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
                      lambda fraction, description: progress(0.05 + 0.9 * fraction, desc=description),
                      shared=cache is not None)
@@ -332,7 +349,9 @@ class Handler:
     def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True), *,
                 history: list | str | None = None, turns: list[chat.Turn] | None = None, causal: str | None = None,
                 plant: dict | str | None = None, request: gr.Request | None = None, **settings) -> dict[str, object]:
-        """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`). `image` is an upload
+        """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`) and the processor options
+        of hap/options.py (`OPTIONS`: None the checkpoint's own; one the model's family lacks is refused by name; the
+        JSON gains "processor_options", every option of the family as it ran). `image` is an upload
         or the page's editor value (`app.edit.image_input`); `causal` the "Is PAQ right?" setting (`hap.causal.SETTINGS`,
         None: auto; the JSON gains "causal" and "head_utility" unless off); `history` the earlier `[question, answer]`
         turns about the image (None or []: a first question), `turns` the page's stored conversation
@@ -354,14 +373,17 @@ class Handler:
     def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
               request: gr.Request | None = None, **settings) -> dict[str, object]:
         """Every pruning method at budgets from 1.0 down to the model's smallest (`analysis.sweep`); `settings`
-        are the knobs but the swept ones (SWEPT), checked as `/analyze` checks them. Outputs by name
-        (`SWEEP_OUTPUTS`): the plot and the JSON. Cached per input (image bytes, prompt, model, knobs)."""
+        are the knobs but the swept ones (SWEPT) and the processor options, checked as `/analyze` checks them.
+        Outputs by name (`SWEEP_OUTPUTS`): the plot and the JSON. Cached per input (image bytes, prompt, model, knobs,
+        processor options)."""
+        settings, options = split_options(settings)
         picture, model_name, config, _ = self.check(image, prompt, model_name, {**settings, "method": "hap"})
         img = load(picture.source, picture.name, self.settings.limits)
-        key = (image_key(picture.source), prompt, model_name, tuple(config.to_dict().items()))
+        key = (image_key(picture.source), prompt, model_name, tuple(config.to_dict().items()), options)
         if key not in self.sweeps:
             progress(0.02, desc=f"loading {model_name}")
             LOADED.get(model_name)
+            LOADED.options = options
             self.sweeps[key] = _sweep(img, prompt, config, self.settings.limits, progress,
                                       self.features(client(request)))
             while len(self.sweeps) > SWEEP_CACHE:
@@ -385,6 +407,7 @@ class Handler:
 
     def _analyze(self, image, prompt, model_name, settings: dict, progress, history, turns,
                  causal: str | None, plant, session: str) -> dict[str, object]:
+        settings, options = split_options(settings)
         picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
         plan = Plan.from_json(plant)
         limits = self.settings.limits
@@ -395,8 +418,9 @@ class Handler:
         meta = file_metadata(picture.source)  # the upload's own text chunks, before any conversion
         progress(0.02, desc=f"loading {model_name}")
         LOADED.get(model_name)
+        LOADED.options = options
         resolve_setting(LOADED.model, causal or "auto")  # a bad or too costly causal setting, refused before any run
-        with planted(plan):  # a plan out of the model's range, refused before any run
+        with planted(plan):  # a plan out of the model's range, or options its processor lacks, refused before any run
             pass
         torch.manual_seed(SEED)
         cache = self.features(session)
@@ -409,6 +433,7 @@ class Handler:
         report = summary(comparison, timed, model_name)
         report["shared"] = self.settings.share
         report["input"] = {**info, "edited": picture.edited}
+        report["processor_options"] = {**option_defaults(LOADED.model, LOADED.processor), **options.given()}
         if question is not None:
             data = replace(data, truth=scene_truth(question, data))
             report["ground_truth"] = truth_json(data.truth)

@@ -18,6 +18,7 @@ import gradio as gr
 from analysis.report import LABELS, TEACHING
 from hap.inputs import FORMATS, InputLimits
 from hap.knobs import KNOBS, SINK_DETECTORS, Knob
+from hap.options import OPTIONS
 from hap.views import VIEW
 
 from . import causal as causal_section
@@ -26,7 +27,7 @@ from .handler import (CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTP
 from .lab import (HEAD_PICKER, LAB_DETECTOR, LAB_DETECTOR_INFO, LAB_INTRO, NO_PLAN, TEACHING_PLAN,
                   TOKEN_PICKER, lab_answers)
 from .edit import NO_EDIT
-from .settings import Settings, examples, knob_defaults
+from .settings import Settings, examples, knob_defaults, options_taken
 
 MAIN_KNOBS = ("method", "retain", "flops_ratio")  # shown above the fold; the rest under "Advanced settings"
 SLIDER_STEPS = 1000  # steps of a slider over a knob's range
@@ -35,7 +36,14 @@ RULED = [k.name for k in KNOBS if k.rule is not None]  # knobs whose default dep
 # Knobs without a default (not given = None). gradio's number box shows None as 0 and sends 0, which such a
 # knob never takes (its range starts above 0): the page sends None for it instead (`unset_zeros`).
 UNSET = [k.name for k in KNOBS if k.optional and k.rule is None]
-SWEEP_KNOBS = tuple(k.name for k in KNOBS if k.name not in SWEPT)
+SWEEP_KNOBS = tuple(k.name for k in KNOBS if k.name not in SWEPT) + tuple(o.name for o in OPTIONS)
+UNSET.extend(o.name for o in OPTIONS if o.choices is None)  # processor options: a number box's 0 = the checkpoint's own
+OPTIONS_INTRO = (
+    "How the image becomes visual tokens: the processor settings of the chosen model's family that change their "
+    "count (pan-and-scan crops, tiles, splitting, pixels). Blank or default: the checkpoint's own, listed after a run "
+    "in the JSON summary (`processor_options`). Only the chosen model's options are shown; a model whose processor "
+    "has none shows none (e.g. LLaVA-1.5). Each is the `/analyze` parameter and `python -m hap run` flag of its name."
+)
 SWEEP_INTRO = (
     "Every pruning method at budgets from keeping everything down to the least this model allows (its first "
     "layers keep every token, each group at least one), with the other settings above. Top: the probability each "
@@ -74,6 +82,31 @@ def unset_zeros(offset: int, names: tuple[str, ...], reset: tuple[int, ...] = ()
             f"for (const i of {list(reset)}) v[i] = null; return v; }}")
 
 
+def option_control(option: Knob, shown: bool) -> gr.components.Component:
+    """The control of one processor option (`hap.options.OPTIONS`), blank (the checkpoint's own), `shown` or hidden."""
+    common = dict(label=option.name, info=option.help, elem_id=f"option-{option.name}", visible=shown)
+    if option.choices is not None:
+        return gr.Radio(["default", *option.choices], value="default", **common)
+    return gr.Number(value=None, minimum=option.low, maximum=option.high,
+                     precision=0 if option.kind is int else None, **common)
+
+
+def option_controls(model_name: str) -> dict[str, gr.components.Component]:
+    """Every processor option's control, in an accordion, those of `model_name`'s family shown (all where unknown)."""
+    taken = options_taken(model_name)
+    with gr.Accordion("Image processor options (visual-token count)", open=False):
+        gr.Markdown(OPTIONS_INTRO)
+        return {o.name: option_control(o, taken is None or o.name in taken) for o in OPTIONS}
+
+
+def model_options(model_name: str) -> list:
+    """The processor options' controls on a model change: those of its family shown (all where unknown), reset to
+    the checkpoint's own."""
+    taken = options_taken(model_name)
+    return [gr.update(visible=taken is None or o.name in taken, value="default" if o.choices else None)
+            for o in OPTIONS]
+
+
 def model_defaults(model_name: str) -> list:
     """The values of the per-model knobs (RULED) for `model_name`: the controls' update on a model change."""
     defaults = knob_defaults(model_name)
@@ -102,14 +135,14 @@ def plot(name: str) -> gr.Plot:
 
 
 def request_column(names: list[str]) -> tuple[list[gr.components.Component], dict, gr.Button]:
-    """The left column: ([image, prompt, model], the knob controls by name, the Run button)."""
+    """The left column: ([image, prompt, model], the knob and processor-option controls by name, the Run button)."""
     image = gr.ImageEditor(type="filepath", label="Image (upload, then brush, erase or crop to edit it)", height=340,
                            sources=("upload", "clipboard"), transforms=("crop",), elem_id="image-editor",
                            brush=gr.Brush(colors=["#000000", "#ffffff", "#808080", "#ff0000", "#0000ff"],
                                           default_color="#000000", color_mode="defaults"))
     prompt = gr.Textbox(label="Prompt", placeholder="what color is the triangle ?", lines=2)
     model = gr.Dropdown(names, value=names[0], label="Model (loaded on first use)")
-    knobs = knob_controls(knob_defaults(names[0]))
+    knobs = {**knob_controls(knob_defaults(names[0])), **option_controls(names[0])}  # the knobs, the options
     return [image, prompt, model], knobs, gr.Button("Run (new conversation)", variant="primary", elem_id="run")
 
 
@@ -317,6 +350,7 @@ def build_demo(
                            trigger_mode="always_last")
         out["head"].input(show_head, stored, inspector, api_name="inspect", trigger_mode="always_last")
         model.change(model_defaults, model, [knobs[name] for name in RULED], api_visibility="private")
+        model.change(model_options, model, [knobs[o.name] for o in OPTIONS], api_visibility="private")
     demo.queue(max_size=settings.queue_size)
     demo.hap_handler = handler  # its `settings` are what this demo enforces
     return demo

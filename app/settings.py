@@ -40,6 +40,7 @@ import gradio as gr
 
 from hap.inputs import DEFAULT_LIMITS, InputLimits
 from hap.knobs import KNOBS
+from hap.patch.processors import options_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = "assets/tiny-llava"
@@ -59,6 +60,23 @@ HUB_MODELS = {  # supported hub checkpoints -> decoder layers
     "Qwen/Qwen3-VL-8B-Instruct": 36,
     "google/gemma-3-4b-it": 34,
     "google/gemma-3-12b-it": 48,
+}
+HUB_ARCHITECTURES = {  # supported hub checkpoints -> model class (their config.json's `architectures`)
+    "llava-hf/llava-1.5-7b-hf": "LlavaForConditionalGeneration",
+    "llava-hf/llava-interleave-qwen-0.5b-hf": "LlavaForConditionalGeneration",
+    "Qwen/Qwen2-VL-2B-Instruct": "Qwen2VLForConditionalGeneration",
+    "llava-hf/llava-onevision-qwen2-0.5b-ov-hf": "LlavaOnevisionForConditionalGeneration",
+    "llava-hf/llava-onevision-qwen2-7b-ov-hf": "LlavaOnevisionForConditionalGeneration",
+    "llava-hf/llava-v1.6-vicuna-7b-hf": "LlavaNextForConditionalGeneration",
+    "llava-hf/llava-v1.6-mistral-7b-hf": "LlavaNextForConditionalGeneration",
+    "OpenGVLab/InternVL3-1B-hf": "InternVLForConditionalGeneration",
+    "OpenGVLab/InternVL3-8B-hf": "InternVLForConditionalGeneration",
+    "HuggingFaceTB/SmolVLM-256M-Instruct": "Idefics3ForConditionalGeneration",
+    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "SmolVLMForConditionalGeneration",
+    "Qwen/Qwen3-VL-2B-Instruct": "Qwen3VLForConditionalGeneration",
+    "Qwen/Qwen3-VL-8B-Instruct": "Qwen3VLForConditionalGeneration",
+    "google/gemma-3-4b-it": "Gemma3ForConditionalGeneration",
+    "google/gemma-3-12b-it": "Gemma3ForConditionalGeneration",
 }
 UNKNOWN_DEPTH = 32  # decoder layers assumed when a model's config cannot be read (its load will say why)
 EXAMPLES = ROOT / "assets" / "examples"
@@ -173,6 +191,25 @@ def decoder_layers(name: str) -> int:
         except (ValueError, TypeError, AttributeError, OSError):  # an unreadable config: the load will say why
             return UNKNOWN_DEPTH
     return HUB_MODELS.get(name, UNKNOWN_DEPTH)
+
+
+def architecture(name: str) -> str | None:
+    """The model class of `name`: a local config.json's first `architectures`, else `HUB_ARCHITECTURES` (None:
+    unknown; the load will say whether it is supported)."""
+    config = Path(resolve(name)) / "config.json"
+    if config.is_file():
+        try:
+            return json.loads(config.read_text())["architectures"][0]
+        except (ValueError, TypeError, KeyError, IndexError, OSError):
+            return None
+    return HUB_ARCHITECTURES.get(name)
+
+
+def options_taken(name: str) -> tuple[str, ...] | None:
+    """The processor options (`hap.options`) the family of model `name` takes (`hap.patch.processors.options_of`),
+    without loading it; None where its family is unknown."""
+    arch = architecture(name)
+    return None if arch is None else options_of(arch)
 
 
 def knob_defaults(name: str) -> dict[str, object]:

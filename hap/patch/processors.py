@@ -196,15 +196,15 @@ def family(architecture: str) -> str:
     return architecture.removesuffix("ForConditionalGeneration")
 
 
-def options_taken(model) -> tuple[str, ...]:
-    """The processor options `model`'s family takes, in `RULES` order."""
-    return tuple(name for name, by_family in RULES.items() if type(model).__name__ in by_family)
+def options_of(architecture: str) -> tuple[str, ...]:
+    """The processor options the model class `architecture` takes, in `RULES` order."""
+    return tuple(name for name, by_family in RULES.items() if architecture in by_family)
 
 
 def option_defaults(model, processor) -> dict[str, object]:
     """Each option `model`'s family takes, at the loaded checkpoint's own value (its processor's configuration)."""
     arch = type(model).__name__
-    return {name: RULES[name][arch].default(model, processor) for name in options_taken(model)}
+    return {name: RULES[name][arch].default(model, processor) for name in options_of(arch)}
 
 
 def option_settings(model, processor, options: ProcessorOptions) -> tuple[dict, list[Mirror]]:
