@@ -36,7 +36,7 @@ RULED = [k.name for k in KNOBS if k.rule is not None]  # knobs whose default dep
 # Knobs without a default (not given = None). gradio's number box shows None as 0 and sends 0, which such a
 # knob never takes (its range starts above 0): the page sends None for it instead (`unset_zeros`).
 UNSET = [k.name for k in KNOBS if k.optional and k.rule is None]
-SWEEP_KNOBS = tuple(k.name for k in KNOBS if k.name not in SWEPT) + tuple(o.name for o in OPTIONS)
+SWEEP_KNOBS = tuple(k.name for k in KNOBS if k.name not in SWEPT)
 UNSET.extend(o.name for o in OPTIONS if o.choices is None)  # processor options: a number box's 0 = the checkpoint's own
 OPTIONS_INTRO = (
     "How the image becomes visual tokens: the processor settings of the chosen model's family that change their "
@@ -288,6 +288,7 @@ def build_demo(
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
                 request, knobs, run = request_column(settings.models)
+                options = {o.name: knobs.pop(o.name) for o in OPTIONS}  # the API's last parameters, after the knobs'
             with gr.Column(scale=2):
                 out = answer_column()
         example_rows(settings.models, request)
@@ -315,11 +316,12 @@ def build_demo(
         # without, against the upload cache and the examples (app/uploads.py)
         conversation = {"history": out["history"], "turns": out["turns"], "causal": causal_setting,
                         "plant": lab["plant"]}
-        lane = dict(inputs_kwargs={**knobs, **conversation}, concurrency_limit=1, concurrency_id="model",
-                    preprocess=False, js=unset_zeros(len(request), tuple(knobs)))
+        inputs = {**knobs, **conversation, **options}
+        lane = dict(inputs_kwargs=inputs, concurrency_limit=1, concurrency_id="model",
+                    preprocess=False, js=unset_zeros(len(request), tuple(inputs)))
         history_at = len(request) + list(lane["inputs_kwargs"]).index("history")  # Run: no history, a new conversation
-        new = {**lane, "js": unset_zeros(len(request), tuple(knobs), reset=(history_at,))}
-        analyze = handler.endpoint(handler.analyze, out, tuple(knobs))
+        new = {**lane, "js": unset_zeros(len(request), tuple(inputs), reset=(history_at,))}
+        analyze = handler.endpoint(handler.analyze, out, (*knobs, *options))
         api.click(analyze, api_request, outputs, api_name="analyze", **lane)
         run.click(analyze, request, outputs, api_visibility="private", **new)
         prompt.submit(analyze, request, outputs, api_visibility="private", **new)
@@ -336,9 +338,9 @@ def build_demo(
                                  api_visibility="private")
         lab["fill"].click(handler.fill_plan, [model, *(lab[k] for k in ("kind", "share", "layers", "seed", "strength",
                                                                   "sink_tokens"))], lab["plant"], api_visibility="private")
-        sweep_lane = {**lane, "inputs_kwargs": {k: knobs[k] for k in SWEEP_KNOBS},
-                      "js": unset_zeros(len(request), SWEEP_KNOBS)}
-        sweeper, sweep_outputs = handler.endpoint(handler.sweep, sweep_out, SWEEP_KNOBS), [
+        sweep_lane = {**lane, "inputs_kwargs": {**{k: knobs[k] for k in SWEEP_KNOBS}, **options},
+                      "js": unset_zeros(len(request), (*SWEEP_KNOBS, *options))}
+        sweeper, sweep_outputs = handler.endpoint(handler.sweep, sweep_out, (*SWEEP_KNOBS, *options)), [
             sweep_out[name] for name in SWEEP_OUTPUTS]
         api.click(sweeper, api_request, sweep_outputs, api_name="sweep", **sweep_lane)
         sweep.click(sweeper, request, sweep_outputs, api_visibility="private", **sweep_lane)
@@ -350,7 +352,7 @@ def build_demo(
                            trigger_mode="always_last")
         out["head"].input(show_head, stored, inspector, api_name="inspect", trigger_mode="always_last")
         model.change(model_defaults, model, [knobs[name] for name in RULED], api_visibility="private")
-        model.change(model_options, model, [knobs[o.name] for o in OPTIONS], api_visibility="private")
+        model.change(model_options, model, list(options.values()), api_visibility="private")
     demo.queue(max_size=settings.queue_size)
     demo.hap_handler = handler  # its `settings` are what this demo enforces
     return demo

@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     if result.plant is not None:
         print(plant_line(result.plant))
     print("timings: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in result.timings.items()))
-    if images:
-        print("processor options: " + ", ".join(f"{k} {v}" for k, v in images.items()))
     report = result.to_json()
-    report["processor_options"] = images
+    if images:  # the family's processor options, as they ran
+        print("processor options: " + ", ".join(f"{k} {v}" for k, v in images.items()))
+        report["processor_options"] = images
     if found is not None:
         report["causal"] = causal.to_json(found, result.paq, [g.kept for g in result.groups])
         print(f"causal ({found.mode}, {found.seconds:.2f} s): answer token {found.answer_text!r}, "

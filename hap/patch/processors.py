@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import (InternVLProcessor, LlavaOnevisionProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor,
                           Qwen3VLProcessor, SmolVLMProcessor)
@@ -236,8 +236,9 @@ MISSING = object()
 def processor_options(model, processor, options: ProcessorOptions | None = None) -> Iterator[dict]:
     """Inside the block, every call of `processor` takes `options` (`option_settings`'s kwargs, as its own
     `images_kwargs` defaults) and the processor and model hold the settings they read themselves (LLaVA-NeXT's
-    pinpoints, OneVision's `vision_aspect_ratio`); `model._hap_options` records them for the feature cache
-    (`hap.features`). Yields the kwargs. No options: nothing changes. Everything is restored after, even on error."""
+    pinpoints, OneVision's `vision_aspect_ratio`); `model._hap_options` records every option in effect (an outer
+    block's too) for the feature cache (`hap.features`). Yields the kwargs. No options: nothing changes (an outer
+    block's stay in effect). Everything is restored after, even on error."""
     options = options or NO_OPTIONS
     kwargs, mirrors = option_settings(model, processor, options)
     saved = [(processor, "images_kwargs", vars(processor).get("images_kwargs", MISSING)),
@@ -248,7 +249,8 @@ def processor_options(model, processor, options: ProcessorOptions | None = None)
             processor.images_kwargs = {**getattr(processor, "images_kwargs", {}), **kwargs}
         for obj, attr, value in mirrors:
             setattr(obj, attr, value)
-        model._hap_options = options
+        if options.given():
+            model._hap_options = replace(getattr(model, "_hap_options", NO_OPTIONS), **options.given())
         yield kwargs
     finally:
         for obj, attr, value in reversed(saved):
