@@ -6,6 +6,8 @@
 (`hap.HAPConfig()` alone uses per-model defaults, see `hap.knobs`), or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
 Images of different sizes (their own visual-token counts, their own budgets) go together through
 `hap.run_batch(model, processor, images, prompts, cfg)`; several configs on one input through `hap.run_together`.
+Each takes `options=hap.ProcessorOptions(max_tiles=6, ...)`: the processor settings that change the visual-token
+count (`hap.options`), unset = the checkpoint's own.
 """
 
 from .budget import DecoderShape, Schedule, plan, solve_schedule
@@ -14,6 +16,7 @@ from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
 from .knobs import KNOBS, METHODS, Knob, knob
 from .load import ModelLoadError, load_model
+from .options import ProcessorOptions
 from .patch import apply as patch
 from .patch import patched
 from .patch import remove as unpatch
@@ -34,6 +37,7 @@ __all__ = [
     "Knob",
     "Maps",
     "ModelLoadError",
+    "ProcessorOptions",
     "Result",
     "Schedule",
     "head_importance",

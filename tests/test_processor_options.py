@@ -55,7 +55,8 @@ CASES = {
     "llava-next max tiles": (llava_next, ProcessorOptions(max_tiles=2),
                              lambda p: pinpoints(p, [pp for pp in NEXT_PINPOINTS if pp[0] * pp[1] <= 2 * TILE ** 2])),
     "onevision max tiles": (llava_onevision, ProcessorOptions(max_tiles=4),
-                            lambda p: pinpoints(p, [pp for pp in ONEVISION_PINPOINTS if pp[0] * pp[1] <= 4 * TILE ** 2])),
+                            lambda p: pinpoints(p, [pp for pp in ONEVISION_PINPOINTS
+                                                    if pp[0] * pp[1] <= 4 * TILE ** 2])),
     "onevision anyres max": (llava_onevision, ProcessorOptions(anyres_max=1), lambda p: anyres(p, 1)),
 }
 

@@ -39,6 +39,7 @@ from app.settings import knob_defaults
 from app.uploads import REFUSED
 from hap.inputs import InputLimits
 from hap.knobs import KNOBS
+from hap.options import OPTIONS
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 SCENE2 = ROOT / "assets" / "examples" / "scene_600001.png"
@@ -106,14 +107,16 @@ class Server:
     def payload(self, image, **changes) -> list:
         """The positional `data` of a raw /analyze call: image, prompt, model, every knob in registry order (SETTINGS,
         else the model's defaults), then the history, the stored turns and the causal setting (None: a first
-        question, none stored, auto)."""
+        question, none stored, auto), then the processor options (None: the checkpoint's own)."""
         settings = {**knob_defaults(self.model), **SETTINGS, **changes}
-        return [image, PROMPT, self.model, *(settings[k.name] for k in KNOBS), None, None, None]
+        return [image, PROMPT, self.model, *(settings[k.name] for k in KNOBS), None, None, None,
+                *(None for _ in OPTIONS)]
 
     def sweep_payload(self, image) -> list:
-        """The positional `data` of a raw /sweep call: image, prompt, model, then the knobs it takes (SWEEP_KNOBS)."""
+        """The positional `data` of a raw /sweep call: image, prompt, model, then the knobs it takes (SWEEP_KNOBS),
+        then the processor options (None: the checkpoint's own)."""
         settings = {**knob_defaults(self.model), **SETTINGS}
-        return [image, PROMPT, self.model, *(settings[name] for name in SWEEP_KNOBS)]
+        return [image, PROMPT, self.model, *(settings[name] for name in SWEEP_KNOBS), *(None for _ in OPTIONS)]
 
     def raw(self, data: list, endpoint: str = "analyze") -> tuple[str, object]:
         """POST /call/<endpoint> with a JSON body gradio_client would not send; (event, payload) of the answer."""
