@@ -14,28 +14,39 @@ from dataclasses import asdict, dataclass, fields
 from .knobs import Knob
 
 SWITCH = ("on", "off")  # the values of an on / off option as text (CLI, page); True / False in Python
+
+
+def switch(name: str, help: str) -> Knob:
+    """An on / off option (None: the checkpoint's own)."""
+    return Knob(name, str, None, help, choices=SWITCH, optional=True)
+
+
+def number(name: str, help: str, high: float, kind: type = int, low: float = 1) -> Knob:
+    """A numeric option in [low, high] (None: the checkpoint's own)."""
+    return Knob(name, kind, None, help, low=low, high=high, optional=True)
+
+
 OPTIONS: tuple[Knob, ...] = (
-    Knob("pan_and_scan", str, None, "Gemma 3: also cut an image far from square into crops along its longer side, "
-         "each crop its own block of image tokens (do_pan_and_scan; off in transformers' Gemma3Processor)",
-         choices=SWITCH, optional=True),
-    Knob("pan_and_scan_max_crops", int, None, "Gemma 3 pan-and-scan: the most crops of an image "
-         "(pan_and_scan_max_num_crops; Gemma3Processor's default 4)", low=1, high=32, optional=True),
-    Knob("pan_and_scan_min_crop", int, None, "Gemma 3 pan-and-scan: the shortest side of a crop in pixels "
-         "(pan_and_scan_min_crop_size; Gemma3Processor's default 256)", low=1, high=4096, optional=True),
-    Knob("pan_and_scan_min_ratio", float, None, "Gemma 3 pan-and-scan: the aspect ratio from which an image is cut "
-         "(pan_and_scan_min_ratio_to_activate; Gemma3Processor's default 1.2)", low=1.0, high=100.0, optional=True),
-    Knob("max_tiles", int, None, "the most tiles an image is cut into: InternVL's max_patches; LLaVA-NeXT / "
-         "OneVision: only the checkpoint's grid pinpoints of at most this many tiles", low=1, high=64, optional=True),
-    Knob("anyres_max", int, None, "LLaVA-OneVision: a tile grid of more than about this many tiles' worth of tokens "
-         "is shrunk to it (vision_aspect_ratio anyres_max_N)", low=1, high=64, optional=True),
-    Knob("image_splitting", str, None, "SmolVLM / Idefics3: cut the image into crops plus a global view (on) or "
-         "give the global view alone (off) (do_image_splitting)", choices=SWITCH, optional=True),
-    Knob("longest_edge", int, None, "SmolVLM / Idefics3: the image is resized to this longest edge in pixels "
-         "before it is cut into crops (size.longest_edge)", low=1, high=8192, optional=True),
-    Knob("min_pixels", int, None, "Qwen2-VL / 2.5-VL / 3-VL: an image under this many pixels is enlarged to it "
-         "(size.shortest_edge)", low=1, high=100_000_000, optional=True),
-    Knob("max_pixels", int, None, "Qwen2-VL / 2.5-VL / 3-VL: an image over this many pixels is shrunk to it "
-         "(size.longest_edge)", low=1, high=100_000_000, optional=True),
+    switch("pan_and_scan", "Gemma 3: also cut an image far from square into crops along its longer side, each crop "
+           "its own block of image tokens (do_pan_and_scan; off in transformers' Gemma3Processor)"),
+    number("pan_and_scan_max_crops", "Gemma 3 pan-and-scan: the most crops of an image (pan_and_scan_max_num_crops; "
+           "Gemma3Processor's default 4)", 32),
+    number("pan_and_scan_min_crop", "Gemma 3 pan-and-scan: the shortest side of a crop in pixels "
+           "(pan_and_scan_min_crop_size; Gemma3Processor's default 256)", 4096),
+    number("pan_and_scan_min_ratio", "Gemma 3 pan-and-scan: the aspect ratio from which an image is cut "
+           "(pan_and_scan_min_ratio_to_activate; Gemma3Processor's default 1.2)", 100.0, float),
+    number("max_tiles", "the most tiles an image is cut into: InternVL's max_patches; LLaVA-NeXT / OneVision: only "
+           "the checkpoint's grid pinpoints of at most this many tiles", 64),
+    number("anyres_max", "LLaVA-OneVision: a tile grid of more than about this many tiles' worth of tokens is shrunk "
+           "to it (vision_aspect_ratio anyres_max_N)", 64),
+    switch("image_splitting", "SmolVLM / Idefics3: cut the image into crops plus a global view (on) or give the "
+           "global view alone (off) (do_image_splitting)"),
+    number("longest_edge", "SmolVLM / Idefics3: the image is resized to this longest edge in pixels before it is "
+           "cut into crops (size.longest_edge)", 8192),
+    number("min_pixels", "Qwen2-VL / 2.5-VL / 3-VL: an image under this many pixels is enlarged to it "
+           "(size.shortest_edge)", 100_000_000),
+    number("max_pixels", "Qwen2-VL / 2.5-VL / 3-VL: an image over this many pixels is shrunk to it "
+           "(size.longest_edge)", 100_000_000),
 )
 _BY_NAME = {k.name: k for k in OPTIONS}
 
