@@ -239,3 +239,12 @@ def test_the_page_shows_the_options_of_the_chosen_models_family():
     assert [o.name for o, v in zip(OPTIONS, shown) if v] == ["image_splitting", "longest_edge"]
     assert all(u["visible"] for u in model_options("someone/unknown"))
     torch.manual_seed(0)
+
+
+def test_the_docs_name_every_option_with_its_range():
+    root = Path(__file__).resolve().parent.parent
+    app_doc, readme = (root / "docs" / "app.md").read_text(), (root / "README.md").read_text()
+    for option in OPTIONS:
+        assert f"`{option.name}`" in app_doc and f"`{option.name}`" in readme, option.name
+        if option.choices is None:
+            assert f"[{option.low:g}, {option.high:g}]" in app_doc, option.name
