@@ -201,6 +201,16 @@ def split_options(settings: dict) -> tuple[dict, ProcessorOptions]:
             ProcessorOptions.of({k: v for k, v in settings.items() if k in names}))
 
 
+def options_line(used: dict[str, object], given: ProcessorOptions) -> str:
+    """The explanation's line on the processor options the run used (`used`, by name), each marked as set by the
+    request (`given`) or the checkpoint's own; "" for a family without any."""
+    if not used:
+        return ""
+    marked = [f"`{name}` {value} ({'set' if name in given.given() else 'the checkpoint'})"
+              for name, value in used.items()]
+    return "\n- Processor options: " + ", ".join(marked) + "."
+
+
 def compare_work(shared: bool, plan: Plan) -> zerogpu.Work:
     """What `_compare` runs: the three answers (decoded as one batch where `shared` and nothing is planted), the method
     again untraced unless `shared`, the lab's two with a plan."""
@@ -476,6 +486,7 @@ class Handler:
             "edit_diff_plot": None if edit is None else edit.figure(),
             "state": data,
         }
+        outputs["explanation"] += options_line(report["processor_options"], options)
         turn = chat.Turn(prompt, comparison.pruned.answer, [list(g.kept) for g in data.groups], data.shape[2], outputs,
                          pixels, model_name)
         conversation = [*earlier, turn]

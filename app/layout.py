@@ -41,7 +41,7 @@ UNSET.extend(o.name for o in OPTIONS if o.choices is None)  # processor options:
 OPTIONS_INTRO = (
     "How the image becomes visual tokens: the processor settings of the chosen model's family that change their "
     "count (pan-and-scan crops, tiles, splitting, pixels). Blank or default: the checkpoint's own, listed after a run "
-    "in the JSON summary (`processor_options`). Only the chosen model's options are shown; a model whose processor "
+    "in the explanation and the JSON summary (`processor_options`). Only the chosen model's options are shown; a model whose processor "
     "has none shows none (e.g. LLaVA-1.5). Each is the `/analyze` parameter and `python -m hap run` flag of its name."
 )
 SWEEP_INTRO = (

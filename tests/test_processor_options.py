@@ -216,11 +216,15 @@ def test_analyze_takes_the_options_as_fields_and_refuses_one_by_name(qwen_folder
     server = Handler(Settings(models=[qwen_folder], allow_local=True))
     upload = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
     knobs = {k.name: k.resolve(4) for k in KNOBS}
-    out = server.analyze(upload, PROMPT, qwen_folder, causal="off", **knobs, **SMALL)["summary"]
+    shown = server.analyze(upload, PROMPT, qwen_folder, causal="off", **knobs, **SMALL)
+    out = shown["summary"]
     assert out["num_visual"] == expected and out["processor_options"] == SMALL
-    plain = server.analyze(upload, PROMPT, qwen_folder, causal="off", **knobs, min_pixels=None)["summary"]
+    assert f"- Processor options: `min_pixels` {SMALL['min_pixels']} (set), `max_pixels`" in shown["explanation"]
+    shown = server.analyze(upload, PROMPT, qwen_folder, causal="off", **knobs, min_pixels=None)
+    plain = shown["summary"]
     assert plain["num_visual"] == 36 and plain["processor_options"] == {"min_pixels": 168 ** 2,
                                                                         "max_pixels": 168 ** 2}
+    assert f"`max_pixels` {168 ** 2} (the checkpoint)" in shown["explanation"]
     with pytest.raises(gr.Error, match="max_tiles is not a processor option of Qwen2VL; it is one of InternVL"):
         server.analyze(upload, PROMPT, qwen_folder, causal="off", **knobs, max_tiles=2)
     with pytest.raises(gr.Error, match=r"max_pixels=0 must be an integer"):
