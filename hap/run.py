@@ -93,7 +93,7 @@ def run(
     trace: bool = True,
     limits: InputLimits = DEFAULT_LIMITS,
     history: Sequence[tuple[str, str]] = (),
-    options: ProcessorOptions | None = None,
+    options: ProcessorOptions | dict | None = None,
 ) -> Result:
     """Run the full HAP pipeline on one image and prompt; greedy decoding on the pruned cache.
 
@@ -101,8 +101,9 @@ def run(
     strings); the prompt is the chat template over the whole conversation, and the pruner's rows come from the
     new question's turn only (`question_lead`).
 
-    `options`: the processor options (`hap.options.ProcessorOptions`: pan-and-scan, max tiles, min / max pixels, ...)
-    of this run, None for the checkpoint's own; an option the model's family does not take is refused by name.
+    `options`: the processor options (`hap.options.ProcessorOptions`, or a dict by name: pan-and-scan, max tiles,
+    min / max pixels, ...) of this run, None for the checkpoint's own; an option the model's family does not take is
+    refused by name.
 
     Bad input raises ValueError naming the problem; running out of memory raises MemoryError
     after the memory is freed, so the next call can succeed.
@@ -199,7 +200,7 @@ def finish(model, processor, p: Prepared, config: HAPConfig, patch, answer: torc
 
 def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPConfig, bool]],
                  max_new_tokens: int = 32, limits: InputLimits = DEFAULT_LIMITS,
-                 history: Sequence[tuple[str, str]] = (), options: ProcessorOptions | None = None) -> list[Result]:
+                 history: Sequence[tuple[str, str]] = (), options: ProcessorOptions | dict | None = None) -> list[Result]:
     """`run` of each `(config, trace)` of `runs` on one image and prompt (`options`: see `run`), prepared once and,
     where the model allows
     (`hap.patch.batch.refusal`), their answers decoded as one batch after each run's own prefill: the same answers
@@ -218,7 +219,7 @@ def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPC
 
 def run_batch(model, processor, images: Sequence, prompts: Sequence[str], config: HAPConfig | None = None,
               max_new_tokens: int = 32, trace: bool = False, limits: InputLimits = DEFAULT_LIMITS,
-              options: ProcessorOptions | None = None) -> list[Result]:
+              options: ProcessorOptions | dict | None = None) -> list[Result]:
     """`run` of `config` on each `(image, prompt)` pair of a batch (`options`: see `run`), images of any sizes: each
     sample is prefilled
     alone, so its budget and retained share count its own visual tokens (a tiled or dynamic-resolution image gives

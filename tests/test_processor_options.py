@@ -163,7 +163,7 @@ def test_the_feature_cache_keys_on_the_options():
 
 def test_nested_blocks_restore_the_outer_options():
     model, processor = internvl()
-    with processor_options(model, processor, ProcessorOptions(max_tiles=2)):
+    with processor_options(model, processor, {"max_tiles": 2}):  # a dict by name as well
         inner = hap.run(model, processor, picture(WIDE), PROMPT, FAST, max_new_tokens=2,
                         options=ProcessorOptions(max_tiles=3))
         assert prompt_tokens(processor) == prompt_tokens(processor, max_patches=2)
@@ -252,3 +252,14 @@ def test_the_docs_name_every_option_with_its_range():
         assert f"`{option.name}`" in app_doc and f"`{option.name}`" in readme, option.name
         if option.choices is None:
             assert f"[{option.low:g}, {option.high:g}]" in app_doc, option.name
+
+
+def test_the_cli_flags_parse_to_the_options():
+    from hap.__main__ import parser
+
+    args = parser().parse_args(["run", "--image", "x.png", "--prompt", "q", "--pan-and-scan", "on",
+                                "--pan-and-scan-min-ratio", "2", "--max-tiles", "6"])
+    given = {o.name: getattr(args, o.name) for o in OPTIONS if getattr(args, o.name) is not None}
+    assert ProcessorOptions.of(given).given() == {"pan_and_scan": True, "pan_and_scan_min_ratio": 2.0, "max_tiles": 6}
+    with pytest.raises(SystemExit):
+        parser().parse_args(["run", "--image", "x.png", "--prompt", "q", "--image-splitting", "maybe"])
