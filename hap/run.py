@@ -200,7 +200,8 @@ def finish(model, processor, p: Prepared, config: HAPConfig, patch, answer: torc
 
 def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPConfig, bool]],
                  max_new_tokens: int = 32, limits: InputLimits = DEFAULT_LIMITS,
-                 history: Sequence[tuple[str, str]] = (), options: ProcessorOptions | dict | None = None) -> list[Result]:
+                 history: Sequence[tuple[str, str]] = (),
+                 options: ProcessorOptions | dict | None = None) -> list[Result]:
     """`run` of each `(config, trace)` of `runs` on one image and prompt (`options`: see `run`), prepared once and,
     where the model allows
     (`hap.patch.batch.refusal`), their answers decoded as one batch after each run's own prefill: the same answers
