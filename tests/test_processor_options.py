@@ -263,3 +263,14 @@ def test_the_cli_flags_parse_to_the_options():
     assert ProcessorOptions.of(given).given() == {"pan_and_scan": True, "pan_and_scan_min_ratio": 2.0, "max_tiles": 6}
     with pytest.raises(SystemExit):
         parser().parse_args(["run", "--image", "x.png", "--prompt", "q", "--image-splitting", "maybe"])
+
+
+def test_analyze_and_sweep_name_the_options_as_api_parameters():
+    from app.layout import build_demo
+
+    info = build_demo().get_api_info()["named_endpoints"]
+    for endpoint in ("/analyze", "/sweep"):
+        params = {p["parameter_name"]: p for p in info[endpoint]["parameters"]}
+        assert all(params[o.name]["parameter_has_default"] for o in OPTIONS), endpoint
+        assert params["max_tiles"]["parameter_default"] is None and params["pan_and_scan"]["parameter_default"] in (
+            None, "default")
