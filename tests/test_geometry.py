@@ -97,7 +97,9 @@ REAL = {
                                                  LANCZOS, HALF),
 }
 PAN_AND_SCAN = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=256, pan_and_scan_max_num_crops=4,
-                    pan_and_scan_min_ratio_to_activate=1.2)  # Gemma3ImageProcessor's defaults (N), switched on
+                    pan_and_scan_min_ratio_to_activate=1.2)  # Gemma3Processor's defaults (N), switched on
+CALL = {"gemma3-pan-and-scan": PAN_AND_SCAN}  # processor-call settings (Gemma3Processor's own defaults win over the
+#                                            image processor's attributes, so pan-and-scan is asked for per call)
 
 
 def settings(name: str) -> Real:
@@ -142,8 +144,7 @@ BUILD = {  # name -> () -> (model, processor) at the real image settings, tiny d
     "qwen2-vl": qwen2_vl,
     "qwen3-vl": lambda: qwen3_vl(layers=1, min_pixels=65536, max_pixels=16777216, image=image_kwargs("qwen3-vl")),
     "gemma3": lambda: gemma3(layers=1, tokens=256, image_size=896, image=image_kwargs("gemma3")),
-    "gemma3-pan-and-scan": lambda: gemma3(layers=1, tokens=256, image_size=896,
-                                          image={**image_kwargs("gemma3"), **PAN_AND_SCAN}),
+    "gemma3-pan-and-scan": lambda: gemma3(layers=1, tokens=256, image_size=896, image=image_kwargs("gemma3")),
     "internvl": lambda: internvl(layers=1, tile=448, max_patches=12, image=image_kwargs("internvl")),
     "smolvlm": lambda: idefics3(layers=1, crop=512, patch=16, scale=4, longest=2048, image=image_kwargs("smolvlm")),
     "smolvlm2": lambda: idefics3(layers=1, smolvlm=True, crop=384, patch=14, scale=3, longest=1536,
@@ -332,10 +333,17 @@ def qwen_sightings(model, processor, batch, marks: int) -> list[Sighting]:
 # --- the checks -----------------------------------------------------------------------------------------------------
 SIZES = [(1000, 600), (600, 1400), (2000, 2000)]  # (width, height)
 WIDE = (2400, 600)  # Gemma 3 pan-and-scan's 4 crops
+FOUR_BY_THREE = (1600, 1200)  # InternVL's 12 tiles (4 x 3, the closest grid of at most 12 to 4:3)
 CASES = [(name, size) for name in BUILD for size in SIZES if name != "gemma3-pan-and-scan"]
-CASES += [("gemma3-pan-and-scan", size) for size in [*SIZES[:2], WIDE]]
-HEAVY = {("onevision", (2000, 2000)), ("internvl", (1000, 600)), ("internvl", (2000, 2000)), ("smolvlm", (2000, 2000)),
-         ("smolvlm2", (2000, 2000)), ("gemma3-pan-and-scan", WIDE)}
+CASES += [("gemma3-pan-and-scan", size) for size in [*SIZES[:2], WIDE]] + [("internvl", FOUR_BY_THREE)]
+LARGEST = {  # the largest grids, and the views they must give
+    ("smolvlm", (2000, 2000)): ("crops (4 x 4)", "global view (the whole image squashed to one crop)"),
+    ("internvl", FOUR_BY_THREE): ("tiles (3 x 4)", "thumbnail (the whole image squashed to one tile)"),
+    ("onevision", (2000, 2000)): ("base view (the whole image squashed to one tile)", "tiles (6 x 6, unpadded)"),
+    ("gemma3-pan-and-scan", WIDE): ("whole image", "crop 1", "crop 2", "crop 3", "crop 4"),
+}
+HEAVY = {("onevision", (2000, 2000)), ("internvl", (600, 1400)), ("internvl", FOUR_BY_THREE), ("smolvlm", (2000, 2000)),
+         ("smolvlm2", (2000, 2000)), ("smolvlm", (1000, 600)), ("smolvlm", (600, 1400))}
 
 
 def panel(where: Layout, image: Image.Image, view: int, size: int = 1024) -> np.ndarray:
@@ -354,9 +362,10 @@ def test_every_mark_lies_in_the_box_of_the_token_that_sees_it(name, size):
     model, processor = built(name)
     spots = centres(name, size)
     image = marked(size, spots)
-    batch = processor(images=image, text=chat_prompt(processor, "what"), return_tensors="pt")
+    batch = processor(images=image, text=chat_prompt(processor, "what"), return_tensors="pt", **CALL.get(name, {}))
     where = Layout.from_dict(layout(model, batch, image.size).to_dict())  # as a `Result` carries it
     where.check()
+    assert [v.name for v in where.views][:len(LARGEST.get((name, size), ()))] == list(LARGEST.get((name, size), ()))
     boxes, width, height = where.boxes(), *size
     seen = sightings(name, model, processor, batch, len(spots))
     assert {s.view for s in seen} == set(range(len(where.views)))  # every view's panel is checked

@@ -66,7 +66,8 @@ def llava_next(attn: str = "sdpa", layers: int = 4, decoder: str = "llama", wind
     the real ones scaled to 56 px; `image`: more image-processor settings), Llama or Mistral (sliding `window`)."""
     tok = build_tokenizer()
     pinpoints = pinpoints or NEXT_PINPOINTS
-    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": tile},
+                                                 crop_size={"height": tile, "width": tile},
                                                  image_grid_pinpoints=pinpoints, **(image or {}))
     processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=PATCH,
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,

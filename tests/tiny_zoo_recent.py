@@ -37,8 +37,8 @@ QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, 
 def qwen3_vl(attn: str = "sdpa", layers: int = 4, text: dict | None = None, max_pixels: int = 256 * 256,
              min_pixels: int = 64 * 64, image: dict | None = None):
     """Qwen3-VL in small: QK-norm GQA decoder (4 / 2 heads, head_dim 16, interleaved M-RoPE), a 2-block vision
-    tower whose blocks 0 and 1 feed DeepStack after decoder layers 0 and 1; images of `min_pixels`..`max_pixels` (`image`:
-    more image-processor settings)."""
+    tower whose blocks 0 and 1 feed DeepStack after decoder layers 0 and 1; images of `min_pixels`..`max_pixels`
+    (`image`: more image-processor settings)."""
     text = text or QWEN3_TEXT
     tok = build_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS)})
