@@ -26,12 +26,13 @@ from transformers.image_utils import ChannelDimension, PILImageResampling
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
+import hap
 from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_qwen_processor, build_tokenizer
-from hap.layout import Layout
+from hap.layout import Layout, seen_share
 from hap.patch import layout
 from hap.patch.llava_next import tiling
 from hap.run import chat_prompt
-from hap.views import model_view, single_view, view_image
+from hap.views import VIEW_PIXELS, ViewData, model_view, single_view, view_image
 from tiny_models import qwen_vl_model
 from tiny_zoo import VISION, _text, llava_next, llava_onevision
 from tiny_zoo_more import idefics3, internvl
@@ -419,3 +420,33 @@ def test_the_table_is_what_the_tests_build():
         if real.tokens is not None and name not in ("llava-next", "onevision", "llava-siglip"):
             per = getattr(model.config, "mm_tokens_per_image", None) or (real.tile // real.patch // real.merge) ** 2
             assert per == real.tokens, name
+
+
+@pytest.mark.parametrize("name", ["llava-siglip", "onevision", "smolvlm2"])
+def test_a_run_carries_this_layout_and_draws_these_panels(name):
+    """`hap.run`'s `Result.layout` is the layout checked above, and `ViewData.from_result` draws each view's panel as
+    `panel` does (the families whose tiles end in an unseen strip)."""
+    model, processor = built(name)
+    size = (420, 380)  # one OneVision tile: a prompt within the tiny decoder's 2048 positions
+    image = marked(size, centres(name, size))
+    result = hap.run(model, processor, image, "what", hap.HAPConfig(retain=0.5, groups=1), max_new_tokens=1)
+    batch = processor(images=image, text=result.prompt_text, return_tensors="pt")
+    assert result.layout == layout(model, batch, image.size).to_dict()
+    where, data = Layout.from_dict(result.layout), ViewData.from_result(result, image)
+    assert len(data.view_images) == len(where.views)
+    for i, drawn in enumerate(data.view_images):
+        assert np.array_equal(drawn, panel(where, image, i, VIEW_PIXELS))
+
+
+def test_spans_survive_json_and_leave_each_tiles_unseen_end_out():
+    """A 384-px tile of 14-px patches: 27 cells end at 378 / 384 of it; `to_dict` / `from_dict` keep the spans, and the
+    tiled views lay the cells tile by tile (tile 2 starts at 1/2 of the image, not at 378/384 of it)."""
+    one = Layout.grid(27, 27, (384, 384), seen=seen_share(384, 14))
+    assert one.boxes()[-1] == pytest.approx([364 / 384, 364 / 384, 378 / 384, 378 / 384])
+    tiled = Layout.tiled(1, 2, 27, (768, 384), seen=seen_share(384, 14))
+    xs, ys = tiled.views[0].spans()
+    assert xs[26] == pytest.approx([364 / 768, 378 / 768]) and xs[27] == pytest.approx([0.5, 0.5 + 14 / 768])
+    assert ys[-1] == pytest.approx([364 / 384, 378 / 384])
+    for where in (one, tiled):
+        back = Layout.from_dict(where.to_dict())
+        assert back == where and np.array_equal(back.boxes(), where.boxes())
