@@ -61,11 +61,13 @@ class Real:
 
 BICUBIC, BILINEAR, LANCZOS = PILImageResampling.BICUBIC, PILImageResampling.BILINEAR, PILImageResampling.LANCZOS
 # Sources: N = /work/shared/notes/real-processor-settings.md (values from the checkpoints' public
-# preprocessor_config.json / processor_config.json copies and model cards); D = transformers 5.24's processor class
-# defaults (the PIL image processors); Z = /work/shared/notes/model-zoo.md §8 (config copies). Where the checkpoint's
-# value is null (Gemma 3's pan-and-scan), the processor default is what runs.
+# preprocessor_config.json / processor_config.json copies and model cards); C = a public copy of the checkpoint's
+# preprocessor_config.json seen with the search tool for this table; D = transformers 5.24's processor class defaults
+# (the PIL image processors); Z = /work/shared/notes/model-zoo.md §8 (config copies). Where the checkpoint's value is
+# null (Gemma 3's pan-and-scan), the processor's default is what runs.
 REAL = {
-    # N; D (CLIPImageProcessor: shortest edge 336, centre crop 336, bicubic, CLIP mean / std)
+    # N; D (CLIPImageProcessor: shortest edge 336, centre crop 336, bicubic, CLIP mean / std). Not in `BUILD`: its
+    # layout is the tower's input, the centre crop applied by the views when drawing (docs/method.md §15)
     "llava-hf/llava-1.5-7b-hf": Real("llava-clip", 336, 14, 1, "one view (centre crop)", None, 576, BICUBIC, CLIP),
     # N (SigLIP-so400m/14-384, 729 tokens, strategy full); 0.5 / 0.5 and bicubic: N, as OneVision's tower
     "llava-hf/llava-interleave-qwen-0.5b-hf": Real("llava-siglip", 384, 14, 1, "one view", None, 729, BICUBIC, HALF),
@@ -77,12 +79,12 @@ REAL = {
                                                       HALF),
     "llava-hf/llava-onevision-qwen2-7b-ov-hf": Real("onevision", 384, 14, 1, "6 x 6 pinpoints", None, 729, BICUBIC,
                                                     HALF),
-    # N (patch 14, merge 2); min / max pixels 3136 / 12845056: D (Qwen2VLImageProcessor), CLIP mean / std, bicubic
+    # N, C (patch 14, merge 2, min / max pixels 3136 / 12845056, CLIP mean / std); bicubic: D (Qwen2VLImageProcessor)
     "Qwen/Qwen2-VL-2B-Instruct": Real("qwen2-vl", None, 14, 2, "min / max pixels", None, None, BICUBIC, CLIP),
-    # N (patch 16, merge 2, 65,536..16,777,216 px, bicubic, 0.5 / 0.5)
+    # N, C (patch 16, merge 2, 65,536..16,777,216 px, 0.5 / 0.5); bicubic: N, D
     "Qwen/Qwen3-VL-2B-Instruct": Real("qwen3-vl", None, 16, 2, "min / max pixels", None, None, BICUBIC, HALF),
     "Qwen/Qwen3-VL-8B-Instruct": Real("qwen3-vl", None, 16, 2, "min / max pixels", None, None, BICUBIC, HALF),
-    # N (896 px, 14-px patches, pooled 4 x 4 -> 256, bilinear, 0.5 / 0.5; pan-and-scan off by default)
+    # N (896 px, 14-px patches, pooled 4 x 4 -> 256); C (896, resample 2 = bilinear, 0.5 / 0.5, pan-and-scan null)
     "google/gemma-3-4b-it": Real("gemma3", 896, 14, 4, "pan-and-scan off", None, 256, BILINEAR, HALF),
     "google/gemma-3-12b-it": Real("gemma3", 896, 14, 4, "pan-and-scan off", None, 256, BILINEAR, HALF),
     # N (448 tiles, pixel shuffle 0.5, 256 per tile, 1..12 tiles + thumbnail, bicubic, ImageNet mean / std)
@@ -90,7 +92,8 @@ REAL = {
                                       IMAGENET),
     "OpenGVLab/InternVL3-8B-hf": Real("internvl", 448, 14, 2, "1..12 tiles + thumbnail", None, 256, BICUBIC,
                                       IMAGENET),
-    # N, Z (512 crops, SigLIP-B/16-512, shuffle 4, 64 per crop, longest edge 2048, Lanczos, 0.5 / 0.5)
+    # N, Z (512 crops, SigLIP-B/16-512, shuffle 4, 64 per crop); C (longest edge 2048, max_image_size 512,
+    # resample 1 = Lanczos, 0.5 / 0.5)
     "HuggingFaceTB/SmolVLM-256M-Instruct": Real("smolvlm", 512, 16, 4, "up to 4 x 4 crops + global", 2048, 64,
                                                 LANCZOS, HALF),
     # Z (384 crops, SigLIP-so400m/14, shuffle 3 -> 81 per crop, longest edge 1536); Lanczos, 0.5 / 0.5: N (Idefics3)
