@@ -246,9 +246,9 @@ def edges(name: str, size: tuple[int, int]) -> tuple[list[float], list[float]]:
 # --- the truth, from the processor's output -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Sighting:
-    """Mark `mark` shows in a tile of view `view` (an index into the layout's views) at (x, y) pixels of the tile; the
-    patch there feeds visual token `token` (None: no patch sees those pixels); `edge`: within a patch of the tile's
-    edge; `mixed`: the token takes only part of that patch (OneVision's bilinear shrink)."""
+    """Mark `mark` shows in a tile of view `view` (an index into the layout's views); the patch under its centre there
+    feeds visual token `token` (None: no patch sees those pixels); `edge`: that centre lies within a patch of the
+    tile's edge; `mixed`: the token takes only part of that patch (OneVision's bilinear shrink)."""
 
     mark: int
     view: int
