@@ -102,13 +102,18 @@ REAL = {
 }
 PAN_AND_SCAN = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=256, pan_and_scan_max_num_crops=4,
                     pan_and_scan_min_ratio_to_activate=1.2)  # Gemma3Processor's defaults (N), switched on
-CALL = {"gemma3-pan-and-scan": PAN_AND_SCAN}  # processor-call settings (Gemma3Processor's own defaults win over the
-#                                            image processor's attributes, so pan-and-scan is asked for per call)
+VARIANTS = {  # a case -> (its `BUILD` entry, processor-call settings): options off their defaults (Gemma3Processor's
+    # own defaults win over the image processor's attributes, so pan-and-scan is asked for per call)
+    "gemma3-pan-and-scan": ("gemma3", PAN_AND_SCAN),
+    "internvl-max-4-tiles": ("internvl", dict(max_patches=4)),
+    "smolvlm-longest-1024": ("smolvlm", dict(size={"longest_edge": 1024})),
+    "qwen3-vl-max-262144-px": ("qwen3-vl", dict(size={"shortest_edge": 65536, "longest_edge": 262144})),
+}
 
 
 def settings(name: str) -> Real:
     """The `REAL` row of a `BUILD` entry (the same for every checkpoint sharing it)."""
-    return next(r for r in REAL.values() if r.build == name.removesuffix("-pan-and-scan"))
+    return next(r for r in REAL.values() if r.build == name)
 
 
 def image_kwargs(name: str) -> dict:
@@ -148,7 +153,6 @@ BUILD = {  # name -> () -> (model, processor) at the real image settings, tiny d
     "qwen2-vl": qwen2_vl,
     "qwen3-vl": lambda: qwen3_vl(layers=1, min_pixels=65536, max_pixels=16777216, image=image_kwargs("qwen3-vl")),
     "gemma3": lambda: gemma3(layers=1, tokens=256, image_size=896, image=image_kwargs("gemma3")),
-    "gemma3-pan-and-scan": lambda: gemma3(layers=1, tokens=256, image_size=896, image=image_kwargs("gemma3")),
     "internvl": lambda: internvl(layers=1, tile=448, max_patches=12, image=image_kwargs("internvl")),
     "smolvlm": lambda: idefics3(layers=1, crop=512, patch=16, scale=4, longest=2048, image=image_kwargs("smolvlm")),
     "smolvlm2": lambda: idefics3(layers=1, smolvlm=True, crop=384, patch=14, scale=3, longest=1536,
@@ -200,11 +204,11 @@ def find(pixels: np.ndarray, colour) -> tuple[float, float, float] | None:
     return float((xs + 0.5) @ weight / weight.sum()), float((ys + 0.5) @ weight / weight.sum()), float(peak)
 
 
-def centres(name: str, size: tuple[int, int]) -> list[tuple[float, float]]:
+def centres(name: str, size: tuple[int, int], call: dict) -> list[tuple[float, float]]:
     """Where the marks go on an image of `size` = (width, height): near two corners, at the centre, then on both sides
     of the family's tile or crop edges (computed here only to place marks; the truth comes from `pixel_values`)."""
     width, height = size
-    xs, ys = edges(name, size)
+    xs, ys = edges(name, size, call)
     spots = [(MARK, MARK), (width - MARK / 2 - 1, height - MARK / 2 - 1), (width / 2 + 17, height / 2 - 23)]
     for i, x in enumerate(xs[:3]):
         spots.append((x - 3, height * (0.2 + 0.25 * i)))
@@ -214,8 +218,9 @@ def centres(name: str, size: tuple[int, int]) -> list[tuple[float, float]]:
     return [(min(max(x, MARK), width - MARK), min(max(y, MARK), height - MARK)) for x, y in spots][:len(COLOURS)]
 
 
-def edges(name: str, size: tuple[int, int]) -> tuple[list[float], list[float]]:
-    """x and y (pixels of the image) of the family's tile or crop edges, inner ones first."""
+def edges(name: str, size: tuple[int, int], call: dict) -> tuple[list[float], list[float]]:
+    """x and y (pixels of the image) of the family's tile or crop edges (processor-call settings `call`), inner ones
+    first."""
     width, height = size
     real = settings(name)
     if name in ("llava-next", "onevision"):
@@ -229,16 +234,16 @@ def edges(name: str, size: tuple[int, int]) -> tuple[list[float], list[float]]:
         y = [((k * real.tile) - (best_h - new_h) // 2) * height / new_h for k in range(1, best_h // real.tile)]
         return [v for v in x if 0 < v < width], [v for v in y if 0 < v < height]
     if name == "internvl":
-        cols, rows = get_optimal_tiled_canvas((height, width), (448, 448), 1, 12)
+        cols, rows = get_optimal_tiled_canvas((height, width), (448, 448), 1, call.get("max_patches", 12))
     elif name in ("smolvlm", "smolvlm2"):
-        scale = real.longest / max(size)
+        scale = call.get("size", {}).get("longest_edge", real.longest) / max(size)
         cols, rows = math.ceil(width * scale / real.tile), math.ceil(height * scale / real.tile)
-    elif name == "gemma3-pan-and-scan":
+    elif call.get("do_pan_and_scan"):
         crops = len(built(name)[1].image_processor.pan_and_scan(np.zeros((3, height, width)), 256, 4, 1.2))
         cols, rows = (crops or 1, 1) if width >= height else (1, crops or 1)
     else:
         return [], []
-    whole = name == "gemma3-pan-and-scan"  # crops of ceil(side / crops) pixels; the others squash onto whole tiles
+    whole = bool(call.get("do_pan_and_scan"))  # crops of ceil(side / crops) px; the others squash onto whole tiles
     step_x, step_y = (math.ceil(width / cols), math.ceil(height / rows)) if whole else (width / cols, height / rows)
     return [k * step_x for k in range(1, cols)], [k * step_y for k in range(1, rows)]
 
@@ -338,13 +343,17 @@ def qwen_sightings(model, processor, batch, marks: int) -> list[Sighting]:
 SIZES = [(1000, 600), (600, 1400), (2000, 2000)]  # (width, height)
 WIDE = (2400, 600)  # Gemma 3 pan-and-scan's 4 crops
 FOUR_BY_THREE = (1600, 1200)  # InternVL's 12 tiles (4 x 3, the closest grid of at most 12 to 4:3)
-CASES = [(name, size) for name in BUILD for size in SIZES if name != "gemma3-pan-and-scan"]
-CASES += [("gemma3-pan-and-scan", size) for size in [*SIZES[:2], WIDE]] + [("internvl", FOUR_BY_THREE)]
-LARGEST = {  # the largest grids, and the views they must give
+CASES = [(name, size) for name in BUILD for size in SIZES] + [("internvl", FOUR_BY_THREE)]
+CASES += [("gemma3-pan-and-scan", size) for size in [*SIZES[:2], WIDE]] + [("internvl-max-4-tiles", SIZES[0]),
+                                                                          ("smolvlm-longest-1024", SIZES[1]),
+                                                                          ("qwen3-vl-max-262144-px", SIZES[2])]
+LARGEST = {  # the largest grids (and the variants' smaller ones), and the views they must give
     ("smolvlm", (2000, 2000)): ("crops (4 x 4)", "global view (the whole image squashed to one crop)"),
     ("internvl", FOUR_BY_THREE): ("tiles (3 x 4)", "thumbnail (the whole image squashed to one tile)"),
     ("onevision", (2000, 2000)): ("base view (the whole image squashed to one tile)", "tiles (6 x 6, unpadded)"),
     ("gemma3-pan-and-scan", WIDE): ("whole image", "crop 1", "crop 2", "crop 3", "crop 4"),
+    ("internvl-max-4-tiles", SIZES[0]): ("tiles (1 x 2)", "thumbnail (the whole image squashed to one tile)"),
+    ("smolvlm-longest-1024", SIZES[1]): ("crops (2 x 1)", "global view (the whole image squashed to one crop)"),
 }
 HEAVY = {("onevision", (2000, 2000)), ("internvl", (600, 1400)), ("internvl", FOUR_BY_THREE), ("smolvlm", (2000, 2000)),
          ("smolvlm2", (2000, 2000)), ("smolvlm", (1000, 600)), ("smolvlm", (600, 1400))}
@@ -363,13 +372,14 @@ def panel(where: Layout, image: Image.Image, view: int, size: int = 1024) -> np.
 @pytest.mark.parametrize("name,size", [pytest.param(*case, marks=[pytest.mark.slow] * (case in HEAVY),
                                                     id=f"{case[0]}-{case[1][0]}x{case[1][1]}") for case in CASES])
 def test_every_mark_lies_in_the_box_of_the_token_that_sees_it(name, size):
+    case, (name, call) = name, VARIANTS.get(name, (name, {}))
     model, processor = built(name)
-    spots = centres(name, size)
+    spots = centres(name, size, call)
     image = marked(size, spots)
-    batch = processor(images=image, text=chat_prompt(processor, "what"), return_tensors="pt", **CALL.get(name, {}))
+    batch = processor(images=image, text=chat_prompt(processor, "what"), return_tensors="pt", **call)
     where = Layout.from_dict(layout(model, batch, image.size).to_dict())  # as a `Result` carries it
     where.check()
-    assert [v.name for v in where.views][:len(LARGEST.get((name, size), ()))] == list(LARGEST.get((name, size), ()))
+    assert [v.name for v in where.views][:len(LARGEST.get((case, size), ()))] == list(LARGEST.get((case, size), ()))
     boxes, width, height = where.boxes(), *size
     seen = sightings(name, model, processor, batch, len(spots))
     assert {s.view for s in seen} == set(range(len(where.views)))  # every view's panel is checked
@@ -431,7 +441,7 @@ def test_a_run_carries_this_layout_and_draws_these_panels(name):
     `panel` does (the families whose tiles end in an unseen strip)."""
     model, processor = built(name)
     size = (420, 380)  # one OneVision tile: a prompt within the tiny decoder's 2048 positions
-    image = marked(size, centres(name, size))
+    image = marked(size, centres(name, size, {}))
     result = hap.run(model, processor, image, "what", hap.HAPConfig(retain=0.5, groups=1), max_new_tokens=1)
     batch = processor(images=image, text=result.prompt_text, return_tensors="pt")
     assert result.layout == layout(model, batch, image.size).to_dict()
