@@ -12,7 +12,8 @@ Pruning policy (ours): the newline tokens are not visual tokens of the pruner; t
 not counted in the budget, which is stated over the patch tokens of this image (base view and tiles; the same pixels
 appear in both, and both compete). The prompt rows start after the image's last token, the last newline.
 The layout (`hap.layout`) has two views, the base view over the whole image and the tile grid over the unpadded
-canvas, so the maps draw each on the uploaded image. Visual-token counts depend on the image: a batch needs equal
+canvas, each token's cell the pixels of the upload its patch sees (`tiling`), so the maps draw each on the uploaded
+image. Visual-token counts depend on the image: a batch needs equal
 counts (images of one aspect class), a batch of unequal counts is refused before any work.
 
 The decoder is the stock Llama / Mistral / Qwen2 stack (`hap.patch.decoder`); Mistral's sliding window is kept by
