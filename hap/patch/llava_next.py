@@ -78,7 +78,8 @@ class Tiling:
 def tiling(model, height: int, width: int) -> Tiling:
     """The packing of an image of `height` x `width` pixels, with the processor's and the model's own functions:
     `select_best_resolution` (the canvas), `get_patch_output_size` (the image resized onto it, pasted centred),
-    `unpad_image` run on a grid of indices (the stitched grid's rows and columns it keeps) and, for OneVision's
+    `unpad_image` run on a grid of indices (the stitched grid's rows and columns it keeps; OneVision's modeling module
+    holds the same function) and, for OneVision's
     `anyres_max_N`, the same bilinear `interpolate` run on one-hot rows (which source cells each shrunk token mixes).
     A token's cell is the pixels its patch sees: patch i of tile t covers [t * tile + i * patch, + patch) of the
     canvas, so where the patch does not divide the tile (SigLIP: 27 patches of 14 px see 378 of 384 px) the end of
