@@ -293,18 +293,19 @@ def view_image(image: Image.Image | str | Path | None, box: tuple[float, float, 
         return np.full((height, width, 3), 128, np.uint8)
     image = _rgb(image)
     columns, row_spans = spans if spans is not None else TokenView("", grid, (), box).spans()
-    xs, ys = cell_samples(columns, image.width), cell_samples(row_spans, image.height)
+    xs, ys = cell_samples(columns, image.width, 4 * size), cell_samples(row_spans, image.height, 4 * size)
     pixels = np.asarray(image)[ys.clip(0, image.height - 1)][:, xs.clip(0, image.width - 1)]
     pixels[(ys < 0) | (ys >= image.height)] = 128
     pixels[:, (xs < 0) | (xs >= image.width)] = 128
     return np.asarray(Image.fromarray(pixels).resize((width, height), Image.Resampling.BICUBIC))
 
 
-def cell_samples(spans: np.ndarray, length: int) -> np.ndarray:
+def cell_samples(spans: np.ndarray, length: int, most: int) -> np.ndarray:
     """long [cells * k]: the image pixel (along an axis of `length` pixels; outside [0, length): none) under each of
-    k equal steps through each cell of `spans` [cells, 2] (fractions), k about the widest cell's pixels."""
+    k equal steps through each cell of `spans` [cells, 2] (fractions), k about the widest cell's pixels but at most
+    `most` samples in all (enough to draw the panel smoothly, few enough for a 40-megapixel upload)."""
     spans = np.asarray(spans, float)
-    k = max(1, math.ceil(((spans[:, 1] - spans[:, 0]) * length).max()))
+    k = max(1, min(math.ceil(((spans[:, 1] - spans[:, 0]) * length).max()), most // len(spans)))
     steps = (np.arange(k) + 0.5) / k
     return np.floor((spans[:, :1] + (spans[:, 1:] - spans[:, :1]) * steps) * length).astype(int).ravel()
 
