@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from . import Group, Result
 
-from .layout import WHOLE, Layout
+from .layout import WHOLE, Layout, TokenView
 
 CLASSES = ("", "sink", "dispersed", "optimal")  # index = colour code; "" = layer not scored
 CLASS_LABELS = ("not scored", "sink", "dispersed", "optimal")
@@ -182,7 +182,7 @@ class ViewData:
             groups=result.groups, method=result.method, temperature=result.config["temperature"],
             merged=result.method == "hap" and result.config["merge"] != "none",
             visual_per_layer=list(result.visual_per_layer), curve=result.curve, layout=layout if tiled else None,
-            view_images=tuple(view_image(image, v.box, v.grid) for v in layout.views) if tiled else (),
+            view_images=tuple(view_image(image, v.box, v.grid, spans=v.spans()) for v in layout.views) if tiled else (),
         )
         return data.at_layer(default_layer(result.groups, stats[..., 0]) if layer is None else layer)
 
@@ -280,21 +280,34 @@ def single_view(layout: Layout) -> bool:
 
 
 def view_image(image: Image.Image | str | Path | None, box: tuple[float, float, float, float],
-               grid: tuple[int, int], size: int = VIEW_PIXELS) -> np.ndarray:
+               grid: tuple[int, int], size: int = VIEW_PIXELS, spans: tuple | None = None) -> np.ndarray:
     """The part of the uploaded image under one view of a tiled layout: the rectangle `box` (fractions of the
     image, beyond [0, 1] where the view covers padding, drawn grey), at the aspect of the view's `grid` (rows, cols),
-    `size` pixels on its longer side -> `[height, width, 3]` uint8."""
+    `size` pixels on its longer side -> `[height, width, 3]` uint8. With `spans` (`TokenView.spans`: the columns'
+    and rows' (start, end) on the image) each equal cell of the panel shows exactly the pixels its token sees, a strip
+    that no patch sees left out; without, the box cut into equal cells."""
     rows, cols = grid
     width, height = (size, max(1, round(size * rows / cols))) if cols >= rows else (max(1, round(size * cols / rows)),
                                                                                     size)
     if image is None:
         return np.full((height, width, 3), 128, np.uint8)
     image = _rgb(image)
-    x0, y0, x1, y1 = box
-    w, h = image.size
-    canvas = Image.new("RGB", (max(1, round((x1 - x0) * w)), max(1, round((y1 - y0) * h))), (128, 128, 128))
-    canvas.paste(image, (round(-x0 * w), round(-y0 * h)))
-    return np.asarray(canvas.resize((width, height), Image.Resampling.BICUBIC))
+    columns, row_spans = spans if spans is not None else TokenView("", grid, (), box).spans()
+    xs, ys = cell_samples(columns, image.width, 4 * size), cell_samples(row_spans, image.height, 4 * size)
+    pixels = np.asarray(image)[ys.clip(0, image.height - 1)][:, xs.clip(0, image.width - 1)]
+    pixels[(ys < 0) | (ys >= image.height)] = 128
+    pixels[:, (xs < 0) | (xs >= image.width)] = 128
+    return np.asarray(Image.fromarray(pixels).resize((width, height), Image.Resampling.BICUBIC))
+
+
+def cell_samples(spans: np.ndarray, length: int, most: int) -> np.ndarray:
+    """long [cells * k]: the image pixel (along an axis of `length` pixels; outside [0, length): none) under each of
+    k equal steps through each cell of `spans` [cells, 2] (fractions), k about the widest cell's pixels but at most
+    `most` samples in all (enough to draw the panel smoothly, few enough for a 40-megapixel upload)."""
+    spans = np.asarray(spans, float)
+    k = max(1, min(math.ceil(((spans[:, 1] - spans[:, 0]) * length).max()), most // len(spans)))
+    steps = (np.arange(k) + 0.5) / k
+    return np.floor((spans[:, :1] + (spans[:, 1:] - spans[:, :1]) * steps) * length).astype(int).ravel()
 
 
 def dim(view: np.ndarray, present: np.ndarray) -> np.ndarray:

@@ -31,7 +31,6 @@ from hap.run import chat_prompt
 
 TILE, PATCH = 56, 14
 NEXT_PINPOINTS = [[TILE * a, TILE * b] for a, b in ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))]  # llava-v1.6's, scaled
-ONEVISION_PINPOINTS = [[TILE * a, TILE * b] for a in range(1, 7) for b in range(1, 7)]
 TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=2048)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=TILE,
@@ -61,33 +60,40 @@ def _ready(model, attn: str, seed: int = 0):
     return model.eval()
 
 
-def llava_next(attn: str = "sdpa", layers: int = 4, decoder: str = "llama", window: int = 24):
-    """LLaVA-v1.6 in small: CLIP tiles of 56 px (4 x 4 tokens, CLS dropped), Llama or Mistral (sliding `window`)."""
+def llava_next(attn: str = "sdpa", layers: int = 4, decoder: str = "llama", window: int = 24, tile: int = TILE,
+               pinpoints: list | None = None, image: dict | None = None):
+    """LLaVA-v1.6 in small: CLIP tiles of `tile` px (56: 4 x 4 tokens, CLS dropped; `pinpoints`: the canvases, default
+    the real ones scaled to 56 px; `image`: more image-processor settings), Llama or Mistral (sliding `window`)."""
     tok = build_tokenizer()
-    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE},
-                                                 image_grid_pinpoints=NEXT_PINPOINTS)
+    pinpoints = pinpoints or NEXT_PINPOINTS
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": tile},
+                                                 crop_size={"height": tile, "width": tile},
+                                                 image_grid_pinpoints=pinpoints, **(image or {}))
     processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=PATCH,
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                    chat_template=CHAT_TEMPLATE)
     text = _text(LlamaConfig, tok, layers) if decoder == "llama" else _text(MistralConfig, tok, layers,
                                                                            sliding_window=window, head_dim=16)
-    config = LlavaNextConfig(vision_config=CLIPVisionConfig(**VISION), text_config=text,
-                             image_token_index=tok.image_token_id, image_grid_pinpoints=NEXT_PINPOINTS,
+    config = LlavaNextConfig(vision_config=CLIPVisionConfig(**{**VISION, "image_size": tile}), text_config=text,
+                             image_token_index=tok.image_token_id, image_grid_pinpoints=pinpoints,
                              vision_feature_layer=-2, vision_feature_select_strategy="default")
     torch.manual_seed(0)
     return _ready(LlavaNextForConditionalGeneration(config), attn), processor
 
 
-def llava_onevision(attn: str = "sdpa", layers: int = 4):
-    """LLaVA-OneVision in small: SigLIP tiles of 56 px (no CLS, strategy "full"), anyres_max_9, Qwen2 with GQA."""
+def llava_onevision(attn: str = "sdpa", layers: int = 4, tile: int = TILE, image: dict | None = None):
+    """LLaVA-OneVision in small: SigLIP tiles of `tile` px (no CLS, strategy "full"; `image`: more image-processor
+    settings), canvases of 1..6 x 1..6 tiles, anyres_max_9, Qwen2 with GQA."""
     tok = build_tokenizer()
-    image_processor = LlavaOnevisionImageProcessorPil(size={"height": TILE, "width": TILE},
-                                                      image_grid_pinpoints=ONEVISION_PINPOINTS)
-    processor = OnevisionImageProcessor(image_processor, tok, num_image_tokens=(TILE // PATCH) ** 2,
+    pinpoints = [[tile * a, tile * b] for a in range(1, 7) for b in range(1, 7)]
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": tile, "width": tile},
+                                                      image_grid_pinpoints=pinpoints, **(image or {}))
+    processor = OnevisionImageProcessor(image_processor, tok, num_image_tokens=(tile // PATCH) ** 2,
                                         vision_feature_select_strategy="full", chat_template=CHAT_TEMPLATE)
-    config = LlavaOnevisionConfig(vision_config=SiglipVisionConfig(vision_use_head=False, **VISION),
+    config = LlavaOnevisionConfig(vision_config=SiglipVisionConfig(vision_use_head=False,
+                                                                   **{**VISION, "image_size": tile}),
                                   text_config=_text(Qwen2Config, tok, layers), image_token_index=tok.image_token_id,
-                                  image_grid_pinpoints=ONEVISION_PINPOINTS, vision_feature_layer=-1,
+                                  image_grid_pinpoints=pinpoints, vision_feature_layer=-1,
                                   vision_feature_select_strategy="full")
     torch.manual_seed(0)
     return _ready(LlavaOnevisionForConditionalGeneration(config), attn), processor

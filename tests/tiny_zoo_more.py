@@ -41,18 +41,20 @@ def _tokenizer(tokens: list[str]):
     return tok
 
 
-def internvl(attn: str = "sdpa", layers: int = 4, decoder: str = "qwen2"):
-    """InternVL3 in small: InternViT tiles of 112 px (8 x 8 patches, [CLS] dropped, shuffled to 4 x 4 tokens), at most
-    4 tiles plus a thumbnail, a Qwen2 (InternVL3-1B/2B/8B) or Llama (InternVL2.5-8B, InternVL3-9B) decoder."""
+def internvl(attn: str = "sdpa", layers: int = 4, decoder: str = "qwen2", tile: int = INTERNVL_TILE,
+             max_patches: int = INTERNVL_MAX, image: dict | None = None):
+    """InternVL3 in small: InternViT tiles of `tile` px (112: 8 x 8 patches, [CLS] dropped, shuffled to 4 x 4 tokens),
+    at most `max_patches` tiles plus a thumbnail (`image`: more image-processor settings), a Qwen2 (InternVL3-1B/2B/8B)
+    or Llama (InternVL2.5-8B, InternVL3-9B) decoder."""
     tok = _tokenizer(list(INTERNVL_TOKENS.values()))
-    tokens = (INTERNVL_TILE // INTERNVL_PATCH // 2) ** 2
-    image_processor = GotOcr2ImageProcessorPil(size={"height": INTERNVL_TILE, "width": INTERNVL_TILE},
-                                               crop_to_patches=True, max_patches=INTERNVL_MAX)
+    tokens = (tile // INTERNVL_PATCH // 2) ** 2
+    image_processor = GotOcr2ImageProcessorPil(size={"height": tile, "width": tile}, crop_to_patches=True,
+                                               max_patches=max_patches, **(image or {}))
     template = CHAT_TEMPLATE.replace("<image>", INTERNVL_TOKENS["context_image_token"])
     processor = InternVLImageProcessor(image_processor, tok, image_seq_length=tokens, chat_template=template)
     text = _text(Qwen2Config if decoder == "qwen2" else LlamaConfig, tok, layers)
-    config = InternVLConfig(vision_config=InternVLVisionConfig(**INTERNVL_VISION), text_config=text,
-                            image_token_id=processor.image_token_id, image_seq_length=tokens)
+    config = InternVLConfig(vision_config=InternVLVisionConfig(**{**INTERNVL_VISION, "image_size": tile}),
+                            text_config=text, image_token_id=processor.image_token_id, image_seq_length=tokens)
     torch.manual_seed(0)
     model = InternVLForConditionalGeneration(config)
     model.set_attn_implementation(attn)
@@ -64,21 +66,24 @@ SMOL_VISION = {**VISION, "image_size": SMOL_CROP, "patch_size": SMOL_PATCH}
 ROW_COL = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 
 
-def idefics3(attn: str = "sdpa", layers: int = 4, smolvlm: bool = False):
+def idefics3(attn: str = "sdpa", layers: int = 4, smolvlm: bool = False, crop: int = SMOL_CROP,
+             patch: int = SMOL_PATCH, scale: int = 2, longest: int = SMOL_LONGEST, image: dict | None = None):
     """SmolVLM-256M in small (`Idefics3ForConditionalGeneration`, `Idefics3Processor`), or SmolVLM2 in small
-    (`smolvlm`: `SmolVLMForConditionalGeneration`, the image-only `SmolVLMImageProcessor`): SigLIP crops of 64 px
-    (8 x 8 patches, shuffled 2 x 2 into 4 x 4 tokens), the longest edge resized to 128 px, a Llama decoder. The
-    tokenizer writes a token for "\\n" (the row ends between crops), as the hub tokenizers do."""
+    (`smolvlm`: `SmolVLMForConditionalGeneration`, the image-only `SmolVLMImageProcessor`): SigLIP crops of `crop` px
+    (64: 8 x 8 patches of `patch` px, shuffled `scale` x `scale` into 4 x 4 tokens), the longest edge resized to
+    `longest` px (`image`: more image-processor settings), a Llama decoder. The tokenizer writes a token for "\\n"
+    (the row ends between crops), as the hub tokenizers do."""
     tok = _tokenizer([*SMOLVLM_TOKENS.values(), *ROW_COL])
     tok.add_tokens([AddedToken("\n", normalized=False)])
-    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": SMOL_LONGEST},
-                                                max_image_size={"longest_edge": SMOL_CROP})
-    tokens = (SMOL_CROP // SMOL_PATCH // 2) ** 2
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": longest},
+                                                max_image_size={"longest_edge": crop}, **(image or {}))
+    tokens = (crop // patch // scale) ** 2
     processor_class = SmolVLMImageProcessor if smolvlm else Idefics3Processor
     processor = processor_class(image_processor, tok, image_seq_len=tokens, chat_template=CHAT_TEMPLATE)
     config_class, model_class = ((SmolVLMConfig, SmolVLMForConditionalGeneration) if smolvlm
                                  else (Idefics3Config, Idefics3ForConditionalGeneration))
-    config = config_class(vision_config=SMOL_VISION, text_config=_text(LlamaConfig, tok, layers), scale_factor=2,
+    config = config_class(vision_config={**SMOL_VISION, "image_size": crop, "patch_size": patch},
+                          text_config=_text(LlamaConfig, tok, layers), scale_factor=scale,
                           image_token_id=processor.image_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = model_class(config)

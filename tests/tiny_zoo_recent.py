@@ -34,15 +34,17 @@ QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, 
                     deepstack_visual_indexes=[0, 1])
 
 
-def qwen3_vl(attn: str = "sdpa", layers: int = 4, text: dict | None = None, max_pixels: int = 256 * 256):
+def qwen3_vl(attn: str = "sdpa", layers: int = 4, text: dict | None = None, max_pixels: int = 256 * 256,
+             min_pixels: int = 64 * 64, image: dict | None = None):
     """Qwen3-VL in small: QK-norm GQA decoder (4 / 2 heads, head_dim 16, interleaved M-RoPE), a 2-block vision
-    tower whose blocks 0 and 1 feed DeepStack after decoder layers 0 and 1; images of 64^2..`max_pixels` pixels."""
+    tower whose blocks 0 and 1 feed DeepStack after decoder layers 0 and 1; images of `min_pixels`..`max_pixels`
+    (`image`: more image-processor settings)."""
     text = text or QWEN3_TEXT
     tok = build_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS)})
     tok.model_max_length = 8192
-    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": max_pixels},
-                                               patch_size=16, merge_size=2, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+                                               patch_size=16, merge_size=2, temporal_patch_size=2, **(image or {}))
     processor = IMAGE_ONLY["Qwen3VLForConditionalGeneration"](
         image_processor, tok, CHAT_TEMPLATE.replace("<image>\n", "".join(QWEN_VISION_TOKENS[:3])))
     ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
@@ -67,9 +69,9 @@ GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, 
 
 
 def gemma3(attn: str = "sdpa", layers: int = 4, text: dict | None = None, tokens: int = 16, image_size: int = 112,
-           every: int = 4):
+           every: int = 4, image: dict | None = None):
     """Gemma 3 in small: a SigLIP of `image_size` px (112: 8 x 8 patches) average-pooled to `tokens` (16: 4 x 4) per
-    image, a QK-norm GQA decoder (4 / 2 heads, head_dim 16) whose layers slide a window of 8 except every `every`-th
+    image (`image`: more image-processor settings, e.g. pan-and-scan), a QK-norm GQA decoder (4 / 2 heads, head_dim 16) whose layers slide a window of 8 except every `every`-th
     (full attention, its own rotary table: theta 1e6, linear scaling 8), image tokens attending bidirectionally within
     their image. The projector's weight, zero at init, is drawn at random so that the image reaches the decoder."""
     base = build_tokenizer()
@@ -77,7 +79,7 @@ def gemma3(attn: str = "sdpa", layers: int = 4, text: dict | None = None, tokens
     tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<s>", eos_token="</s>",
                                   unk_token="<unk>", pad_token="<pad>", padding_side="left", model_max_length=8192,
                                   extra_special_tokens=GEMMA3_TOKENS)
-    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    image_processor = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}, **(image or {}))
     processor = Gemma3Processor(image_processor, tok, CHAT_TEMPLATE.replace("<image>\n", GEMMA3_TOKENS["boi_token"]),
                                 image_seq_length=tokens)
     text = text or GEMMA3_TEXT

@@ -111,10 +111,11 @@ def build_processor(layout: str = "text-first", image_size: int = IMAGE_SIZE) ->
         chat_template=image_first_template(layout == "image-first") if image_first else CHAT_TEMPLATE)
 
 
-def build_qwen_processor(side: int, arch: str = "Qwen2_5_VLForConditionalGeneration"):
+def build_qwen_processor(side: int, arch: str = "Qwen2_5_VLForConditionalGeneration", image: dict | None = None):
     """(an offline Qwen2-VL / Qwen2.5-VL processor for images and text, the special-token ids its model needs): this
     module's tokenizer with Qwen's vision tokens added, Qwen2-VL's image processing at `side` x `side` pixels (14-px
-    patches merged 2 x 2: (side / 28)^2 visual tokens), the chat template with Qwen's image span
+    patches merged 2 x 2: (side / 28)^2 visual tokens; `image`: other image-processor settings, e.g. the min / max
+    pixels), the chat template with Qwen's image span
     (`hap.patch.processors.IMAGE_ONLY`: no video processor, which needs torchvision)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -124,7 +125,8 @@ def build_qwen_processor(side: int, arch: str = "Qwen2_5_VLForConditionalGenerat
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS)})
     tokenizer.model_max_length = 4096
     processor = IMAGE_ONLY[arch](
-        Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=side * side, patch_size=14, merge_size=2),
+        Qwen2VLImageProcessorPil(**{"min_pixels": side * side, "max_pixels": side * side, "patch_size": 14,
+                                    "merge_size": 2, **(image or {})}),
         tokenizer, CHAT_TEMPLATE.replace("<image>\n", "".join(QWEN_VISION_TOKENS[:3])))
     ids = tokenizer.convert_tokens_to_ids(list(QWEN_VISION_TOKENS))
     return processor, dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),

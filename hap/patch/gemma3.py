@@ -23,6 +23,7 @@ Refused: the [CLS] cues (visionzip, autoprune, first_cut="vision"): the SigLIP t
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -35,7 +36,7 @@ from transformers.masking_utils import (
 from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
 from ..config import HAPConfig
-from ..layout import Layout, TokenView
+from ..layout import WHOLE, Layout, seen_share
 from ..methods import policy_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
@@ -45,15 +46,19 @@ __all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_p
 
 def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
     """The visual tokens of the first prompt on its image of `image_size` = (width, height): a square of
-    `mm_tokens_per_image` tokens over the whole image, then one over each pan-and-scan crop (`crop_boxes`)."""
+    `mm_tokens_per_image` tokens over the whole image, then one over each pan-and-scan crop (`crop_boxes`), each
+    token's cell the patches it pools (the tower's input seen as far as whole pooled cells reach)."""
     per = model.config.mm_tokens_per_image
     side = math.isqrt(per)
     count = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
     crops = crop_boxes(count // per - 1, image_size)
-    views = [TokenView("image" if not crops else "whole image", (side, side), tuple(range(per)))]
-    views += [TokenView(f"crop {i + 1}", (side, side), tuple(range(per * (i + 1), per * (i + 2))), box)
-              for i, box in enumerate(crops)]
-    return Layout(count, tuple(views), image_size)
+    vision = model.config.vision_config
+    seen = seen_share(vision.image_size, vision.image_size // vision.patch_size // side * vision.patch_size)
+    views = [Layout.grid(side, side, box=box, name=name, seen=seen).views[0]
+             for name, box in [("image" if not crops else "whole image", WHOLE),
+                               *((f"crop {i + 1}", box) for i, box in enumerate(crops))]]
+    return Layout(count, tuple(replace(v, tokens=tuple(range(per * i, per * (i + 1)))) for i, v in enumerate(views)),
+                  image_size)
 
 
 def crop_boxes(crops: int, image_size: tuple[int, int] | None) -> list[tuple[float, float, float, float]]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..config import HAPConfig
-from ..layout import Layout
+from ..layout import Layout, seen_share
 from ..methods import policy_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
@@ -73,14 +73,17 @@ def crop_grid(model, ids: torch.Tensor) -> tuple[int, int]:
 
 
 def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
-    """The first sample's tokens on its image: the crop grid and the global view, each over the whole image; an image
-    not split, the global view alone."""
-    side = crop_side(model)
+    """The first sample's tokens on its image: the crop grid and the global view, each over the whole image (an image
+    not split, the global view alone), each token's cell its `scale_factor` x `scale_factor` patches: where the patch
+    does not divide the crop (SmolVLM2-2.2B: 27 patches of 14 px see 378 of 384 px) the end of every crop lies in
+    no cell."""
+    side, vision = crop_side(model), model.config.vision_config
+    seen = seen_share(vision.image_size, vision.patch_size * model.config.scale_factor)
     rows, cols = crop_grid(model, inputs["input_ids"][0])
     if rows == 0:
-        return Layout.grid(side, side, image_size, name="global view (the whole image)")
+        return Layout.grid(side, side, image_size, name="global view (the whole image)", seen=seen)
     return Layout.tiled(rows, cols, side, image_size, f"crops ({rows} x {cols})",
-                        "global view (the whole image squashed to one crop)")
+                        "global view (the whole image squashed to one crop)", seen=seen)
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,

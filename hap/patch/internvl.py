@@ -23,7 +23,7 @@ import torch
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
 
 from ..config import HAPConfig
-from ..layout import Layout
+from ..layout import Layout, seen_share
 from ..methods import policy_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
@@ -37,11 +37,15 @@ def tile_size(model) -> tuple[int, int]:
     return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
 
 
+def patch_size(model) -> int:
+    """Pixels along one side of a (square) patch (the config may keep it as a pair)."""
+    patch = model.config.vision_config.patch_size
+    return patch[0] if isinstance(patch, (list, tuple)) else patch
+
+
 def tile_side(model) -> int:
     """Tokens along one side of a (square) tile: its patches per side, shrunk by the pixel shuffle."""
-    patch = model.config.vision_config.patch_size
-    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
-    return round(tile_size(model)[0] // patch * model.config.downsample_ratio)
+    return round(tile_size(model)[0] // patch_size(model) * model.config.downsample_ratio)
 
 
 def tile_grid(model, tiles: int, height: int, width: int) -> tuple[int, int]:
@@ -61,15 +65,16 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
                          "pass the size on")
     side = tile_side(model)
     per_tile = side * side
+    seen = seen_share(tile_size(model)[0], round(patch_size(model) / model.config.downsample_ratio))  # 2 x 2 patches
     count = int((inputs["input_ids"][0] == model.config.image_token_id).sum())
     if count % per_tile:
         raise ValueError(f"{count} image tokens are not whole tiles of {per_tile} tokens")
     if count == per_tile:
-        return Layout.grid(side, side, image_size, name="image (one tile)")
+        return Layout.grid(side, side, image_size, name="image (one tile)", seen=seen)
     width, height = image_size
     rows, cols = tile_grid(model, count // per_tile - 1, height, width)  # the last tile is the thumbnail
     return Layout.tiled(rows, cols, side, image_size, f"tiles ({rows} x {cols})",
-                        "thumbnail (the whole image squashed to one tile)")
+                        "thumbnail (the whole image squashed to one tile)", seen=seen)
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,

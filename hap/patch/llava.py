@@ -16,18 +16,29 @@ from functools import partial
 import torch
 
 from ..config import HAPConfig
+from ..layout import Layout, seen_share
 from ..methods import policy_for
 from ..visionzip import VisionCues
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
-__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "visual_grid"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "visual_grid"]
 
 
 def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
     """(rows, cols) of the visual tokens over the image: the square patch grid."""
     side = math.isqrt(num_visual)
     return (side, side) if side * side == num_visual else (1, num_visual)
+
+
+def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
+    """The first sample's tokens on its image: the square patch grid over the tower's whole input (the views crop
+    where the processor centre-crops, `hap.views.model_view`), each cell the pixels its patch sees: where the patch
+    does not divide the input (SigLIP-384 with 14-px patches: 27 patches see 378 px) the last pixels lie in no cell."""
+    rows, cols = visual_grid(model, inputs, int((inputs["input_ids"][0] == model.config.image_token_id).sum()))
+    vision = model.config.vision_config
+    square = rows == cols == vision.image_size // vision.patch_size
+    return Layout.grid(rows, cols, image_size, seen=seen_share(vision.image_size, vision.patch_size) if square else 1.0)
 
 
 def cls_layer(model) -> torch.nn.Module:

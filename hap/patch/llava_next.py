@@ -12,7 +12,8 @@ Pruning policy (ours): the newline tokens are not visual tokens of the pruner; t
 not counted in the budget, which is stated over the patch tokens of this image (base view and tiles; the same pixels
 appear in both, and both compete). The prompt rows start after the image's last token, the last newline.
 The layout (`hap.layout`) has two views, the base view over the whole image and the tile grid over the unpadded
-canvas, so the maps draw each on the uploaded image. Visual-token counts depend on the image: a batch needs equal
+canvas, each token's cell the pixels of the upload its patch sees (`tiling`), so the maps draw each on the uploaded
+image. Visual-token counts depend on the image: a batch needs equal
 counts (images of one aspect class), a batch of unequal counts is refused before any work.
 
 The decoder is the stock Llama / Mistral / Qwen2 stack (`hap.patch.decoder`); Mistral's sliding window is kept by
@@ -25,11 +26,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from transformers.image_processing_utils import select_best_resolution
+from transformers.image_processing_utils import get_patch_output_size, select_best_resolution
+from transformers.image_utils import ChannelDimension
+from transformers.models.llava_next.modeling_llava_next import unpad_image
 
 from ..config import HAPConfig
-from ..layout import Box, Layout, TokenView
+from ..layout import Layout, Span, TokenView, tile_spans
 from ..methods import policy_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
@@ -39,14 +43,21 @@ __all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_p
 
 @dataclass(frozen=True)
 class Tiling:
-    """How one image's tokens are packed: the base view's side `base` (tokens base x base), the tile grid `grid`
-    (rows, cols) after unpadding (and OneVision's shrink), the grid's rectangle `box` on the image, and the
-    (rows, cols) of tiles the image was cut into."""
+    """How one image's tokens are packed and where they lie on it: the base view's side `base` (tokens base x base,
+    their cells `base_spans` along either axis: the whole image squashed to one tile), the tile grid after unpadding
+    (and OneVision's shrink) as the spans of its `columns` and `rows` on the image, and the (rows, cols) of tiles the
+    image was cut into. Spans are fractions of the image's width or height (`hap.layout.tile_spans`)."""
 
     base: int
-    grid: tuple[int, int]
-    box: Box
+    base_spans: tuple[Span, ...]
+    columns: tuple[Span, ...]
+    rows: tuple[Span, ...]
     tiles: tuple[int, int]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(rows, cols) of the tile grid's tokens."""
+        return len(self.rows), len(self.columns)
 
     @property
     def visual(self) -> int:
@@ -65,35 +76,41 @@ class Tiling:
 
 
 def tiling(model, height: int, width: int) -> Tiling:
-    """The packing of an image of `height` x `width` pixels, with the processor's and the model's arithmetic
-    (`select_best_resolution`, `get_patch_output_size`, `unpad_image`, OneVision's `anyres_max_N` shrink)."""
+    """The packing of an image of `height` x `width` pixels, with the processor's and the model's own functions:
+    `select_best_resolution` (the canvas), `get_patch_output_size` (the image resized onto it, pasted centred),
+    `unpad_image` run on a grid of indices (the stitched grid's rows and columns it keeps; OneVision's modeling module
+    holds the same function) and, for OneVision's
+    `anyres_max_N`, the same bilinear `interpolate` run on one-hot rows (which source cells each shrunk token mixes).
+    A token's cell is the pixels its patch sees: patch i of tile t covers [t * tile + i * patch, + patch) of the
+    canvas, so where the patch does not divide the tile (SigLIP: 27 patches of 14 px see 378 of 384 px) the end of
+    every tile lies in no cell; a shrunk token covers the union of the cells it mixes."""
     config = model.config
     tile, patch = config.vision_config.image_size, config.vision_config.patch_size
     side = tile // patch
     best_h, best_w = select_best_resolution((height, width), config.image_grid_pinpoints)
+    new_h, new_w = get_patch_output_size(np.broadcast_to(np.uint8(0), (1, height, width)), (best_h, best_w),
+                                         ChannelDimension.FIRST)
     tiles = (best_h // tile, best_w // tile)
-    rows, cols = tiles[0] * side, tiles[1] * side
-    if best_w / width < best_h / height:  # the resized image fills the canvas width
-        new_w, new_h = best_w, min(math.ceil(height * best_w / width), best_h)
-    else:
-        new_h, new_w = best_h, min(math.ceil(width * best_h / height), best_w)
-    paste_x, paste_y = (best_w - new_w) // 2, (best_h - new_h) // 2
-    r0, r1, c0, c1 = 0, rows, 0, cols
-    if width / height > cols / rows:
-        pad = (rows - int(round(height * cols / width, 7))) // 2
-        r0, r1 = pad, rows - pad
-    else:
-        pad = (cols - int(round(width * rows / height, 7))) // 2
-        c0, c1 = pad, cols - pad
-    box = ((c0 * patch - paste_x) / new_w, (r0 * patch - paste_y) / new_h,
-           (c1 * patch - paste_x) / new_w, (r1 * patch - paste_y) / new_h)
-    h, w = r1 - r0, c1 - c0
+    grid = torch.stack(torch.meshgrid(torch.arange(tiles[0] * side), torch.arange(tiles[1] * side), indexing="ij"))
+    kept = unpad_image(grid, (height, width))  # [2, rows, cols]: each kept cell's (row, col) on the stitched grid
+    first_row, first_col = int(kept[0, 0, 0]), int(kept[1, 0, 0])
+    rows = tile_spans(first_row, kept.shape[1], side, tile, patch, (best_h - new_h) // 2, new_h)
+    columns = tile_spans(first_col, kept.shape[2], side, tile, patch, (best_w - new_w) // 2, new_w)
     aspect = getattr(config, "vision_aspect_ratio", None)  # OneVision: "anyres_max_9"
     if aspect is not None:
-        ratio = math.sqrt(h * w / (int(aspect.strip("anyres_max_")) * side ** 2))
+        ratio = math.sqrt(len(rows) * len(columns) / (int(aspect.strip("anyres_max_")) * side ** 2))
         if ratio > 1.1:
-            h, w = int(h // ratio), int(w // ratio)
-    return Tiling(side, (h, w), box, tiles)
+            rows, columns = shrunk(rows, int(len(rows) // ratio)), shrunk(columns, int(len(columns) // ratio))
+    return Tiling(side, tile_spans(0, side, side, tile, patch, 0, tile), columns, rows, tiles)
+
+
+def shrunk(spans: tuple[Span, ...], size: int) -> tuple[Span, ...]:
+    """The spans of `size` cells bilinearly resampled from cells of `spans`, as OneVision's `interpolate` shrinks its
+    grid (separable: one axis at a time): each covers the union of the source cells it takes a weight from."""
+    weights = torch.nn.functional.interpolate(torch.eye(len(spans))[None, :, :, None], [size, 1], mode="bilinear")
+    used = weights[0, :, :, 0] > 0  # [source, shrunk]
+    return tuple((min(spans[j][0] for j in used[:, i].nonzero()[:, 0].tolist()),
+                  max(spans[j][1] for j in used[:, i].nonzero()[:, 0].tolist())) for i in range(size))
 
 
 def image_sizes(inputs) -> list[tuple[int, int]]:
@@ -128,15 +145,17 @@ def token_masks(model, input_ids: torch.Tensor, kwargs: dict) -> tuple[torch.Ten
 
 
 def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
-    """The first sample's tokens on its image: the base view over the whole image, the tile grid over the unpadded
-    canvas (its rectangle reaches past the image by the canvas cells that hold some padding)."""
+    """The first sample's tokens on its image, each cell the pixels its patch sees (`tiling`): the base view over the
+    whole image, the tile grid over the unpadded canvas (reaching past the image by the canvas cells that hold some
+    padding)."""
     h, w = image_sizes(inputs)[0]
     pack = tiling(model, h, w)
     base = pack.base ** 2
     rows, cols = pack.grid
-    views = (TokenView("base view (the whole image squashed to one tile)", (pack.base, pack.base), tuple(range(base))),
-             TokenView(f"tiles ({pack.tiles[0]} x {pack.tiles[1]}, unpadded)", pack.grid,
-                       tuple(range(base, base + rows * cols)), pack.box))
+    views = (TokenView.spanning("base view (the whole image squashed to one tile)", range(base), pack.base_spans,
+                                pack.base_spans),
+             TokenView.spanning(f"tiles ({pack.tiles[0]} x {pack.tiles[1]}, unpadded)", range(base, base + rows * cols),
+                                pack.columns, pack.rows))
     return Layout(pack.visual, views, image_size or (w, h))
 
 
