@@ -17,7 +17,7 @@ from hap.features import FeatureCache, reusing_features
 from hap.options import OPTIONS, ProcessorOptions
 from hap.patch.processors import option_defaults, processor_options
 from hap.run import chat_prompt
-from tiny_zoo import NEXT_PINPOINTS, ONEVISION_PINPOINTS, TILE, llava_next, llava_onevision, picture
+from tiny_zoo import NEXT_PINPOINTS, TILE, llava_next, llava_onevision, picture
 from tiny_zoo_more import INTERNVL_MAX, SMOL_LONGEST, idefics3, internvl
 from tiny_zoo_recent import gemma3, qwen3_vl
 
@@ -55,7 +55,7 @@ CASES = {
     "llava-next max tiles": (llava_next, ProcessorOptions(max_tiles=2),
                              lambda p: pinpoints(p, [pp for pp in NEXT_PINPOINTS if pp[0] * pp[1] <= 2 * TILE ** 2])),
     "onevision max tiles": (llava_onevision, ProcessorOptions(max_tiles=4),
-                            lambda p: pinpoints(p, [pp for pp in ONEVISION_PINPOINTS
+                            lambda p: pinpoints(p, [pp for pp in p.image_processor.image_grid_pinpoints
                                                     if pp[0] * pp[1] <= 4 * TILE ** 2])),
     "onevision anyres max": (llava_onevision, ProcessorOptions(anyres_max=1), lambda p: anyres(p, 1)),
 }
