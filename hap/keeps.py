@@ -63,6 +63,7 @@ class Kept:
     answer: str
     kept: list[int]  # visual indices (0..V-1, the original order) its first cut keeps
     cut_layer: int  # the decoder layer its first cut enters (0: before the first layer)
+    cuts: int  # how many cuts it makes (its later ones choose among `kept`)
     retained_tokens: float  # visual tokens present, averaged over the decoder layers (the budget's measure)
     flops_ratio: float  # achieved prefill FLOPs / unpruned
     present: np.ndarray = field(repr=False)  # bool [layers, V] the visual tokens each decoder layer runs
@@ -72,12 +73,12 @@ class Kept:
     def of(cls, result: Result) -> Kept:
         first = result.groups[0] if result.groups else None
         return cls(result.method, result.answer, sorted(first.kept) if first else list(range(result.num_visual)),
-                   first.layers[0] if first else result.num_layers, result.retained_tokens, result.flops_ratio,
-                   presence(result))
+                   first.layers[0] if first else result.num_layers, len(result.groups), result.retained_tokens,
+                   result.flops_ratio, presence(result))
 
     def to_json(self) -> dict:
-        return {"kept": [int(v) for v in self.kept], "cut_layer": self.cut_layer, "answer": self.answer,
-                "retained_tokens": self.retained_tokens, "flops_ratio": self.flops_ratio,
+        return {"kept": [int(v) for v in self.kept], "cut_layer": self.cut_layer, "cuts": self.cuts,
+                "answer": self.answer, "retained_tokens": self.retained_tokens, "flops_ratio": self.flops_ratio,
                 "overlap_with_hap": self.overlap_with_hap}
 
 
@@ -160,13 +161,15 @@ def budget_text(budget: dict) -> str:
 
 
 def panel_title(kept: Kept) -> str:
-    """"fastv: 'red' · 71% of HAP's" (HAP's own panel: "· HAP's own"), then the kept count and where it was cut."""
+    """"fastv: 'red' · 71% of HAP's" (HAP's own panel: "· HAP's own"), then the kept count, where it was cut and how
+    many cuts follow."""
     answer = kept.answer if len(kept.answer) <= ANSWER_CHARS else kept.answer[:ANSWER_CHARS - 1] + "…"
     if kept.method == REFERENCE:
         share = "HAP's own"
     else:
         share = "HAP did not run" if kept.overlap_with_hap is None else f"{kept.overlap_with_hap:.0%} of HAP's"
-    return f"{kept.method}: {answer!r} · {share}\n{len(kept.kept)} kept entering layer {kept.cut_layer}"
+    later = f", then {kept.cuts - 1} more cut{'s' * (kept.cuts > 2)}" if kept.cuts > 1 else ""
+    return f"{kept.method}: {answer!r} · {share}\n{len(kept.kept)} kept entering layer {kept.cut_layer}{later}"
 
 
 def keeps_panels(data: ViewData, found: Keeps) -> Panels:

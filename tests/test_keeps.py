@@ -66,7 +66,7 @@ def test_every_method_of_the_registry_runs_or_is_refused_by_name(shipped):
     assert found.methods["fastv"].kept == sorted(direct.groups[0].kept)
     entry = json.loads(json.dumps(found.to_json()))
     assert entry["retain"] == RETAIN and set(entry["refused"]) == set(found.refused)
-    assert set(entry["methods"]["fastv"]) == {"kept", "cut_layer", "answer", "retained_tokens", "flops_ratio",
+    assert set(entry["methods"]["fastv"]) == {"kept", "cut_layer", "cuts", "answer", "retained_tokens", "flops_ratio",
                                                "overlap_with_hap"}
 
 
@@ -85,6 +85,7 @@ def test_the_view_has_a_titled_panel_per_method_with_the_answering_patches_outli
         share = "HAP's own" if method == REFERENCE else f"{kept.overlap_with_hap:.0%} of HAP's"
         assert panel.title.startswith(f"{method}: {kept.answer!r} · {share}")
         assert np.flatnonzero(panel.present.ravel()).tolist() == kept.kept  # kept bright, the rest dimmed
+        assert ("2 more cuts" in panel.title) == (kept.cuts == 3)  # HAP's groups: the later cuts said
         assert panel.outline is not None and panel.outline.sum() == data.truth.patches.sum() > 0
     figure = keeps_plotly(data, found)
     outlines = [t for t in figure.data if t.type == "scatter" and t.line.color == views.OUTLINE_COLOR]
