@@ -33,13 +33,14 @@ import hap
 from hap.budget import OFFICIAL, plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits
+from hap.keeps import pruning
 from hap.methods import policy_for
 from hap.patch import batch, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import Prepared, eos_ids, prefill, prepare, template_tail
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
-METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
+METHODS = pruning()  # every method of the registry that prunes (the method knob's choices but none)
 GRID = [m for m in METHODS if m not in OFFICIAL]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
 

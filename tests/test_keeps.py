@@ -157,8 +157,16 @@ def test_the_cli_draws_the_view_and_writes_its_json(tmp_path, model_name):
     assert (tmp_path / "figures" / "keeps.png").stat().st_size > 0
 
 
-def test_the_sweep_and_the_benchmark_take_every_registry_method():
+def test_the_sweep_its_grid_and_the_benchmark_take_every_registry_method():
     from analysis import benchmark, sweep
 
-    assert sweep.METHODS == pruning()
-    assert set(pruning()) <= set(benchmark.CHOICES)
+    assert sweep.METHODS == pruning() and set(sweep.GRID) <= set(pruning())
+    assert set(pruning()) <= set(benchmark.CHOICES) and benchmark.chosen(["all"]) == pruning()
+    retain = [1.0, 0.5, 0.25]
+    result = {"retain": retain, "unpruned": {"answer": "red"},
+              "methods": {m: {"answers": ["red", "blue", None], "answer_prob": [0.9, 0.2, None]} for m in pruning()}}
+    figure = views.sweep_plotly(result, "sweep")
+    lines = [t for t in figure.data if t.type == "scatter"]
+    assert [t.name for t in lines] == pruning() and list(figure.data[-1].y) == pruning()  # a line and a grid row each
+    styles = {(t.line.color, t.line.dash, t.marker.symbol) for t in lines}
+    assert len(styles) == len(pruning())  # told apart by colour, dash and marker
