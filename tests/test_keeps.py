@@ -10,8 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from app_model import ROOT, default_model
+from app_model import ROOT, SHIPPED, default_model
 from PIL import Image
+from test_zerogpu import on_zerogpu  # noqa: F401 (fixture: app/handler.py on a stand-in ZeroGPU)
 from tiny_models import qwen_vl_folder
 
 import hap
@@ -141,6 +142,7 @@ def test_analyze_runs_every_method_only_when_asked(model_name):
     assert entry["methods"]["uniform"]["answer"] == out["summary"]["runs"]["uniform"]["answer"]
     assert len(entry["methods"]["fastv"]["kept"]) == 15 and 0 < entry["methods"]["fastv"]["flops_ratio"] < 1
     assert out["keeps"].layout.title.text.startswith("What each method keeps at retain 0.111")
+    assert set(OFFICIAL_FLOOR) <= set(entry["refused"])  # named, not run, and the request goes on
     with pytest.raises(gr.Error, match="keeps='yes' must be true or false"):
         handler.analyze(file(SCENE), PROMPT, model_name, keeps="yes", **knobs)
 
@@ -170,3 +172,16 @@ def test_the_sweep_its_grid_and_the_benchmark_take_every_registry_method():
     assert [t.name for t in lines] == pruning() and list(figure.data[-1].y) == pruning()  # a line and a grid row each
     styles = {(t.line.color, t.line.dash, t.marker.symbol) for t in lines}
     assert len(styles) == len(pruning())  # told apart by colour, dash and marker
+
+
+def test_on_zerogpu_the_comparison_asks_for_its_own_call(on_zerogpu):
+    from app.settings import Settings, knob_defaults
+    from app import zerogpu
+
+    handler, calls = on_zerogpu
+    image = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
+    out = handler.Handler(Settings(models=[SHIPPED])).analyze(image, PROMPT, SHIPPED, causal="off", keeps=True,
+                                                               **{**knob_defaults(SHIPPED), "retain": RETAIN})
+    assert out["summary"]["keeps"]["methods"]["hap"]["overlap_with_hap"] == 1.0
+    asked = {name: seconds for name, seconds, _ in calls}
+    assert "_keeps" in asked and zerogpu.MIN_S <= asked["_keeps"]
