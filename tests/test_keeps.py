@@ -18,7 +18,7 @@ from tiny_models import qwen_vl_folder
 import hap
 from analysis.ground_truth import read_metadata, scene_truth
 from hap import views
-from hap.keeps import REFERENCE, keeps, keeps_panels, keeps_plotly, keeps_png, overlap, pruning
+from hap.keeps import REFERENCE, keeps, keeps_panels, keeps_plotly, keeps_png, overlap, panel_title, pruning
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"  # the question saved with scene_600000
@@ -69,6 +69,15 @@ def test_every_method_of_the_registry_runs_or_is_refused_by_name(shipped):
     assert entry["retain"] == RETAIN and set(entry["refused"]) == set(found.refused)
     assert set(entry["methods"]["fastv"]) == {"kept", "cut_layer", "cuts", "answer", "retained_tokens", "flops_ratio",
                                                "overlap_with_hap"}
+
+
+def test_at_the_full_budget_every_method_keeps_every_token(shipped):
+    model, processor, _, _ = shipped
+    found = keeps(model, processor, Image.open(SCENE), PROMPT, hap.HAPConfig(retain=1.0, first_layers=0),
+                  max_new_tokens=2, methods=("hap", "fastv"))
+    assert all(len(k.kept) == 144 and k.overlap_with_hap == 1.0 for k in found.methods.values())
+    assert panel_title(found.methods["fastv"]) == f"fastv: {found.methods['fastv'].answer!r} · 100% of HAP's\n144 kept " \
+                                                  "entering layer 0"
 
 
 def test_overlap_counts_hap_s_token_layers():
