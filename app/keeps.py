@@ -13,8 +13,8 @@ import gradio as gr
 INTRO = (
     "## What each method keeps\n"
     "Every pruning method of the method list at this page's budget, on the analysed image: one small map per method, "
-    "the tokens its first cut keeps bright and the rest dimmed, the answering patches outlined on a scene asked its own "
-    "question. Each title gives the method's answer and its overlap with HAP's: the share of HAP's (visual token, "
+    "the tokens its first cut keeps bright and the rest dimmed, the answering patches outlined on a scene asked its "
+    "own question. Each title gives the method's answer and its overlap with HAP's: the share of HAP's (visual token, "
     "decoder layer) pairs the method also runs. A method the model refuses, or whose budget it cannot reach, is named "
     "with the reason. It costs one prefill per method (the answers decoded together, the image encoded once), so it "
     "runs only when asked: tick the box (Run and follow-ups then include it) or press the button."

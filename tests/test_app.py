@@ -66,7 +66,8 @@ def test_every_knob_is_an_analyze_parameter_with_the_registry_default(client, mo
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/analyze"]
     params = {p["parameter_name"]: p for p in info["parameters"]}
-    assert list(params) == ["image", "prompt", "model_name", *(k.name for k in KNOBS), "history", "causal", "plant", "keeps"]
+    assert list(params) == ["image", "prompt", "model_name", *(k.name for k in KNOBS), "history", "causal", "plant",
+                            "keeps"]
     assert {k.name for k in KNOBS} <= set(params) and "seed" not in params
     defaults = knob_defaults(model_name)  # per-model rules applied to the 6-layer default model
     assert (defaults["first_layers"], defaults["retain"]) == (0, 0.25)
