@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import causal, utility
 from .config import HAPConfig
+from .features import FeatureCache, reusing_features
 from .inputs import check_history
 from .keeps import keeps, keeps_png, panel_title
 from .knobs import KNOBS, SEED
@@ -91,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             useful = None if mode is None else utility.utility(
                 model, processor, args.image, args.prompt, rows=config.rows, history=history,
                 layers=utility.auto_layers(model, [g.layers[0] for g in result.groups]), config=config)
-            every = None if not args.keeps else keeps(model, processor, args.image, args.prompt, config,
-                                                      args.max_new_tokens, history=history,
-                                                      done={result.method: result})
+            every = None
+            if args.keeps:  # the image encoded once for every method
+                with reusing_features(model, FeatureCache(1)):
+                    every = keeps(model, processor, args.image, args.prompt, config, args.max_new_tokens,
+                                  history=history, done={result.method: result})
     except (ValueError, ModelLoadError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -80,6 +80,18 @@ def test_at_the_full_budget_every_method_keeps_every_token(shipped):
     assert panel_title(found.methods["fastv"]) == f"fastv: {answer!r} · 100% of HAP's\n144 kept entering layer 0"
 
 
+def test_the_image_is_encoded_once_for_every_method_that_does_not_read_the_tower(shipped):
+    from hap.features import FeatureCache, reusing_features
+
+    model, processor, _, _ = shipped
+    cache = FeatureCache(1)
+    with reusing_features(model, cache):
+        found = keeps(model, processor, Image.open(SCENE), PROMPT, hap.HAPConfig(retain=0.2, first_layers=0),
+                      max_new_tokens=2)
+    # one vision pass, read by every method but those reading the tower's [CLS] cues (`hap.features.needs_tower`)
+    assert not found.refused and cache.misses == 1 and len(found.methods) // 2 < cache.hits < len(found.methods)
+
+
 def test_overlap_counts_hap_s_token_layers():
     hap_runs = np.array([[1, 1, 0, 0], [1, 0, 0, 0]], bool)  # token 0 in both layers, token 1 in layer 0
     assert overlap(hap_runs, hap_runs) == 1.0
