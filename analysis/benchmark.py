@@ -36,7 +36,7 @@ Outputs in --out: benchmark.json (binding keys: accuracy[method][retain], relati
 accuracy_by_type[method][retain][kind], kept_recall[method][retain], grounding_spearman, n_questions,
 n_by_type[kind] (questions of each kind), scene_kinds (simple / cluttered -> "a-b objects"), n_by_scene[kind],
 unpruned_by_scene[kind], accuracy_by_scene[method][retain][kind] (each kind's accuracy weighted by its questions gives
-the overall one),
+the overall one), refused[method] (why the model refuses it, `hap.patch.refusal`: never run, NaN in its rows),
 norm_ratio: per decoder layer, the median over questions of max / median L2 norm of the visual tokens'
 input hidden states, causal_spearman: mean over questions of Spearman(PAQ, exact ablation importance) over the
 scored heads, causal_token_precision: mean over questions with answering patches of the share of answering
@@ -66,7 +66,7 @@ import torch
 import hap
 from hap import causal, utility
 from hap.budget import smallest_retain
-from hap.keeps import pruning
+from hap.keeps import pruning, refusal
 from hap.knobs import knob
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt, template_tail
@@ -209,6 +209,7 @@ class Tally:
     #                                                                  question with a target: token precision
     utility: dict[str, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))  # per kind, per
     #                                                          question: `utility_row` (UTILITY_KEYS -> value)
+    refused: dict[str, str] = field(default_factory=dict)  # method -> why the model does not take it (never run)
 
     def add(self, key: tuple[str, float], batch, answers: list[str], state) -> None:
         """One pruned run of `batch`: correctness of each answer, kept recall of each question with a target."""
@@ -224,13 +225,15 @@ def evaluate(model, processor, batches: list, base: dict, methods: list[str], re
     if not extras and "oracle_causal" in methods:
         raise ValueError("oracle_causal ranks by the causal token importance, which --accuracy-only skips")
     tally = Tally()
+    tally.refused = {m: why for m in methods if m in hap.METHODS
+                     and (why := refusal(model, hap.HAPConfig(method=m, **base))) is not None}
     for batch in batches:
         truth = [q.answer for _, q in batch]
         answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=extras)
         tally.correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
         tokens = extras_of(model, processor, batch, base, state, tally) if extras else None
         for retain in retains:
-            for method in methods:
+            for method in (m for m in methods if m not in tally.refused):  # a refused one: NaN, named in the report
                 config, priority = method_run(method, retain, base, batch, tokens)
                 if not reachable(model, config):
                     continue  # out of reach: no accuracy at this budget (a NaN in the report)
@@ -383,6 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
         "retained_tokens": {str(r): r * N_PATCHES for r in args.retain},
         "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) if recall[(m, r)] else math.nan
                             for r in args.retain} for m in methods},
+        "refused": tally.refused,
         "seconds": seconds,
     }
     if not args.accuracy_only:
@@ -476,6 +480,7 @@ def markdown(r: dict) -> str:
         cells = ["out of reach" if math.isnan(v) else f"{v:.3f} ({r['relative'][m][k]:.3f}) / {r['kept_recall'][m][k]:.2f}"
                  for k, v in row.items()]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += [f"\n{m}: refused by the model, not run ({why})." for m, why in r.get("refused", {}).items()]
     if "head_paq" in r:
         lines += extras_markdown(r)
     return "\n".join(lines) + "\n" + by_kind_markdown(r)

@@ -140,13 +140,13 @@ def keeps(model, processor, image, prompt: str, config: HAPConfig, max_new_token
     return Keeps(budget, found, refused)
 
 
-def refusal(model, config: HAPConfig, num_visual: int, text_tokens: int) -> str | None:
-    """Why `config` does not run on `model` for an input of `num_visual` visual and `text_tokens` text tokens: the
-    model refuses the method (`hap.patch.refusal`; a file the method needs that does not load), or its budget is out
-    of the method's reach on this decoder (`hap.budget.plan`); None when it runs."""
+def refusal(model, config: HAPConfig, num_visual: int | None = None, text_tokens: int = 0) -> str | None:
+    """Why `config` does not run on `model`: the model refuses the method (`hap.patch.refusal`; a file the method needs
+    that does not load), or, for an input of `num_visual` visual and `text_tokens` text tokens (None: not checked),
+    its budget is out of the method's reach on this decoder (`hap.budget.plan`); None when it runs."""
     try:
         why = patch_refusal(model, config)
-        if why is None:
+        if why is None and num_visual is not None:
             plan(config, decoder_shape(model), num_visual, text_tokens)
     except (ValueError, OSError) as err:
         return str(err)

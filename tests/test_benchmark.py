@@ -156,3 +156,14 @@ def test_per_kind_rows_add_up_to_the_overall_rows(tmp_path, capsys):
     capsys.readouterr()
     assert main(["--by-kind", str(tmp_path / "benchmark.json")])["accuracy_by_scene"].keys() == set(pruning())
     assert capsys.readouterr().out.strip() == table.strip()
+
+
+def test_a_method_the_model_refuses_is_named_not_run(tmp_path, monkeypatch):
+    from analysis import benchmark
+
+    monkeypatch.setattr(benchmark, "refusal", lambda model, config: "no [CLS]" if config.method == "fastv" else None)
+    report = main(["--model", str(SHIPPED), "--seeds", "500000:500002", "--per-scene", "1", "--out", str(tmp_path),
+                   "--methods", "hap", "fastv", "--retain", "0.111", "--accuracy-only"])
+    assert report["refused"] == {"fastv": "no [CLS]"} and math.isnan(report["accuracy"]["fastv"]["0.111"])
+    assert not math.isnan(report["accuracy"]["hap"]["0.111"])
+    assert "fastv: refused by the model, not run (no [CLS])." in (tmp_path / "benchmark.md").read_text()
