@@ -33,9 +33,9 @@ import hap
 from hap.budget import OFFICIAL, plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits
-from hap.keeps import pruning
+from hap.keeps import pruning, refusal
 from hap.methods import policy_for
-from hap.patch import batch, refusal, visual_tokens
+from hap.patch import batch, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import Prepared, eos_ids, prefill, prepare, template_tail
 
@@ -69,8 +69,8 @@ def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, poi
 
 
 def refused(model, config: hap.HAPConfig) -> dict[str, str]:
-    """{method: why} for the METHODS `model` does not take (`hap.patch.refusal`: visionzip without a [CLS] token,
-    pdrop on Qwen2-VL's M-RoPE)."""
+    """{method: why} for the METHODS `model` does not take (`hap.keeps.refusal`: visionzip without a [CLS] token,
+    pdrop on Qwen2-VL's M-RoPE, a file a method needs that does not load)."""
     why = {m: refusal(model, replace(config, method=m, retain=None, flops_ratio=None)) for m in METHODS}
     return {m: w for m, w in why.items() if w is not None}
 
