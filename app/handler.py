@@ -59,7 +59,7 @@ from . import causal as causal_section
 from . import conversation as chat
 from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
-from .lab import NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share
+from .lab import NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share, read_plan
 from .lab_pick import head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
 from .settings import Settings, check_model, is_local, resolve
 
@@ -386,7 +386,7 @@ class Handler:
     def _analyze(self, image, prompt, model_name, settings: dict, progress, history, turns,
                  causal: str | None, plant, session: str) -> dict[str, object]:
         picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
-        plan = Plan.from_json(plant)
+        plan = read_plan(plant)
         limits = self.settings.limits
         img = load(picture.source, picture.name, limits)
         pixels = image_key(img)
@@ -482,7 +482,7 @@ class Handler:
         run's classes and image (`state`; its plan report `run` marks found / missed heads when the plan is the one
         it ran), else on the model's shape and no image. An unfinished plan (typing) leaves them as they are."""
         try:
-            plan = Plan.from_json(plant)
+            plan = read_plan(plant)
         except ValueError:
             return gr.skip(), gr.skip(), gr.skip()
         tokens = " ".join(map(str, plan.sink_tokens or ()))
@@ -499,7 +499,7 @@ class Handler:
         """The plan JSON with the head under the click on the head picker toggled as `kind`."""
         shape = state.shape[:2] if state is not None else self.lab_shape(model_name)
         head = head_at(*evt.index, shape)
-        return gr.skip() if head is None else plan_text(toggle_head(Plan.from_json(plant), head, kind))
+        return gr.skip() if head is None else plan_text(toggle_head(read_plan(plant), head, kind))
 
     @user_errors
     def click_token(self, plant: str, state: views.ViewData | None, evt: gr.SelectData) -> str:
@@ -508,7 +508,7 @@ class Handler:
             raise gr.Error("press Run first: the sink-token picker shows the last run's image on its token grid")
         height, width = state.image.shape[:2]
         token = token_at(*evt.index, (width, height), state.grid, state.shape[2])
-        return plan_text(toggle_token(Plan.from_json(plant), token))
+        return plan_text(toggle_token(read_plan(plant), token))
 
     def lab_shape(self, model_name: str) -> tuple[int, int]:
         """(layers, query heads) of `model_name`'s decoder, from its config (the weights are not loaded; a hub id

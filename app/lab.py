@@ -52,6 +52,46 @@ TOKEN_PICKER = "Sink-token picker (click a patch to toggle its visual token; red
 # The teaching example's plan: sinks in half the heads of the layers scoring the shipped model's cuts, found by the
 # attention-consensus detector (LAB_DETECTOR).
 TEACHING_PLAN = share_plan((0, 1, 3), 8, 0.5, seed=0)
+PLAN_DEPTH = 3  # a plan nests at most this deep: {"sink": [[layer, head], ...], ...}
+
+
+def read_plan(value) -> Plan:
+    """The plan of `/analyze`'s `plant` (a JSON object or its text; `Plan.from_json`), its nesting checked first and
+    without recursion, so that a value nested thousands deep is refused naming the field (json and repr would
+    recurse into it and fail with a RecursionError)."""
+    depth = nesting(value)
+    if depth > PLAN_DEPTH:
+        raise ValueError(f"plant nests {depth} levels deep; a plan nests at most {PLAN_DEPTH}: "
+                         '{"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...], "strength": 0.9}')
+    return Plan.from_json(value)
+
+
+def nesting(value) -> int:
+    """How deep `value` nests: a JSON text's brackets (outside its strings) or a Python value's lists, tuples and
+    dicts; iterative, so any depth is measured."""
+    if isinstance(value, str):
+        deepest = depth = 0
+        quoted = escaped = False
+        for char in value:
+            if quoted:
+                escaped, quoted = (False, True) if escaped else (char == "\\", char != '"')
+            elif char == '"':
+                quoted = True
+            elif char in "[{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif char in "]}":
+                depth -= 1
+        return deepest
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, (list, tuple)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def plan_from_share(kind: str, share: float, layers: str, seed: float, strength: float, sink_tokens: str,

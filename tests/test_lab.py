@@ -79,6 +79,39 @@ def test_a_bad_plan_is_a_clear_error_and_the_server_keeps_answering(client, mode
         analyze(client, model_name, plant=json.dumps(plant))
 
 
+DEEP = "[" * 5000 + "]" * 5000  # nested 5,000 deep: json.loads and repr would recurse past Python's limit
+MALFORMED = [  # (plant, the field its message names)
+    ("{oops", "plant is not valid JSON"), ("[1, 2]", "plant must be a JSON object"), ('"sink"', "plant must be"),
+    ("7", "plant must be"), ('{"sinks": []}', "plant: unknown keys sinks"), ('{"sink": 3}', "sink must be a list"),
+    ('{"sink": [[0, 1, 2]]}', "sink: each entry"), ('{"dispersed": [["a", 1]]}', "dispersed: each entry"),
+    ('{"strength": true}', "strength=True"), ('{"sink_tokens": "0"}', "sink_tokens must be a list"),
+    (DEEP, "plant nests 5000 levels deep"), ('{"sink": ' + DEEP + "}", "plant nests 5001 levels deep"),
+]
+
+
+@pytest.mark.parametrize("plant, message", MALFORMED)
+def test_every_malformed_plan_is_refused_naming_its_field(plant, message):
+    from app.lab import read_plan
+
+    with pytest.raises(ValueError, match="^" + message.replace("[", "\\[")):
+        read_plan(plant)
+
+
+def test_a_plan_nested_thousands_deep_is_measured_without_recursion_and_refused_by_the_server(client, model_name):
+    from app.lab import nesting, read_plan
+
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    assert nesting(deep) == 5001 and nesting({"sink": [[0, 1]]}) == 3 and nesting('{"a": "[[[[", "b": [1]}') == 2
+    with pytest.raises(ValueError, match="plant nests 5002 levels deep"):
+        read_plan({"sink": deep})
+    assert read_plan(json.dumps(PLAN)) == Plan.from_json(PLAN)
+    with pytest.raises(Exception, match="plant nests 5000 levels deep") as error:
+        analyze(client, model_name, plant=DEEP)
+    assert "RecursionError" not in str(error.value)
+
+
 def test_the_share_helper_and_the_teaching_plan():
     plan = plan_from_share("dispersed", 50, "1-2", 0, 0.8, "3, 4", (6, 8))
     assert len(plan["dispersed"]) == 8 and {l for l, _ in plan["dispersed"]} == {1, 2}
