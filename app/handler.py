@@ -59,7 +59,9 @@ from . import causal as causal_section
 from . import conversation as chat
 from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
-from .lab import NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share, read_plan
+from .images import serve_images
+from .lab import (LAB_VIEWS, NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share, read_plan,
+                  side_by_side)
 from .lab_pick import head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
 from .settings import Settings, check_model, is_local, resolve
 
@@ -430,9 +432,9 @@ class Handler:
             figures = mark_planted(figures, plan, planted_report["classifier"])
             shown = mark_planted(shown, plan, planted_report["classifier"])
             cards = {label: card.replace("####", "#### PLANTED heads ·", 1) for label, card in cards.items()}
-        lab_views = {f"lab_{name}": figures[name] if planted_report else None
-                     for name in ("head_classes", "uniform_vs_paq", "kept_masks")}
-        outputs = {
+        lab_drawn = side_by_side(data, plan, planted_report["classifier"]) if planted_report else {}
+        lab_views = {f"lab_{name}": shown_if(lab_drawn.get(name)) for name in LAB_VIEWS}
+        outputs = serve_images({
             **cards,
             "layer": gr.Slider(value=data.layer, maximum=data.shape[0] - 1, interactive=True),
             "head": gr.Slider(value=0, maximum=data.shape[1] - 1, interactive=True),
@@ -448,9 +450,9 @@ class Handler:
             **shown,
             **dict(zip(INSPECTOR, inspect_head(data, data.layer, 0))),
             "edit_diff": NO_EDIT if edit is None else edit.text(),
-            "edit_diff_plot": None if edit is None else edit.figure(),
+            "edit_diff_plot": shown_if(None if edit is None else edit.figure()),
             "state": data,
-        }
+        })
         turn = chat.Turn(prompt, comparison.pruned.answer, [list(g.kept) for g in data.groups], data.shape[2], outputs,
                          pixels, model_name)
         conversation = [*earlier, turn]
@@ -553,6 +555,12 @@ def lab_pictures(data: views.ViewData, plan: Plan, run: dict | None) -> dict[str
             "lab_tokens": token_picker(data.image, data.grid, tokens) if rows * cols == data.shape[2] else None}
 
 
+def shown_if(figure) -> gr.Plot:
+    """A plot that is shown only when it has a figure: nothing drawn where there is nothing to show (the API gets
+    gradio's update, `{"value": ..., "visible": ...}`)."""
+    return gr.Plot(value=figure, visible=figure is not None)
+
+
 def conversation_outputs(turns: list[chat.Turn], shown: int) -> dict[str, object]:
     """The conversation's outputs (CONVERSATION and the turns) with turn `shown` picked."""
     return {"history": chat.history(turns), "conversation": chat.messages(turns),
@@ -573,8 +581,8 @@ def show_turn(turns: list[chat.Turn] | None, choice: str) -> tuple:
 def inspect_head(data: views.ViewData, layer: int, head: int) -> tuple:
     """(the map of head `head` of layer `layer` over the image, its numbers as Markdown); ValueError outside."""
     data = data.at_layer(layer)
-    panels = views.head_panel(data, head)
-    return views.panels_plotly(panels, f"Head inspector: layer {layer}, head {head}"), head_text(data, head)
+    figure = views.panels_plotly(views.head_panel(data, head), f"Head inspector: layer {layer}, head {head}")
+    return serve_images({"inspector": figure})["inspector"], head_text(data, head)
 
 
 def _stored(state: views.ViewData | None) -> views.ViewData:
@@ -594,6 +602,7 @@ def show_head(state: views.ViewData | None, layer: float, head: float) -> tuple:
 def show_layer(state: views.ViewData | None, layer: float, head: float) -> tuple:
     """Re-draw the per-head maps for another layer, and the head inspector, from the stored run (no model call)."""
     try:
-        return views.VIEW["head_maps"].figure(_stored(state).at_layer(int(layer))), *show_head(state, layer, head)
+        maps = views.VIEW["head_maps"].figure(_stored(state).at_layer(int(layer)))
+        return serve_images({"head_maps": maps})["head_maps"], *show_head(state, layer, head)
     except ValueError as err:
         raise gr.Error(str(err), print_exception=False) from err

@@ -1,8 +1,8 @@
 """The page's head lab, "What if heads differed?" (`hap.plant`, docs/method.md §14): a plan chosen by the user,
 labelled on every view of the run it shaped, and what it did, in words and numbers.
 
-A planted run is never shown as the model's own: every figure's title starts with PLANTED_TITLE and carries a
-PLANTED badge, the planted heads are marked on the head-class grid, the answer cards say "planted heads", and
+A planted run is never shown as the model's own: every figure's title starts with PLANTED_LABEL in red (its
+badge), the planted heads are marked on the head-class grid, the answer cards say "planted heads", and
 `lab_text` explains the run with its numbers (the classifier's precision / recall on the plan, how much of the
 uniform-average and PAQ-fused maps the sink tokens hold, the answers of unpruned, uniform, the paper's HAP and
 HAP+ at the chosen budget).
@@ -20,7 +20,12 @@ from hap.planting import Plan, share_plan
 
 from .lab_pick import MISSED, PLANTED_MARK
 
-PLANTED_TITLE = "PLANTED heads (hap.plant) · "
+PLANTED_LABEL = "PLANTED heads (hap.plant)"
+PLANTED_TITLE = f'<b><span style="color:#d62728">{PLANTED_LABEL}</span></b> ·'  # a planted figure's
+#                 first title line: its badge, above the panels, so that it neither lengthens nor covers a title
+PLOTLY_MARGIN_T, PLOTLY_HEIGHT = 100, 450  # plotly's defaults, for a figure that sets neither
+LAB_VIEWS = ("head_classes", "uniform_vs_paq", "kept_masks")  # the lab's results side by side
+LAB_WIDTH = 560  # px a side-by-side figure gets in a 1280-px-wide window
 NO_PLAN = ("No plan: this run is the model's own heads. Write a plan above (or fill one with the share helper) and "
            "press **Run** to see what planted sink or dispersed heads do to each pruner.")
 LAB_INTRO = (
@@ -116,8 +121,8 @@ def plan_from_share(kind: str, share: float, layers: str, seed: float, strength:
 
 
 def mark_planted(figures: dict, plan: Plan, classifier: dict | None = None) -> dict:
-    """Every figure of a planted run (outputs by name) titled PLANTED_TITLE + its title, with a PLANTED badge, every
-    text prefixed by it; the planted heads marked on the head-class grid (x: sink, o: dispersed), black where the
+    """Every figure of a planted run (outputs by name) with PLANTED_TITLE (PLANTED in red) as its title's first line,
+    every text prefixed by PLANTED_LABEL; the planted heads marked on the head-class grid (x: sink, o: dispersed), black where the
     classifier found them in their planted class, pink (`app.lab_pick.MISSED`) where it missed them (`classifier`:
     `hap.planting.classifier_report`)."""
     import plotly.graph_objects as go
@@ -125,18 +130,36 @@ def mark_planted(figures: dict, plan: Plan, classifier: dict | None = None) -> d
     marked = {}
     for name, fig in figures.items():
         if not isinstance(fig, go.Figure):  # a text of the section: marked too; nothing drawn: as is
-            marked[name] = f"**{PLANTED_TITLE}** {fig}" if isinstance(fig, str) and fig else fig
+            marked[name] = f"**{PLANTED_LABEL}** · {fig}" if isinstance(fig, str) and fig else fig
             continue
         fig = go.Figure(fig)
-        title = fig.layout.title.text or ""
-        fig.update_layout(title=PLANTED_TITLE + title)
-        fig.add_annotation(text="PLANTED", xref="paper", yref="paper", x=1.0, y=1.0, xanchor="right", yanchor="bottom",
-                           showarrow=False, font=dict(color="white", size=12), bgcolor="#d62728")
+        title = f"{PLANTED_TITLE}<br>{fig.layout.title.text or ''}"
+        before = fig.layout.margin.t if fig.layout.margin.t is not None else PLOTLY_MARGIN_T
+        top = max(before + views.FIGURE_TITLE_LINE_PX,
+                  views.FIGURE_TITLE_PAD_PX + (title.count("<br>") + 1) * views.FIGURE_TITLE_LINE_PX + 12)
+        fig.update_layout(title=dict(text=title, y=1, yref="container", yanchor="top",
+                                     pad=dict(t=views.FIGURE_TITLE_PAD_PX)),
+                          margin=dict(t=top), height=(fig.layout.height or PLOTLY_HEIGHT) + top - before)
         if name == "head_classes":
             for trace in planted_traces(plan, classifier):
                 fig.add_trace(trace)
         marked[name] = fig
     return marked
+
+
+def side_by_side(data: views.ViewData, plan: Plan, classifier: dict | None) -> dict:
+    """The lab's views of a planted run by name (`LAB_VIEWS`: head classes, uniform vs PAQ, kept tokens), drawn for
+    half the page's width (LAB_WIDTH; the panels' titles wrapped to it) and marked planted."""
+    drawn = {}
+    for name in LAB_VIEWS:
+        view = views.VIEW[name]
+        inputs = view.inputs(data)
+        if isinstance(inputs, views.Panels):
+            drawn[name] = view.plotly(replace(inputs, width=LAB_WIDTH), view.title_for(data))
+        else:
+            drawn[name] = view.plotly(inputs, views.wrap_title(view.title_for(data),
+                                                               LAB_WIDTH // views.FIGURE_TITLE_CHAR_PX))
+    return mark_planted(drawn, plan, classifier)
 
 
 def planted_traces(plan: Plan, classifier: dict | None) -> list:

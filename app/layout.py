@@ -141,7 +141,7 @@ def edit_section() -> dict[str, gr.components.Component]:
     """The run on the edited image against the run on the original, by output name (EDIT)."""
     gr.Markdown("## What the edit changed")
     return {"edit_diff": gr.Markdown(NO_EDIT, elem_id="edit-diff"),
-            "edit_diff_plot": gr.Plot(label="Kept tokens after the edit", elem_id="plot-edit_diff")}
+            "edit_diff_plot": gr.Plot(label="Kept tokens after the edit", elem_id="plot-edit_diff", visible=False)}
 
 
 def example_rows(names: list[str], request: list[gr.components.Component]) -> None:
@@ -214,13 +214,14 @@ def lab_section() -> tuple[dict[str, gr.components.Component], dict[str, gr.comp
     gr.Markdown("### This run with the plan, side by side")
     with gr.Row():
         out["lab_head_classes"] = gr.Plot(label="Head classes: the planted heads found or missed",
-                                          elem_id="plot-lab_head_classes")
+                                          elem_id="plot-lab_head_classes", visible=False)
         with gr.Column():
             out["lab_answers"] = gr.Markdown(lab_answers({}), elem_id="lab-answers", container=True)
             out["lab"] = gr.Markdown(NO_PLAN, elem_id="lab")
     with gr.Row():
-        out["lab_uniform_vs_paq"] = gr.Plot(label=VIEW["uniform_vs_paq"].label, elem_id="plot-lab_uniform_vs_paq")
-        out["lab_kept_masks"] = gr.Plot(label=VIEW["kept_masks"].label, elem_id="plot-lab_kept_masks")
+        out["lab_uniform_vs_paq"] = gr.Plot(label=VIEW["uniform_vs_paq"].label, elem_id="plot-lab_uniform_vs_paq",
+                                            visible=False)
+        out["lab_kept_masks"] = gr.Plot(label=VIEW["kept_masks"].label, elem_id="plot-lab_kept_masks", visible=False)
     out["lab_report"] = gr.State()
     return controls, out
 

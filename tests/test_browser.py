@@ -19,6 +19,7 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1150"]
 ARTIFACTS = ROOT / "test-artifacts"
+NARROW = 1280  # the window width the lab and the lesson are checked at
 # elem_id plot-<name> of the gr.Plot outputs: one per view of hap.views.VIEWS, then the head inspector
 PLOTS = ["kept_masks", "token_counts", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq",
          "inspector"]
@@ -242,6 +243,21 @@ def click_picture(driver, elem_id: str, x: int, y: int) -> None:
     ActionChains(driver).move_to_element_with_offset(img, round(dx), round(dy)).click().perform()
 
 
+def shoot(driver, first: str, last: str, name: str) -> None:
+    """Save test-artifacts/`name`: the page from element `first`'s top to element `last`'s bottom (ids), at the
+    window's width."""
+    import base64
+
+    top, bottom = (driver.execute_script("const r = document.getElementById(arguments[0]).getBoundingClientRect(); "
+                                         "return [r.top + window.scrollY, r.bottom + window.scrollY]", e)
+                   for e in (first, last))
+    width = driver.execute_script("return document.documentElement.clientWidth")
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"captureBeyondViewport": True, "clip": {
+        "x": 0, "y": top[0] - 16, "width": width, "height": bottom[1] - top[0] + 32, "scale": 1}})
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / name).write_bytes(base64.b64decode(shot["data"]))
+
+
 def test_the_head_lab_by_clicking(page_url, driver):
     """Click a head on the head picker and a patch on the sink-token picker: the plan box changes; run the plan:
     the lab's results side by side, marked planted; saves test-artifacts/lab.png."""
@@ -252,6 +268,7 @@ def test_the_head_lab_by_clicking(page_url, driver):
     from app.lab_pick import MARGIN, cell_px
 
     wait = WebDriverWait(driver, 240)
+    driver.set_window_size(NARROW, 1000)  # every figure legible at a 1280-px-wide window
     driver.get(page_url)
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#lab-heads img")))
     cell = cell_px((6, 8))
@@ -271,8 +288,6 @@ def test_the_head_lab_by_clicking(page_url, driver):
     wait.until(EC.text_to_be_present_in_element((By.ID, "plant"), '"sink_tokens": [0]'))
     box = driver.find_element(By.CSS_SELECTOR, "#lab-sink-tokens textarea, #lab-sink-tokens input")
     wait.until(lambda d: box.get_attribute("value") == "0")
-    ARTIFACTS.mkdir(exist_ok=True)
-    driver.execute_script("document.getElementById('lab-heads').scrollIntoView({block: 'start'})")
-    driver.save_screenshot(str(ARTIFACTS / "lab.png"))
+    shoot(driver, "lab-heads", "plot-lab_kept_masks", "lab.png")
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors

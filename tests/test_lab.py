@@ -10,13 +10,13 @@ import pytest
 from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 
-from app.lab import NO_PLAN, PLANTED_TITLE, TEACHING_PLAN, plan_from_share
+from app.lab import NO_PLAN, PLANTED_LABEL, TEACHING_PLAN, plan_from_share
 from hap import views
 from hap.planting import Plan, classifier_report
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"
-MARK = PLANTED_TITLE.split(" ·")[0]  # as plotly JSON writes it (the dot escaped)
+MARK = PLANTED_LABEL
 PLAN = {"sink": [[0, 1], [0, 2], [1, 0], [1, 5]], "dispersed": [[3, 2]], "strength": 0.9}
 
 
@@ -56,14 +56,17 @@ def test_a_planted_run_is_marked_on_every_view_and_reports_the_classifier(client
         assert out[name]["plot"] and MARK in json.dumps(out[name]), name
     assert all(out[card].startswith("#### PLANTED heads") for card in ("unpruned", "pruned", "uniform"))
     # the lab's results side by side: the same (marked) views, the four answers, the pickers on this run
-    for name in ("head_classes", "uniform_vs_paq", "kept_masks"):
-        assert out[f"lab_{name}"] == out[name], name
-    marks = {t["name"] for t in json.loads(out["lab_head_classes"]["plot"])["data"] if t.get("name")}
+    for name in ("head_classes", "uniform_vs_paq", "kept_masks"):  # the same views, drawn for half the page
+        lab = out[f"lab_{name}"]
+        assert lab["visible"] and MARK in lab["value"]["plot"], name
+        assert json.loads(lab["value"]["plot"])["data"] == json.loads(out[name]["plot"])["data"], name
+    marks = {t["name"] for t in json.loads(out["lab_head_classes"]["value"]["plot"])["data"] if t.get("name")}
     assert "planted sink, found by the classifier" in marks and "planted sink, missed by the classifier" not in marks
     assert all(f"- {label}: **{answer or '(empty)'}**" in out["lab_answers"] for label, answer in plant["answers"].items())
     assert out["lab_answers"].startswith("#### PLANTED heads") and out["lab_heads"] and out["lab_tokens"]
     stock = analyze(client, model_name, plant="")  # empty = none: the model's own heads, nothing marked
-    assert stock["summary"]["plant"] is None and stock["lab"] == NO_PLAN and stock["lab_head_classes"] is None
+    assert stock["summary"]["plant"] is None and stock["lab"] == NO_PLAN
+    assert stock["lab_head_classes"]["value"] is None and stock["lab_head_classes"]["visible"] is False
     assert MARK not in json.dumps(stock["head_classes"])
 
 
