@@ -183,7 +183,7 @@ def check_settings(settings: dict) -> hap.HAPConfig:
 
 def planted(plan: Plan):
     """`hap.plant` of `plan` on the loaded model, for a block (the empty plan plants nothing)."""
-    return hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength)
+    return hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength, plan.massive)
 
 
 def compare_work(shared: bool, plan: Plan) -> zerogpu.Work:

@@ -33,8 +33,8 @@ def parser() -> argparse.ArgumentParser:
     for k in (*KNOBS, SEED):
         k.add_to(budget if k.name in ("retain", "flops_ratio") else r)
     r.add_argument("--plant", type=Path, help="JSON file: a head lab plan (hap.plant), planted for every run of this "
-                   'command: {"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...] or null, '
-                   '"strength": 0.9}; the --json result gains "plant" (the plan, the sink tokens used, the '
+                   'command: {"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...], a count or null, '
+                   '"strength": 0.9, "massive": true}; the --json result gains "plant" (the plan, the sink tokens used, the '
                    "classifier's precision / recall on it)")
     r.add_argument("--max-new-tokens", type=int, default=32)
     r.add_argument("--device", default="auto")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         history = read_history(args.history)
         plan = read_plan(args.plant)
         model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
-        with plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength):
+        with plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength, plan.massive):
             result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens,
                          history=history)
             mode = causal.resolve_setting(model, args.causal)
