@@ -52,7 +52,7 @@ from hap.features import FeatureCache, reusing_features
 from hap.inputs import InputLimits, check_history, clean_conversation
 from hap.knobs import KNOBS
 from hap.patch import batch
-from hap.planting import Plan
+from hap.planting import PLAN_KEYS, Plan
 from hap.run import free_memory, run
 
 from . import causal as causal_section
@@ -62,7 +62,7 @@ from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
 from .images import serve_images
 from .lab import (LAB_VIEWS, NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share, read_plan,
                   side_by_side)
-from .lab_pick import head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
+from .lab_pick import chosen_tokens, head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
 from .settings import Settings, check_model, is_local, resolve
 
 
@@ -487,11 +487,10 @@ class Handler:
             plan = read_plan(plant)
         except ValueError:
             return gr.skip(), gr.skip(), gr.skip()
-        tokens = " ".join(map(str, plan.sink_tokens or ()))
+        tokens = str(plan.sink_tokens) if isinstance(plan.sink_tokens, int) else " ".join(map(str, plan.sink_tokens or ()))
         if state is None:
             return head_picker(self.lab_shape(model_name), plan), None, tokens
-        same = run is not None and Plan.from_json({k: run[k] for k in ("sink", "dispersed", "sink_tokens",
-                                                                        "strength")}) == plan
+        same = run is not None and Plan.from_json({k: run[k] for k in PLAN_KEYS}) == plan
         pictures = lab_pictures(state, plan, run if same else None)
         return pictures["lab_heads"], pictures["lab_tokens"], tokens
 
@@ -549,7 +548,7 @@ def lab_pictures(data: views.ViewData, plan: Plan, run: dict | None) -> dict[str
     """The head lab's two pickers on a run's `data`: the head picker with its classes (found / missed marked from
     the planted run's report `run`), the sink-token picker with the plan's sink tokens (those the run used, where
     the plan left them to the default); no token picker where the visual tokens do not form the grid."""
-    tokens = plan.sink_tokens if run is None or plan.sink_tokens is not None else run["sink_tokens_used"]
+    tokens = chosen_tokens(plan) if run is None or chosen_tokens(plan) is not None else run["sink_tokens_used"]
     rows, cols = data.grid
     return {"lab_heads": head_picker(data.shape[:2], plan, data.head_class, run and run["classifier"]),
             "lab_tokens": token_picker(data.image, data.grid, tokens) if rows * cols == data.shape[2] else None}

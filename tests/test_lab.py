@@ -145,7 +145,8 @@ def test_the_cli_plants_a_plan_file(tmp_path, capsys):
 
 
 # --- a random Qwen2-VL saved to a folder with its offline processor (no torchvision) -------------------------------
-QWEN_PLAN = {"sink": [[0, 1], [1, 2]], "dispersed": [[2, 0]], "strength": 0.9}
+QWEN_PLAN = {"sink": [[0, 1], [1, 2]], "dispersed": [[2, 0]], "strength": 0.9,
+             "massive": False}  # a random model: a massive sink token draws every head, planted or not
 
 
 @pytest.fixture(scope="module")
