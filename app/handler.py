@@ -57,11 +57,12 @@ from hap.run import free_memory, run
 
 from . import causal as causal_section
 from . import conversation as chat
+from . import lesson
 from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
-from .images import serve_images
-from .lab import (LAB_VIEWS, NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share, read_plan,
-                  side_by_side)
+from .images import serve_figure, serve_images
+from .lab import (LAB_VIEWS, NO_PLAN, half_width, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share,
+                  read_plan, side_by_side)
 from .lab_pick import chosen_tokens, head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
 from .settings import Settings, check_model, is_local, resolve
 
@@ -80,6 +81,7 @@ EDIT = ("edit_diff", "edit_diff_plot")  # the run on the edited image against th
 CONVERSATION = ("history", "conversation", "turn")  # the turns as the next history, as chat messages, the turn picker
 LAB = ("lab_head_classes", "lab_uniform_vs_paq", "lab_kept_masks", "lab_answers", "lab_heads", "lab_tokens")
 # the head lab's results side by side and its two pickers; the run's plan report is a state ("lab_report")
+LESSON = ("lesson_text", *(f"lesson_{name}" for name in ("head_classes", "uniform_vs_paq", "kept_masks")))
 OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "lab", *LAB, "summary",
            "ground_truth",
            *causal_section.CAUSAL, *INSPECTOR, *EDIT, *CONVERSATION,
@@ -511,6 +513,24 @@ class Handler:
         token = token_at(*evt.index, (width, height), state.grid, state.shape[2])
         return plan_text(toggle_token(read_plan(plant), token))
 
+    def lesson_outputs(self, index: int, model_name: str) -> tuple:
+        """`lesson_step` as the page's event returns it: the outputs in `LESSON` order."""
+        step = self.lesson_step(index, model_name)
+        return tuple(step[name] for name in LESSON)
+
+    @user_errors
+    def lesson_step(self, index: int, model_name: str) -> dict[str, object]:
+        """Step `index` of the guided lesson (`app.lesson.STEPS`) on `model_name`: its text from the run's own numbers
+        and its views (half the page wide, marked PLANTED with a plan; the views it does not use hidden), by name
+        (`LESSON`)."""
+        step = lesson.STEPS[index]
+        out = self.analyze(**lesson.request(model_name, step))
+        drawn = half_width(out["state"])
+        if not step.plan.empty:
+            drawn = mark_planted(drawn, step.plan, out["summary"]["plant"]["classifier"])
+        return {"lesson_text": step.text(lesson.Numbers.of(out)),
+                **{f"lesson_{name}": shown_if(drawn[name] if name in step.views else None) for name in LAB_VIEWS}}
+
     def lab_shape(self, model_name: str) -> tuple[int, int]:
         """(layers, query heads) of `model_name`'s decoder, from its config (the weights are not loaded; a hub id
         offline when the hub does not answer, as `LoadedModel.get`)."""
@@ -557,7 +577,7 @@ def lab_pictures(data: views.ViewData, plan: Plan, run: dict | None) -> dict[str
 def shown_if(figure) -> gr.Plot:
     """A plot that is shown only when it has a figure: nothing drawn where there is nothing to show (the API gets
     gradio's update, `{"value": ..., "visible": ...}`)."""
-    return gr.Plot(value=figure, visible=figure is not None)
+    return gr.Plot(value=serve_figure(figure), visible=figure is not None)
 
 
 def conversation_outputs(turns: list[chat.Turn], shown: int) -> dict[str, object]:

@@ -25,14 +25,20 @@ PREFIX = "data:image/jpeg;base64,"
 def serve_images(outputs: dict[str, object]) -> dict[str, object]:
     """`outputs` with every plotly figure's data-URI layout images replaced, in place, by the URL of a file holding
     that image, written once per distinct image."""
+    for value in outputs.values():
+        serve_figure(value)
+    return outputs
+
+
+def serve_figure(figure):
+    """`figure` (a plotly figure, else returned as is) with its data-URI layout images served (`serve_images`)."""
     import plotly.graph_objects as go
 
-    for value in outputs.values():
-        if isinstance(value, go.Figure):
-            for image in value.layout.images:
-                if isinstance(image.source, str) and image.source.startswith(PREFIX):
-                    image.source = image_url(image.source)
-    return outputs
+    if isinstance(figure, go.Figure):
+        for image in figure.layout.images:
+            if isinstance(image.source, str) and image.source.startswith(PREFIX):
+                image.source = image_url(image.source)
+    return figure
 
 
 def image_url(uri: str) -> str:

@@ -149,9 +149,14 @@ def mark_planted(figures: dict, plan: Plan, classifier: dict | None = None) -> d
 
 def side_by_side(data: views.ViewData, plan: Plan, classifier: dict | None) -> dict:
     """The lab's views of a planted run by name (`LAB_VIEWS`: head classes, uniform vs PAQ, kept tokens), drawn for
-    half the page's width (LAB_WIDTH; the panels' titles wrapped to it) and marked planted."""
+    half the page's width and marked planted."""
+    return mark_planted(half_width(data), plan, classifier)
+
+
+def half_width(data: views.ViewData, names: tuple[str, ...] = LAB_VIEWS) -> dict:
+    """The views `names` of a run by name, drawn for half the page's width (LAB_WIDTH; titles wrapped to it)."""
     drawn = {}
-    for name in LAB_VIEWS:
+    for name in names:
         view = views.VIEW[name]
         inputs = view.inputs(data)
         if isinstance(inputs, views.Panels):
@@ -159,7 +164,7 @@ def side_by_side(data: views.ViewData, plan: Plan, classifier: dict | None) -> d
         else:
             drawn[name] = view.plotly(inputs, views.wrap_title(view.title_for(data),
                                                                LAB_WIDTH // views.FIGURE_TITLE_CHAR_PX))
-    return mark_planted(drawn, plan, classifier)
+    return drawn
 
 
 def planted_traces(plan: Plan, classifier: dict | None) -> list:

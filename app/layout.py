@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 
 import gradio as gr
 
@@ -21,7 +22,8 @@ from hap.knobs import KNOBS, SINK_DETECTORS, Knob
 from hap.views import VIEW
 
 from . import causal as causal_section
-from .handler import (CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
+from . import lesson
+from .handler import (CARDS, INSPECTOR, LESSON, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
                       show_turn)
 from .lab import (HEAD_PICKER, LAB_DETECTOR, LAB_DETECTOR_INFO, LAB_INTRO, NO_PLAN, TEACHING_PLAN,
                   TOKEN_PICKER, lab_answers)
@@ -226,6 +228,22 @@ def lab_section() -> tuple[dict[str, gr.components.Component], dict[str, gr.comp
     return controls, out
 
 
+def lesson_section() -> tuple[list[gr.Button], dict[str, gr.components.Component]]:
+    """The guided lesson (`app.lesson`): (its step buttons, its outputs by name: `LESSON`, the views hidden until a
+    step shows them)."""
+    gr.Markdown(lesson.INTRO)
+    with gr.Row():
+        buttons = [gr.Button(step.button, elem_id=f"lesson-{i + 1}") for i, step in enumerate(lesson.STEPS)]
+    out = {"lesson_text": gr.Markdown("(press a step)", elem_id="lesson-text")}
+    with gr.Row():
+        out["lesson_head_classes"] = gr.Plot(label="Head classes", elem_id="plot-lesson_head_classes", visible=False)
+        out["lesson_uniform_vs_paq"] = gr.Plot(label=VIEW["uniform_vs_paq"].label,
+                                               elem_id="plot-lesson_uniform_vs_paq", visible=False)
+        out["lesson_kept_masks"] = gr.Plot(label=VIEW["kept_masks"].label, elem_id="plot-lesson_kept_masks",
+                                           visible=False)
+    return buttons, out
+
+
 def sweep_section() -> tuple[gr.Button, dict[str, gr.components.Component]]:
     """The budget sweep: its button and outputs by name (SWEEP_OUTPUTS)."""
     gr.Markdown(f"## Budget sweep\n{SWEEP_INTRO}")
@@ -261,6 +279,7 @@ def build_demo(
         example_rows(settings.models, request)
         out.update(edit_section())
         out.update(analysis_sections(), state=gr.State(), turns=gr.State())
+        lesson_steps, lesson_out = lesson_section()
         lab, lab_out = lab_section()
         out.update(lab_out)
         if examples(settings.models)[0]:
@@ -304,6 +323,9 @@ def build_demo(
                                  api_visibility="private")
         lab["fill"].click(handler.fill_plan, [model, *(lab[k] for k in ("kind", "share", "layers", "seed", "strength",
                                                                   "sink_tokens"))], lab["plant"], api_visibility="private")
+        for index, button in enumerate(lesson_steps):
+            button.click(partial(handler.lesson_outputs, index), model, [lesson_out[name] for name in LESSON],
+                         api_visibility="private", concurrency_limit=1, concurrency_id="model")
         sweep_lane = {**lane, "inputs_kwargs": {k: knobs[k] for k in SWEEP_KNOBS},
                       "js": unset_zeros(len(request), SWEEP_KNOBS)}
         sweeper, sweep_outputs = handler.endpoint(handler.sweep, sweep_out, SWEEP_KNOBS), [

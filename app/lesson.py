@@ -1,0 +1,171 @@
+"""The guided lesson above the head lab: four steps, one click each, on a shipped scene asked its own question (its
+ground truth: the answering patches), at a budget where a few sink tokens compete with the object for the kept
+slots. Each step is one `/analyze` run with the step's plan (`STEPS`, a small table) and the paper's HAP settings,
+and says what that run did with its own numbers (`Numbers`, read from the run; nothing here is a fixed number):
+
+1. the model's own heads;
+2. sinks planted in half the heads of the first scored layers, their sink tokens carrying a massive activation:
+   what uniform head averaging keeps;
+3. the same plan: what the classifier (the paper's norm test) finds, how PAQ weighting treats the sink heads, what
+   HAP keeps;
+4. dispersed heads planted instead.
+
+The scene and the plan are fixed (SCENE, SINKS, DISPERSED); they were not chosen on held-out scenes, so a step's text
+says what its run shows, also where that is not what the step is about (e.g. HAP keeping as many sink tokens as
+uniform averaging).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from hap import views
+from hap.knobs import KNOBS
+from hap.planting import Plan, share_plan
+
+from .settings import EXAMPLES
+
+SCENE = "scene_600000.png"  # a shipped scene (assets/examples/scenes.json), asked its own question
+RETAIN = 0.056  # visual tokens kept, layer average: few slots, so sink tokens and the object compete for them
+SINK_TOKENS = 4  # sink tokens per image: the most redundant background patches (`hap.planting.redundant_tokens`)
+SINK_DETECTOR = "norm"  # the paper's: a massive planted sink token has the norm it looks for
+SINKS = share_plan((0, 1), 8, 0.5, seed=0, sink_tokens=SINK_TOKENS)  # half the heads of the layers scoring cut 1
+DISPERSED = share_plan((0, 1), 8, 0.5, seed=0, kind="dispersed")
+ANSWERS = {"unpruned": "unpruned", "uniform": "uniform averaging", "pruned": "HAP (the paper's)"}
+INTRO = ("## Guided lesson: what sink heads do to pruning\n"
+         "Four steps on one shipped scene asked its own question (its answering patches outlined on every map), at "
+         f"a budget of {RETAIN:.1%} of the visual tokens, with the paper's HAP settings. Each button runs one step "
+         "(a few seconds on the shipped model); the text under it is written from that run's numbers.")
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """What one step's run did, read from its outputs (`of`)."""
+
+    question: str
+    truth: str  # the scene's answer
+    answers: dict[str, str]  # ANSWERS' labels -> answer
+    classes: dict[str, int]  # head class -> heads
+    classifier: dict | None  # the plan's `classifier_report` (None: nothing planted)
+    kept: int  # tokens kept at the first cut
+    visual: int
+    first_cut: int  # its first layer
+    sink_tokens: list[int]  # the planted sink tokens ([] without sinks)
+    answering: int  # answering patches
+    uniform_sinks: int  # sink tokens among the uniform average's top `kept` at the first cut
+    uniform_answering: int  # answering patches among them
+    paq_sinks: int  # sink tokens among HAP's kept tokens at the first cut (the PAQ-weighted map's top `kept`)
+    paq_answering: int
+    uniform_share: float  # share of the uniform-average map on the sink tokens
+    paq_share: float  # share of the PAQ-weighted map on them
+
+    @classmethod
+    def of(cls, outputs: dict) -> Numbers:
+        """The numbers of an `/analyze` run (`Handler.analyze`'s outputs by name) on a scene with its ground truth."""
+        from .lab import map_share
+
+        data: views.ViewData = outputs["state"]
+        summary = outputs["summary"]
+        plant = summary.get("plant")
+        group = data.groups[0]
+        uniform = views.top_k(data.group_uniform[0], len(group.kept))
+        paq = set(group.kept)
+        sinks = set((plant or {}).get("sink_tokens_used") or []) if plant and plant["sink"] else set()
+        answering = set(np.flatnonzero(data.truth.patches).tolist()) if data.truth is not None else set()
+        return cls(data.truth.question if data.truth else "", scene()["answer"],
+                   {label: summary["runs"][key]["answer"] for key, label in ANSWERS.items()},
+                   views.class_counts(data.head_class), plant and plant["classifier"], len(group.kept), data.shape[2],
+                   group.layers[0], sorted(sinks), len(answering), len(uniform & sinks), len(uniform & answering),
+                   len(paq & sinks), len(paq & answering), map_share(data.group_uniform[0], sorted(sinks)),
+                   map_share(data.group_maps[0], sorted(sinks)))
+
+    def answers_line(self) -> str:
+        return "; ".join(f"{label}: **{answer.strip() or '(empty)'}**" for label, answer in self.answers.items()) + (
+            f" (the scene's answer: **{self.truth}**)")
+
+    def keeps(self, sinks: int, answering: int) -> str:
+        return (f"{sinks} of the {len(self.sink_tokens)} sink tokens and {answering} of the {self.answering} "
+                "answering patches")
+
+
+def own_text(n: Numbers) -> str:
+    return (f"**Step 1 · the model's own heads.** Nothing planted: the shipped model's heads classed "
+            f"{', '.join(f'{c} {k}' for k, c in n.classes.items())}. At the first cut (layer {n.first_cut}) "
+            f"{n.kept} of {n.visual} tokens are kept; uniform averaging's top {n.kept} hold {n.uniform_answering} and "
+            f"HAP's {n.paq_answering} of the {n.answering} answering patches.\n\n- Answers: {n.answers_line()}.")
+
+
+def uniform_text(n: Numbers) -> str:
+    sink = n.classifier["sink"]
+    return (f"**Step 2 · sinks planted, uniform averaging.** {sink['planted']} sink heads are planted (half the heads "
+            f"of layers 0-1, PLANTED on every view); they park 90% of their attention on the sink tokens "
+            f"{n.sink_tokens}, which carry a massive activation as real sink tokens do. Uniform averaging counts that "
+            f"parked attention as importance: the sink tokens hold {n.uniform_share:.0%} of its map at the first cut, "
+            f"and its top {n.kept} tokens there take {n.keeps(n.uniform_sinks, n.uniform_answering)}."
+            f"\n\n- Answers: {n.answers_line()}.")
+
+
+def paq_text(n: Numbers) -> str:
+    sink = n.classifier["sink"]
+    precision = "-" if sink["precision"] is None else f"{sink['precision']:.0%}"
+    if n.paq_answering > n.uniform_answering:
+        verdict = f"HAP keeps {n.paq_answering - n.uniform_answering} more answering patches than uniform averaging."
+    elif n.paq_answering == n.uniform_answering:
+        verdict = "On this run HAP keeps no more of the answering patches than uniform averaging."
+    else:
+        verdict = (f"On this run HAP keeps {n.uniform_answering - n.paq_answering} fewer answering patches than "
+                   "uniform averaging.")
+    return (f"**Step 3 · the classifier and PAQ.** The same plan. The paper's norm test (sink_detector={SINK_DETECTOR}) "
+            f"classed {len(sink['found'])} of the {sink['planted']} planted sink heads sink (precision {precision}); "
+            f"PAQ = (1 - sink share) x (1 - dispersion) weights them down: the sink tokens hold {n.paq_share:.0%} of "
+            f"the PAQ-weighted map (uniform: {n.uniform_share:.0%}). At the first cut HAP keeps "
+            f"{n.keeps(n.paq_sinks, n.paq_answering)}; uniform averaging "
+            f"{n.keeps(n.uniform_sinks, n.uniform_answering)}. {verdict}\n\n- Answers: {n.answers_line()}.")
+
+
+def dispersed_text(n: Numbers) -> str:
+    spread = n.classifier["dispersed"]
+    return (f"**Step 4 · dispersed heads.** Instead of sinks, {spread['planted']} heads of layers 0-1 spread 90% of "
+            f"their visual attention evenly over the image. The classifier classed {len(spread['found'])} of them "
+            f"dispersed; a flat map tells no patch from another, and PAQ weights such a head down. At the first cut "
+            f"uniform averaging's top {n.kept} hold {n.uniform_answering} and HAP's {n.paq_answering} of the "
+            f"{n.answering} answering patches.\n\n- Answers: {n.answers_line()}.")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the lesson: its button, its plan, the views it shows (of `app.lab.LAB_VIEWS`) and its text."""
+
+    button: str
+    plan: Plan
+    views: tuple[str, ...]
+    text: Callable[[Numbers], str]
+
+
+STEPS = (
+    Step("1 · The model's own heads", Plan(), ("head_classes", "uniform_vs_paq"), own_text),
+    Step("2 · Plant sinks: uniform averaging", SINKS, ("uniform_vs_paq", "kept_masks"), uniform_text),
+    Step("3 · The classifier, PAQ and HAP", SINKS, ("head_classes", "uniform_vs_paq", "kept_masks"), paq_text),
+    Step("4 · Dispersed heads", DISPERSED, ("head_classes", "uniform_vs_paq"), dispersed_text),
+)
+
+
+def scene() -> dict:
+    """The lesson's scene entry of assets/examples/scenes.json (file, prompt, answer)."""
+    return next(e for e in json.loads((EXAMPLES / "scenes.json").read_text()) if e["file"] == SCENE)
+
+
+def request(model_name: str, step: Step) -> dict:
+    """The `Handler.analyze` arguments of a step: the scene, its question, the model, the paper's HAP settings at
+    RETAIN with SINK_DETECTOR, the step's plan, no causal section."""
+    from .settings import knob_defaults
+
+    knobs = {**knob_defaults(model_name), **{k.name: k.paper for k in KNOBS if k.paper is not None},
+             "retain": RETAIN, "flops_ratio": None, "sink_detector": SINK_DETECTOR}
+    image = {"path": str(EXAMPLES / SCENE), "orig_name": SCENE, "meta": {"_type": "gradio.FileData"}}
+    return dict(image=image, prompt=scene()["prompt"], model_name=model_name, causal="off",
+                plant=json.dumps(step.plan.to_json()) if not step.plan.empty else "", **knobs)
