@@ -291,3 +291,35 @@ def test_the_head_lab_by_clicking(page_url, driver):
     shoot(driver, "lab-heads", "plot-lab_kept_masks", "lab.png")
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
+
+
+@pytest.mark.slow
+def test_the_guided_lesson_step_by_step(page_url, driver):
+    """Click each of the lesson's four steps at a 1280-px-wide window: its text (with the scene's answer) and only the
+    views it uses appear; saves test-artifacts/lesson-<step>.png."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from app import lesson
+
+    wait = WebDriverWait(driver, 300)
+    driver.set_window_size(NARROW, 1000)
+    driver.get(page_url)
+    for index, step in enumerate(lesson.STEPS, 1):
+        button = wait.until(EC.element_to_be_clickable((By.ID, f"lesson-{index}")))
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", button)
+        button.click()
+        wait.until(EC.text_to_be_present_in_element((By.ID, "lesson-text"), f"Step {index} ·"))
+        assert f"the scene's answer: {lesson.scene()['answer']}" in driver.find_element(By.ID, "lesson-text").text
+        for name in ("head_classes", "uniform_vs_paq", "kept_masks"):
+            plot = f"#plot-lesson_{name} .js-plotly-plot .main-svg"
+            if name in step.views:
+                wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, plot)))
+                if not step.plan.empty:
+                    wait.until(EC.text_to_be_present_in_element((By.ID, f"plot-lesson_{name}"), "PLANTED"))
+            else:
+                assert not any(e.is_displayed() for e in driver.find_elements(By.CSS_SELECTOR, plot)), (index, name)
+        shoot(driver, f"lesson-{index}", f"plot-lesson_{step.views[-1]}", f"lesson-{index}.png")
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
