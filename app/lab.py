@@ -48,9 +48,9 @@ NO_PLAN = ("No plan: this run is the model's own heads. Click heads on the head 
 LAB_DETECTOR = "consensus"  # the lab's runs: the detector that can see a planted sink (the library default: norm)
 LAB_DETECTOR_INFO = (
     "The lab's runs use this detector (other runs: the advanced setting, default norm, the paper's). The norm "
-    "detector looks for tokens with massive hidden-state norms; a planted sink has none, so it never finds a planted "
-    "sink head, and PAQ ranks such a head high (it looks focused). consensus flags the tokens where many heads of a "
-    "layer park their attention: it finds planted sinks (docs/results.md, head lab).")
+    "detector looks for tokens with massive hidden-state norms: a planted sink has one (the plan's massive, the "
+    "default), else it never finds a planted sink head and PAQ ranks such a head high (it looks focused). "
+    "consensus flags the tokens where many heads of a layer park their attention (docs/method.md §10).")
 HEAD_PICKER = ("Head picker (click a head to plant or unplant it; x: sink, o: dispersed; pink: missed by the "
                "classifier; rows: layers, columns: heads)")
 TOKEN_PICKER = "Sink-token picker (click a patch to toggle its visual token; red: the sink tokens)"
@@ -215,9 +215,9 @@ def lab_text(report: dict, data: views.ViewData, answers: dict, config: hap.HAPC
                          f"{c['planted']} planted {kind} heads {kind} (recall {_pct(c['recall'])}); of the "
                          f"{c['classified']} heads it classed {kind}, {_pct(c['precision'])} were planted (precision)."
                          + (f" Missed: {[tuple(p) for p in c['missed']]}." if c["missed"] else ""))
-    if report["sink"] and config.sink_detector == "norm":
-        lines.append("- The norm detector (the paper's) flags tokens with massive hidden-state norms; a planted sink "
-                     "has none, so no planted sink can be classed sink, and a head parked on one token looks "
+    if report["sink"] and config.sink_detector == "norm" and not report.get("massive", True):
+        lines.append("- The norm detector (the paper's) flags tokens with massive hidden-state norms; this plan's "
+                     "sinks have none (massive: false), so no planted sink can be classed sink, and a head parked on one token looks "
                      "perfectly focused: PAQ ranks it high. Set sink_detector (the lab's, or the advanced "
                      "setting) to consensus or both to find them.")
     if data.groups and tokens:
