@@ -239,6 +239,7 @@ def lesson_section() -> tuple[list[gr.Button], dict[str, gr.components.Component
         out["lesson_head_classes"] = gr.Plot(label="Head classes", elem_id="plot-lesson_head_classes", visible=False)
         out["lesson_uniform_vs_paq"] = gr.Plot(label=VIEW["uniform_vs_paq"].label,
                                                elem_id="plot-lesson_uniform_vs_paq", visible=False)
+    with gr.Row():  # two to a row: each drawn for half the page
         out["lesson_kept_masks"] = gr.Plot(label=VIEW["kept_masks"].label, elem_id="plot-lesson_kept_masks",
                                            visible=False)
     return buttons, out
