@@ -2,7 +2,8 @@
 the scoring layers' heads (`hap.plant`, docs/method.md §14), on held-out scenes.
 
     python -m analysis.heterogeneity --seeds 500000:500060 --out results/heterogeneity
-    python -m analysis.heterogeneity --seeds 500000:500060 --no-massive --kinds sink --out results/heterogeneity/no-massive
+    python -m analysis.heterogeneity --seeds 500000:500060 --no-massive --kinds sink \
+        --out results/heterogeneity/no-massive
 
 For each kind (sinks parked on 1 and on 4 sink tokens per image: `--sink-tokens`, the most redundant visual tokens of
 each image; dispersed heads) and each share (25, 50, 75% of the heads of every scoring layer, drawn with a fixed seed

@@ -68,7 +68,8 @@ def detect_sinks(detector: str, visual_hidden: torch.Tensor, attn: torch.Tensor,
                  rho: float, share: float, quorum: float, tokens: int = 8) -> torch.Tensor:
     """Sink tokens of one layer, bool `[batch, visual]`: by the norm test (`sink_tokens`, rho), by attention
     consensus over the layer's heads (`consensus_sinks` of `visual_distribution(attn, row_valid)`: share, quorum,
-    tokens), or by either ("both"). visual_hidden [batch, visual, d]; attn [batch, heads, P, visual]; row_valid [batch, P]."""
+    tokens), or by either ("both"). visual_hidden [batch, visual, d]; attn [batch, heads, P, visual]; row_valid
+    [batch, P]."""
     found = torch.zeros(attn.shape[0], attn.shape[-1], dtype=torch.bool, device=attn.device)
     if detector in ("norm", "both"):
         found |= sink_tokens(visual_hidden, rho).to(attn.device)

@@ -244,7 +244,8 @@ def _layer_inputs(model, inputs) -> list[torch.Tensor]:
 def test_massive_sink_tokens_stand_out_from_the_first_planted_sink_layer_on(case):
     """A massive plan (two sink heads in layer 1, Gemma 3's 3, two sink tokens): from that layer's input on the sink
     tokens' norm is far past sink_rho x the median visual token's (float32 norms); before it, and with massive=False,
-    they are ordinary; a dispersed-only plan adds nothing; decode steps agree with a full forward; after the block, stock."""
+    they are ordinary; a dispersed-only plan adds nothing; decode steps agree with a full forward; after the block,
+    stock."""
     model, make = MASSIVE_CASES[case]()
     inputs = make(["what color is the circle ?"], [0])
     stock = _logits(model, inputs)

@@ -75,7 +75,8 @@ def test_sink_detectors_combine():
     attn = torch.full((1, 2, 1, 16), 0.1 / 15)
     attn[0, :, 0, 2] = 0.9  # every head on token 2
     valid = torch.ones(1, 1, dtype=torch.bool)
-    found = {d: detect_sinks(d, hidden, attn, valid, 10.0, 0.5, 0.25)[0, :3].tolist() for d in ("norm", "consensus", "both")}
+    found = {d: detect_sinks(d, hidden, attn, valid, 10.0, 0.5, 0.25)[0, :3].tolist()
+             for d in ("norm", "consensus", "both")}
     assert found == {"norm": [False, True, False], "consensus": [False, False, True], "both": [False, True, True]}
 
 
