@@ -59,8 +59,8 @@ def parked_sets(dist: torch.Tensor, share: float = 0.5, tokens: int = 8) -> torc
 def consensus_sinks(dist: torch.Tensor, share: float = 0.5, quorum: float = 0.25, tokens: int = 8) -> torch.Tensor:
     """Attention-consensus sink test (docs/method.md §10): `dist [..., heads, visual]` -> bool `[..., visual]`: the
     tokens in the parked set (`parked_sets`: a head's top tokens, at most `tokens` of them, holding at least
-    `share` of its visual attention together) of at least `quorum` of the heads. With tokens=1: the tokens that
-    alone hold at least `share` of the visual attention of at least `quorum` of the heads."""
+    `share` of its visual attention together) of at least `quorum` of the heads. tokens=1: a head parks on one
+    token only (the test before issue 47, which missed a sink split over several tokens)."""
     return parked_sets(dist, share, tokens).float().mean(-2) >= quorum
 
 
