@@ -33,9 +33,9 @@ def parser() -> argparse.ArgumentParser:
     for k in (*KNOBS, SEED):
         k.add_to(budget if k.name in ("retain", "flops_ratio") else r)
     r.add_argument("--plant", type=Path, help="JSON file: a head lab plan (hap.plant), planted for every run of this "
-                   'command: {"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...], a count or null, '
-                   '"strength": 0.9, "massive": true}; the --json result gains "plant" (the plan, the sink tokens used, the '
-                   "classifier's precision / recall on it)")
+                   'command: {"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...], a count or '
+                   'null, "strength": 0.9, "massive": true}; the --json result gains "plant" (the plan, the sink '
+                   "tokens used, the classifier's precision / recall on it)")
     r.add_argument("--max-new-tokens", type=int, default=32)
     r.add_argument("--device", default="auto")
     r.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")

@@ -107,8 +107,7 @@ class Plan:
     def from_json(cls, value) -> Plan:
         """A plan from `/analyze`'s `plant` parameter or a `--plant` file: a JSON object (or its text)
         `{"sink": [[l, h], ...], "dispersed": [...], "sink_tokens": [...], "strength": 0.9, "massive": true}`, every
-        key optional;
-        None, "" and {} are the empty plan."""
+        key optional; None, "" and {} are the empty plan."""
         if value is None or (isinstance(value, str) and not value.strip()):
             return cls()
         if isinstance(value, str):

@@ -244,7 +244,8 @@ def _layer_inputs(model, inputs) -> list[torch.Tensor]:
 def test_massive_sink_tokens_stand_out_from_the_first_planted_sink_layer_on(case):
     """A massive plan (two sink heads in layer 1, Gemma 3's 3, two sink tokens): from that layer's input on the sink
     tokens' norm is far past sink_rho x the median visual token's (float32 norms); before it, and with massive=False,
-    they are ordinary; a dispersed-only plan adds nothing; decode steps agree with a full forward; after the block, stock."""
+    they are ordinary; a dispersed-only plan adds nothing; decode steps agree with a full forward; after the block,
+    stock."""
     model, make = MASSIVE_CASES[case]()
     inputs = make(["what color is the circle ?"], [0])
     stock = _logits(model, inputs)
@@ -343,29 +344,46 @@ def shipped():
 
 def _classes(model, processor, items, plan: Plan, config: hap.HAPConfig) -> list[list[list[str]]]:
     classes = []
-    with hap.plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength):
+    with hap.plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength, plan.massive):
         for scene, question in items:
             classes.append(hap.run(model, processor, scene.image, question.text, config, max_new_tokens=1).head_class)
     return classes
 
 
+def _found(model, processor, items, plan: Plan, detector: str) -> tuple[float, float]:
+    """(mean recall of the planted sink heads, mean share of the unplanted heads classed sink) over `items`."""
+    config = hap.HAPConfig(method="none", sink_detector=detector)
+    layers, heads = model.config.text_config.num_hidden_layers, model.config.text_config.num_attention_heads
+    found = [classifier_report(plan, c)["sink"] for c in _classes(model, processor, items, plan, config)]
+    false = sum(f["classified"] - len(f["found"]) for f in found) / ((layers * heads - len(plan.sink)) * len(found))
+    return sum(f["recall"] for f in found) / len(found), false
+
+
 @pytest.mark.slow
 def test_planted_heads_are_classified_on_held_out_scenes(shipped):
-    """Held-out test scenes (seeds 500000+): with the attention-consensus sink detector, planted sinks in half the
-    heads of every layer are classified sink (recall >= 0.9) and unplanted heads rarely (<= 10%); planted
-    dispersed heads are classified dispersed (recall >= 0.8)."""
+    """Held-out test scenes (seeds 500000+; the settings were chosen on validation seeds 400000-400005): planted
+    sinks in half the heads of every layer, parked on 1 or on 4 sink tokens per image, are classified sink by the
+    paper's norm test (massive activations) and by the attention-consensus test (recall >= 0.9), unplanted heads
+    rarely (<= 10%); without the massive activation the norm test sees none and the consensus test still finds them;
+    planted dispersed heads are classified dispersed (recall >= 0.8)."""
     from analysis.scenes import heldout_items
 
     model, processor = shipped
     items = list(heldout_items(range(500_000, 500_004), 1))
-    config = hap.HAPConfig(method="none", sink_detector="consensus")
     layers, heads = model.config.text_config.num_hidden_layers, model.config.text_config.num_attention_heads
-    sinks = share_plan(range(layers), heads, 0.5, seed=0)
-    found = [classifier_report(sinks, c)["sink"] for c in _classes(model, processor, items, sinks, config)]
-    assert sum(f["recall"] for f in found) / len(found) >= 0.9
-    unplanted = layers * heads - len(sinks.sink)
-    false = sum(f["classified"] - len(f["found"]) for f in found) / (unplanted * len(found))
-    assert false <= 0.1
+    for count in (1, 4):
+        sinks = share_plan(range(layers), heads, 0.5, seed=0, sink_tokens=count)
+        for detector in ("norm", "consensus"):
+            recall, false = _found(model, processor, items, sinks, detector)
+            assert recall >= 0.9 and false <= 0.1, (count, detector, recall, false)
+        plain = share_plan(range(layers), heads, 0.5, seed=0, sink_tokens=count, massive=False)
+        assert _found(model, processor, items, plain, "norm")[0] == 0.0
+        assert _found(model, processor, items, plain, "consensus")[0] >= 0.9
+    scene, question = items[0]  # the norm test flags the 4 sink tokens at every layer from the first planted one on
+    with hap.plant(model, sink=[(1, 0), (3, 2)], sink_tokens=4):
+        result = hap.run(model, processor, scene.image, question.text, hap.HAPConfig(method="none"), max_new_tokens=1)
+    assert result.sink_tokens == [0] + [4] * (layers - 1)
+    config = hap.HAPConfig(method="none", sink_detector="consensus")
     dispersed = share_plan(range(layers), heads, 0.25, seed=1, kind="dispersed")
     found = [classifier_report(dispersed, c)["dispersed"]
              for c in _classes(model, processor, items, dispersed, config)]

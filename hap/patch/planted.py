@@ -29,8 +29,8 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ..capture import prompt_attention
-from ..planting import (PLANTED, Plan, classifier_report, massive_activation, plant_attention, planted_values,
-                        redundant_tokens)
+from ..planting import (DEFAULT_SINK_COUNT, PLANTED, Plan, classifier_report, massive_activation, plant_attention,
+                        planted_values, redundant_tokens)
 from . import adapter_for
 from .decoder import _cached_keys, _heads, _take, decoder_of, layer_windows
 
@@ -109,7 +109,7 @@ class Planting:
         if self.plan.sink_tokens is None or isinstance(self.plan.sink_tokens, int):
             embeds = kwargs["inputs_embeds"]
             self.sink_index = redundant_tokens(_take(embeds, self.visual_pos.to(embeds.device)),
-                                               self.plan.sink_tokens or 1)
+                                               self.plan.sink_tokens or DEFAULT_SINK_COUNT)
         else:
             tokens = torch.tensor(self.plan.sink_tokens, device=self.visual_pos.device)
             self.sink_index = tokens.expand(self.visual_pos.shape[0], -1)
