@@ -528,7 +528,7 @@ class Handler:
         drawn = half_width(out["state"])
         if not step.plan.empty:
             drawn = mark_planted(drawn, step.plan, out["summary"]["plant"]["classifier"])
-        return {"lesson_text": step.text(lesson.Numbers.of(out)),
+        return {"lesson_text": step.say(lesson.Numbers.of(out)),
                 **{f"lesson_{name}": shown_if(drawn[name] if name in step.views else None) for name in LAB_VIEWS}}
 
     def lab_shape(self, model_name: str) -> tuple[int, int]:

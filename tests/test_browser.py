@@ -289,6 +289,9 @@ def test_the_head_lab_by_clicking(page_url, driver):
     box = driver.find_element(By.CSS_SELECTOR, "#lab-sink-tokens textarea, #lab-sink-tokens input")
     wait.until(lambda d: box.get_attribute("value") == "0")
     shoot(driver, "lab-heads", "plot-lab_kept_masks", "lab.png")
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(NARROW, height)
+    driver.save_screenshot(str(ARTIFACTS / "lab-full.png"))  # every view of the planted run, at 1280 px
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
 
