@@ -45,7 +45,7 @@ INTRO = ("## Guided lesson: what sink heads do to pruning\n"
          "Four steps on one scene asked its own question (its answering patches outlined on every map; chosen on "
          "validation scenes, docs/app.md), at "
          f"a budget of {RETAIN:.1%} of the visual tokens, with the paper's HAP settings. Each button runs one step "
-         "(a few seconds on the shipped model); the text under it is written from that run's numbers.")
+         "on the shipped model; the text under it is written from that run's numbers.")
 
 
 @dataclass(frozen=True)
