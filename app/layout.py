@@ -235,13 +235,15 @@ def lesson_section() -> tuple[list[gr.Button], dict[str, gr.components.Component
     with gr.Row():
         buttons = [gr.Button(step.button, elem_id=f"lesson-{i + 1}") for i, step in enumerate(lesson.STEPS)]
     out = {"lesson_text": gr.Markdown("(press a step)", elem_id="lesson-text")}
-    with gr.Row():
-        out["lesson_head_classes"] = gr.Plot(label="Head classes", elem_id="plot-lesson_head_classes", visible=False)
-        out["lesson_uniform_vs_paq"] = gr.Plot(label=VIEW["uniform_vs_paq"].label,
-                                               elem_id="plot-lesson_uniform_vs_paq", visible=False)
-    with gr.Row():  # two to a row: each drawn for half the page
-        out["lesson_kept_masks"] = gr.Plot(label=VIEW["kept_masks"].label, elem_id="plot-lesson_kept_masks",
-                                           visible=False)
+    labels = {"head_classes": "Head classes", "uniform_vs_paq": VIEW["uniform_vs_paq"].label,
+              "kept_masks": VIEW["kept_masks"].label}
+    for row in (("head_classes", "uniform_vs_paq"), ("kept_masks", None)):  # fixed half-page slots: showing or
+        with gr.Row():                                                        # hiding a view reflows nothing
+            for name in row:
+                with gr.Column():
+                    if name:
+                        out[f"lesson_{name}"] = gr.Plot(label=labels[name], elem_id=f"plot-lesson_{name}",
+                                                        visible=False)
     return buttons, out
 
 
