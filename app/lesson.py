@@ -99,6 +99,14 @@ class Numbers:
         return "; ".join(f"{label}: **{short_answer(answer) or '(empty)'}**" for label, answer in self.answers.items()
                          ) + f" (the scene's answer: **{self.truth}**)"
 
+    def first_cut_objects(self) -> str:
+        """What the first cut keeps of the answering patches, uniform averaging's top k against HAP's."""
+        return (f"uniform averaging's top {self.kept} hold {self.uniform_answering} and HAP's {self.paq_answering} of "
+                f"the {self.answering} answering patches")
+
+    def layer_list(self) -> str:
+        return ", ".join(map(str, self.layers))
+
     def keeps(self, sinks: int, answering: int) -> str:
         return (f"{sinks} of the {len(self.sink_tokens)} sink tokens and {answering} of the {self.answering} "
                 "answering patches")
@@ -107,13 +115,12 @@ class Numbers:
 def own_text(n: Numbers) -> str:
     return (f"**Step 1 · the model's own heads.** Nothing planted: the shipped model's heads classed "
             f"{', '.join(f'{c} {k}' for k, c in n.classes.items())}. At the first cut (layer {n.first_cut}) "
-            f"{n.kept} of {n.visual} tokens are kept; uniform averaging's top {n.kept} hold {n.uniform_answering} and "
-            f"HAP's {n.paq_answering} of the {n.answering} answering patches.")
+            f"{n.kept} of {n.visual} tokens are kept; {n.first_cut_objects()}.")
 
 
 def uniform_text(n: Numbers) -> str:
     return (f"**Step 2 · sinks planted, uniform averaging.** {n.classifier['sink']['planted']} sink heads are planted "
-            f"(layers {', '.join(map(str, n.layers))}; PLANTED on every view): they park {n.strength:.0%} of their "
+            f"(layers {n.layer_list()}; PLANTED on every view): they park {n.strength:.0%} of their "
             f"attention on the sink tokens {n.sink_tokens}, which carry a massive activation as real sink tokens do. "
             f"Uniform averaging counts that parked attention as importance: the sink tokens hold {n.uniform_share:.0%} "
             f"of its map at the first cut, and its top {n.kept} tokens there take "
@@ -138,11 +145,10 @@ def paq_text(n: Numbers) -> str:
 
 def dispersed_text(n: Numbers) -> str:
     spread = n.classifier["dispersed"]
-    return (f"**Step 4 · dispersed heads.** Instead of sinks, {spread['planted']} heads (layers "
-            f"{', '.join(map(str, n.layers))}) spread {n.strength:.0%} of their visual attention evenly over the image. "
-            f"The classifier classed {len(spread['found'])} of them dispersed; a flat map tells no patch from another, "
-            f"and PAQ weights such a head down. At the first cut uniform averaging's top {n.kept} hold "
-            f"{n.uniform_answering} and HAP's {n.paq_answering} of the {n.answering} answering patches.")
+    return (f"**Step 4 · dispersed heads.** Instead of sinks, {spread['planted']} heads (layers {n.layer_list()}) "
+            f"spread {n.strength:.0%} of their visual attention evenly over the image. The classifier classed "
+            f"{len(spread['found'])} of them dispersed; a flat map tells no patch from another, and PAQ weights such a "
+            f"head down. At the first cut {n.first_cut_objects()}.")
 
 
 @dataclass(frozen=True)
