@@ -39,14 +39,15 @@ from hap.methods import policy_for, scoring_layers
 from hap.patch.decoder import decoder_shape
 from hap.planting import Plan, classifier_report, share_plan
 from hap.run import chat_prompt
-from analysis.benchmark import KNOB_FLAGS, load_run, method_run, run_batch, run_parser
+from analysis.benchmark import KNOB_FLAGS, SCHEDULE, load_run, method_run, run_batch, run_parser
 from analysis.scenes import N_PATCHES
 
 SHARES = (0.0, 0.25, 0.5, 0.75)
 RETAINS = (0.111, 0.056)
 SINK_TOKENS = (1, 4)
 UNRUNNABLE = ("none", "sparsevlm", "autoprune")  # the stock model; above 11.1% here; one prompt at a time
-METHODS = (*(m for m in hap.METHODS if m not in UNRUNNABLE), "hap_paper")
+PAPER_UNIFORM = "hap_paper_uniform"  # the paper's HAP with uniform head averaging (T = inf): PAQ weighting's share
+METHODS = (*(m for m in hap.METHODS if m not in UNRUNNABLE), "hap_paper", PAPER_UNIFORM)
 DETECTORS = ("norm", "consensus")
 SEED = 0  # the head draw of share i uses SEED + i
 
@@ -109,6 +110,15 @@ def mean(values: list) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def method_config(name: str, retain: float, base: dict, batch) -> tuple[hap.HAPConfig, torch.Tensor | None]:
+    """(config, priority) of a method of this run: `analysis.benchmark.method_run`'s, or PAPER_UNIFORM (the paper's
+    HAP on the run's schedule with every head weighted alike: what the paper's PAQ weighting adds is hap_paper minus
+    it)."""
+    if name == PAPER_UNIFORM:
+        return hap.HAPConfig.paper(retain=retain, temperature=math.inf, **{k: base[k] for k in SCHEDULE}), None
+    return method_run(name, retain, base, batch)
+
+
 def run_plan(model, processor, batches: list, plan: Plan, base: dict, args) -> dict:
     """One plan planted for the whole run: unpruned accuracy, every method at every budget, the classifier's scores
     on the plan's heads of each class (`classifier[class][detector]`) under each detector."""
@@ -119,7 +129,7 @@ def run_plan(model, processor, batches: list, plan: Plan, base: dict, args) -> d
             truth = [q.answer for _, q in batch]
             runs = [("none", 1.0)] + [(m, r) for r in args.retain for m in args.methods]
             for method, retain in runs:
-                config, priority = method_run(method, retain, base, batch)
+                config, priority = method_config(method, retain, base, batch)
                 answers, _ = run_batch(model, processor, batch, config, trace=False, priority=priority)
                 correct.setdefault((method, retain), []).extend(a == t for a, t in zip(answers, truth))
             for detector in DETECTORS:
@@ -178,12 +188,14 @@ def title(key: str) -> str:
     return f"{key} heads"
 
 
-def paper_vs_uniform(r: dict) -> dict:
-    """hap_paper minus uniform accuracy, in points, per kind x share x retain (where both ran)."""
-    if not {"hap_paper", "uniform"} <= set(r["methods"]):
-        return {}
-    return {k: {s: {t: 100 * (row["hap_paper"][t] - row["uniform"][t]) for t in row["uniform"]}
-                for s, row in shares.items()} for k, shares in r["accuracy"].items()}
+GAPS = (("hap_paper", "uniform"), ("hap_paper", PAPER_UNIFORM))  # the paper's HAP against uniform averaging, and
+#                                                                  against itself with uniform head weights
+
+
+def gap(r: dict, a: str, b: str) -> dict:
+    """Accuracy of method `a` minus method `b`, in points, per kind x share x retain."""
+    return {k: {s: {t: 100 * (row[a][t] - row[b][t]) for t in row[b]} for s, row in shares.items()}
+            for k, shares in r["accuracy"].items()}
 
 
 def markdown(r: dict) -> str:
@@ -192,7 +204,7 @@ def markdown(r: dict) -> str:
              f"{r['scoring_layers']} ({r['heads']} heads each), strength {r['strength']}; sink tokens (the most "
              f"redundant visual tokens of each image) {sinks}. Cells: accuracy at retain "
              + " / ".join(f"{float(t):.1%}" for t in r["retain"]) + ".", ""]
-    gap = paper_vs_uniform(r)
+    gaps = {(a, b): gap(r, a, b) for a, b in GAPS if {a, b} <= set(r["methods"])}
     for kind, rows in r["accuracy"].items():
         shares = list(rows)
         lines += [f"Planted {title(kind)}, share of the scoring layers' heads:", "",
@@ -202,9 +214,9 @@ def markdown(r: dict) -> str:
         for m in r["methods"]:
             lines.append(f"| {m} | " + " | ".join(
                 " / ".join(_cell(v) for v in rows[s][m].values()) for s in shares) + " |")
-        if gap:
-            lines.append("| hap_paper - uniform (points) | " + " | ".join(
-                " / ".join(f"{v:+.1f}" for v in gap[kind][s].values()) for s in shares) + " |")
+        for (a, b), points in gaps.items():
+            lines.append(f"| {a} - {b} (points) | " + " | ".join(
+                " / ".join(f"{v:+.1f}" for v in points[kind][s].values()) for s in shares) + " |")
         planted = "sink" if kind.startswith("sink") else kind
         for d in DETECTORS:
             lines.append(f"| classifier ({d} sinks): precision / recall on the planted {planted} heads | "
