@@ -1,5 +1,5 @@
 """The guided lesson (`app.lesson`): its table of steps, texts written from a run's numbers, and every step run on the
-shipped model with its text checked against that run."""
+shipped model with its text checked against that run (about 6 s a step on a CPU)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,6 @@ def server(tmp_path_factory):
     return Handler(Settings(models=[name])), name
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(lesson.STEPS)))
 def test_each_step_runs_on_the_shipped_model_and_its_text_is_that_runs(server, index):
     handler, name = server
