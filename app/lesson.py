@@ -113,7 +113,7 @@ class Numbers:
 
 
 def own_text(n: Numbers) -> str:
-    return (f"**Step 1 · the model's own heads.** Nothing planted: the shipped model's heads classed "
+    return (f"**Step 1 · the model's own heads.** Nothing planted: the model's own heads classed "
             f"{', '.join(f'{c} {k}' for k, c in n.classes.items())}. At the first cut (layer {n.first_cut}) "
             f"{n.kept} of {n.visual} tokens are kept; {n.first_cut_objects()}.")
 
