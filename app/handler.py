@@ -489,7 +489,7 @@ class Handler:
             plan = read_plan(plant)
         except ValueError:
             return gr.skip(), gr.skip(), gr.skip()
-        tokens = str(plan.sink_tokens) if isinstance(plan.sink_tokens, int) else " ".join(map(str, plan.sink_tokens or ()))
+        tokens = " ".join(map(str, chosen_tokens(plan) or ())) or str(plan.sink_tokens or "")  # indices, or a count
         if state is None:
             return head_picker(self.lab_shape(model_name), plan), None, tokens
         same = run is not None and Plan.from_json({k: run[k] for k in PLAN_KEYS}) == plan
@@ -601,7 +601,7 @@ def inspect_head(data: views.ViewData, layer: int, head: int) -> tuple:
     """(the map of head `head` of layer `layer` over the image, its numbers as Markdown); ValueError outside."""
     data = data.at_layer(layer)
     figure = views.panels_plotly(views.head_panel(data, head), f"Head inspector: layer {layer}, head {head}")
-    return serve_images({"inspector": figure})["inspector"], head_text(data, head)
+    return serve_figure(figure), head_text(data, head)
 
 
 def _stored(state: views.ViewData | None) -> views.ViewData:
@@ -622,6 +622,6 @@ def show_layer(state: views.ViewData | None, layer: float, head: float) -> tuple
     """Re-draw the per-head maps for another layer, and the head inspector, from the stored run (no model call)."""
     try:
         maps = views.VIEW["head_maps"].figure(_stored(state).at_layer(int(layer)))
-        return serve_images({"head_maps": maps})["head_maps"], *show_head(state, layer, head)
+        return serve_figure(maps), *show_head(state, layer, head)
     except ValueError as err:
         raise gr.Error(str(err), print_exception=False) from err

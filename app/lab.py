@@ -122,9 +122,9 @@ def plan_from_share(kind: str, share: float, layers: str, seed: float, strength:
 
 def mark_planted(figures: dict, plan: Plan, classifier: dict | None = None) -> dict:
     """Every figure of a planted run (outputs by name) with PLANTED_TITLE (PLANTED in red) as its title's first line,
-    every text prefixed by PLANTED_LABEL; the planted heads marked on the head-class grid (x: sink, o: dispersed), black where the
-    classifier found them in their planted class, pink (`app.lab_pick.MISSED`) where it missed them (`classifier`:
-    `hap.planting.classifier_report`)."""
+    every text prefixed by PLANTED_LABEL; the planted heads marked on the head-class grid (x: sink, o: dispersed),
+    black where the classifier found them in their planted class, pink (`app.lab_pick.MISSED`) where it missed them
+    (`classifier`: `hap.planting.classifier_report`)."""
     import plotly.graph_objects as go
 
     marked = {}
@@ -217,9 +217,9 @@ def lab_text(report: dict, data: views.ViewData, answers: dict, config: hap.HAPC
                          + (f" Missed: {[tuple(p) for p in c['missed']]}." if c["missed"] else ""))
     if report["sink"] and config.sink_detector == "norm" and not report.get("massive", True):
         lines.append("- The norm detector (the paper's) flags tokens with massive hidden-state norms; this plan's "
-                     "sinks have none (massive: false), so no planted sink can be classed sink, and a head parked on one token looks "
-                     "perfectly focused: PAQ ranks it high. Set sink_detector (the lab's, or the advanced "
-                     "setting) to consensus or both to find them.")
+                     "sinks have none (massive: false), so no planted sink can be classed sink, and a head parked on "
+                     "one token looks perfectly focused: PAQ ranks it high. Set sink_detector (the lab's, or the "
+                     "advanced setting) to consensus or both to find them.")
     if data.groups and tokens:
         g = data.groups[0]
         kept = sorted(set(tokens) & set(g.kept))

@@ -134,13 +134,14 @@ def paq_text(n: Numbers) -> str:
     verdict = (f"HAP keeps {more} more answering patch{'es' * (more > 1)} than uniform averaging." if more > 0 else
                "On this run HAP keeps no more of the answering patches than uniform averaging." if more == 0 else
                f"On this run HAP keeps {-more} fewer answering patch{'es' * (more < -1)} than uniform averaging.")
-    return (f"**Step 3 · the classifier and PAQ.** The same plan. The paper's norm test (sink_detector={SINK_DETECTOR}) "
-            f"classed {len(sink['found'])} of the {sink['planted']} planted sink heads sink (precision {precision}); "
-            f"PAQ = (1 - sink share) x (1 - dispersion) weights them down: the sink tokens hold {n.paq_share:.0%} of "
-            f"the PAQ-weighted map (uniform: {n.uniform_share:.0%}). The massive activation also draws the other "
-            f"heads' attention, so the sink tokens can still rank high. At the first cut HAP keeps "
-            f"{n.keeps(n.paq_sinks, n.paq_answering)}; uniform averaging {n.keeps(n.uniform_sinks, n.uniform_answering)}"
-            f". {verdict}")
+    return (f"**Step 3 · the classifier and PAQ.** The same plan. The paper's norm test "
+            f"(sink_detector={SINK_DETECTOR}) classed {len(sink['found'])} of the {sink['planted']} planted sink heads "
+            f"sink (precision {precision}); PAQ = (1 - sink share) x (1 - dispersion) weights them down: the sink "
+            f"tokens hold {n.paq_share:.0%} of the PAQ-weighted map (uniform: {n.uniform_share:.0%}). The massive "
+            f"activation also draws the other heads' attention, so the sink tokens can still rank high. At the first "
+            f"cut HAP keeps "
+            f"{n.keeps(n.paq_sinks, n.paq_answering)}; uniform averaging "
+            f"{n.keeps(n.uniform_sinks, n.uniform_answering)}. {verdict}")
 
 
 def dispersed_text(n: Numbers) -> str:
