@@ -458,8 +458,9 @@ def head_report(h: dict[str, np.ndarray], other: dict[str, np.ndarray], cfg: hap
         "best_heads_grounding_other": float(other[top].mean()),
         "classes": by_class,
         "sink_definition": f"sink tokens by the {cfg.sink_detector} detector (norm: hidden-state norm > {cfg.sink_rho} x "
-                           f"median; consensus: >= {cfg.consensus_share} of the visual attention of >= "
-                           f"{cfg.consensus_quorum} of a layer's heads); sink head: sink share >= {cfg.tau_sink}; "
+                           f"median; consensus: <= {cfg.consensus_tokens} tokens holding >= {cfg.consensus_share} of the "
+                           f"visual attention of >= {cfg.consensus_quorum} of a layer's heads); sink head: sink share >= "
+                           f"{cfg.tau_sink}; "
                            f"dispersed: entropy ratio >= {cfg.tau_disp}; PAQ from rows={cfg.rows}",
     }
 

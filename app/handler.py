@@ -56,16 +56,19 @@ from hap.knobs import KNOBS
 from hap.options import NO_OPTIONS, OPTIONS, ProcessorOptions
 from hap.patch import batch
 from hap.patch.processors import option_defaults, processor_options
-from hap.planting import Plan
+from hap.planting import PLAN_KEYS, Plan
 from hap.run import free_memory, run
 
 from . import causal as causal_section
 from . import conversation as chat
 from . import keeps as keeps_section
+from . import lesson
 from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
-from .lab import NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share
-from .lab_pick import head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
+from .images import serve_figure, serve_images
+from .lab import (LAB_VIEWS, NO_PLAN, half_width, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share,
+                  read_plan, side_by_side)
+from .lab_pick import chosen_tokens, head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
 from .settings import Settings, check_model, is_local, resolve
 
 
@@ -83,6 +86,7 @@ EDIT = ("edit_diff", "edit_diff_plot")  # the run on the edited image against th
 CONVERSATION = ("history", "conversation", "turn")  # the turns as the next history, as chat messages, the turn picker
 LAB = ("lab_head_classes", "lab_uniform_vs_paq", "lab_kept_masks", "lab_answers", "lab_heads", "lab_tokens")
 # the head lab's results side by side and its two pickers; the run's plan report is a state ("lab_report")
+LESSON = ("lesson_text", *(f"lesson_{name}" for name in ("head_classes", "uniform_vs_paq", "kept_masks")))
 OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "lab", *LAB, "summary",
            "ground_truth",
            "keeps",  # "What each method keeps" (app.keeps; None unless the request asks)
@@ -192,7 +196,7 @@ def check_settings(settings: dict) -> hap.HAPConfig:
 def planted(plan: Plan):
     """`hap.plant` of `plan` on the loaded model, for a block (the empty plan plants nothing), with the request's
     processor options (`LOADED.options`, `hap.patch.processors.processor_options`) in effect."""
-    with hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength), \
+    with hap.plant(LOADED.model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength, plan.massive), \
             processor_options(LOADED.model, LOADED.processor, LOADED.options):
         yield
 
@@ -437,7 +441,7 @@ class Handler:
                  causal: str | None, plant, session: str, keeps: bool = False) -> dict[str, object]:
         settings, options = split_options(settings)
         picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
-        plan = Plan.from_json(plant)
+        plan = read_plan(plant)
         limits = self.settings.limits
         img = load(picture.source, picture.name, limits)
         pixels = image_key(img)
@@ -489,9 +493,9 @@ class Handler:
             figures = mark_planted(figures, plan, planted_report["classifier"])
             shown = mark_planted(shown, plan, planted_report["classifier"])
             cards = {label: card.replace("####", "#### PLANTED heads ·", 1) for label, card in cards.items()}
-        lab_views = {f"lab_{name}": figures[name] if planted_report else None
-                     for name in ("head_classes", "uniform_vs_paq", "kept_masks")}
-        outputs = {
+        lab_drawn = side_by_side(data, plan, planted_report["classifier"]) if planted_report else {}
+        lab_views = {f"lab_{name}": shown_if(lab_drawn.get(name)) for name in LAB_VIEWS}
+        outputs = serve_images({
             **cards,
             "layer": gr.Slider(value=data.layer, maximum=data.shape[0] - 1, interactive=True),
             "head": gr.Slider(value=0, maximum=data.shape[1] - 1, interactive=True),
@@ -507,9 +511,9 @@ class Handler:
             **shown,
             **dict(zip(INSPECTOR, inspect_head(data, data.layer, 0))),
             "edit_diff": NO_EDIT if edit is None else edit.text(),
-            "edit_diff_plot": None if edit is None else edit.figure(),
+            "edit_diff_plot": shown_if(None if edit is None else edit.figure()),
             "state": data,
-        }
+        })
         outputs["explanation"] += options_line(report["processor_options"], options)
         turn = chat.Turn(prompt, comparison.pruned.answer, [list(g.kept) for g in data.groups], data.shape[2], outputs,
                          pixels, model_name)
@@ -542,14 +546,13 @@ class Handler:
         run's classes and image (`state`; its plan report `run` marks found / missed heads when the plan is the one
         it ran), else on the model's shape and no image. An unfinished plan (typing) leaves them as they are."""
         try:
-            plan = Plan.from_json(plant)
+            plan = read_plan(plant)
         except ValueError:
             return gr.skip(), gr.skip(), gr.skip()
-        tokens = " ".join(map(str, plan.sink_tokens or ()))
+        tokens = " ".join(map(str, chosen_tokens(plan) or ())) or str(plan.sink_tokens or "")  # indices, or a count
         if state is None:
             return head_picker(self.lab_shape(model_name), plan), None, tokens
-        same = run is not None and Plan.from_json({k: run[k] for k in ("sink", "dispersed", "sink_tokens",
-                                                                        "strength")}) == plan
+        same = run is not None and Plan.from_json({k: run[k] for k in PLAN_KEYS}) == plan
         pictures = lab_pictures(state, plan, run if same else None)
         return pictures["lab_heads"], pictures["lab_tokens"], tokens
 
@@ -559,7 +562,7 @@ class Handler:
         """The plan JSON with the head under the click on the head picker toggled as `kind`."""
         shape = state.shape[:2] if state is not None else self.lab_shape(model_name)
         head = head_at(*evt.index, shape)
-        return gr.skip() if head is None else plan_text(toggle_head(Plan.from_json(plant), head, kind))
+        return gr.skip() if head is None else plan_text(toggle_head(read_plan(plant), head, kind))
 
     @user_errors
     def click_token(self, plant: str, state: views.ViewData | None, evt: gr.SelectData) -> str:
@@ -568,7 +571,25 @@ class Handler:
             raise gr.Error("press Run first: the sink-token picker shows the last run's image on its token grid")
         height, width = state.image.shape[:2]
         token = token_at(*evt.index, (width, height), state.grid, state.shape[2])
-        return plan_text(toggle_token(Plan.from_json(plant), token))
+        return plan_text(toggle_token(read_plan(plant), token))
+
+    def lesson_outputs(self, index: int, model_name: str) -> tuple:
+        """`lesson_step` as the page's event returns it: the outputs in `LESSON` order."""
+        step = self.lesson_step(index, model_name)
+        return tuple(step[name] for name in LESSON)
+
+    @user_errors
+    def lesson_step(self, index: int, model_name: str) -> dict[str, object]:
+        """Step `index` of the guided lesson (`app.lesson.STEPS`) on `model_name`: its text from the run's own numbers
+        and its views (half the page wide, marked PLANTED with a plan; the views it does not use hidden), by name
+        (`LESSON`)."""
+        step = lesson.STEPS[index]
+        out = self.analyze(**lesson.request(model_name, step))
+        drawn = half_width(out["state"])
+        if not step.plan.empty:
+            drawn = mark_planted(drawn, step.plan, out["summary"]["plant"]["classifier"])
+        return {"lesson_text": step.say(lesson.Numbers.of(out)),
+                **{f"lesson_{name}": shown_if(drawn[name] if name in step.views else None) for name in LAB_VIEWS}}
 
     def lab_shape(self, model_name: str) -> tuple[int, int]:
         """(layers, query heads) of `model_name`'s decoder, from its config (the weights are not loaded; a hub id
@@ -607,10 +628,16 @@ def lab_pictures(data: views.ViewData, plan: Plan, run: dict | None) -> dict[str
     """The head lab's two pickers on a run's `data`: the head picker with its classes (found / missed marked from
     the planted run's report `run`), the sink-token picker with the plan's sink tokens (those the run used, where
     the plan left them to the default); no token picker where the visual tokens do not form the grid."""
-    tokens = plan.sink_tokens if run is None or plan.sink_tokens is not None else run["sink_tokens_used"]
+    tokens = chosen_tokens(plan) if run is None or chosen_tokens(plan) is not None else run["sink_tokens_used"]
     rows, cols = data.grid
     return {"lab_heads": head_picker(data.shape[:2], plan, data.head_class, run and run["classifier"]),
             "lab_tokens": token_picker(data.image, data.grid, tokens) if rows * cols == data.shape[2] else None}
+
+
+def shown_if(figure) -> gr.Plot:
+    """A plot that is shown only when it has a figure: nothing drawn where there is nothing to show (the API gets
+    gradio's update, `{"value": ..., "visible": ...}`)."""
+    return gr.Plot(value=serve_figure(figure), visible=figure is not None)
 
 
 def conversation_outputs(turns: list[chat.Turn], shown: int) -> dict[str, object]:
@@ -633,8 +660,8 @@ def show_turn(turns: list[chat.Turn] | None, choice: str) -> tuple:
 def inspect_head(data: views.ViewData, layer: int, head: int) -> tuple:
     """(the map of head `head` of layer `layer` over the image, its numbers as Markdown); ValueError outside."""
     data = data.at_layer(layer)
-    panels = views.head_panel(data, head)
-    return views.panels_plotly(panels, f"Head inspector: layer {layer}, head {head}"), head_text(data, head)
+    figure = views.panels_plotly(views.head_panel(data, head), f"Head inspector: layer {layer}, head {head}")
+    return serve_figure(figure), head_text(data, head)
 
 
 def _stored(state: views.ViewData | None) -> views.ViewData:
@@ -654,6 +681,7 @@ def show_head(state: views.ViewData | None, layer: float, head: float) -> tuple:
 def show_layer(state: views.ViewData | None, layer: float, head: float) -> tuple:
     """Re-draw the per-head maps for another layer, and the head inspector, from the stored run (no model call)."""
     try:
-        return views.VIEW["head_maps"].figure(_stored(state).at_layer(int(layer))), *show_head(state, layer, head)
+        maps = views.VIEW["head_maps"].figure(_stored(state).at_layer(int(layer)))
+        return serve_figure(maps), *show_head(state, layer, head)
     except ValueError as err:
         raise gr.Error(str(err), print_exception=False) from err

@@ -1,8 +1,8 @@
 """The page's head lab, "What if heads differed?" (`hap.plant`, docs/method.md §14): a plan chosen by the user,
 labelled on every view of the run it shaped, and what it did, in words and numbers.
 
-A planted run is never shown as the model's own: every figure's title starts with PLANTED_TITLE and carries a
-PLANTED badge, the planted heads are marked on the head-class grid, the answer cards say "planted heads", and
+A planted run is never shown as the model's own: every figure's title starts with PLANTED_LABEL in red (its
+badge), the planted heads are marked on the head-class grid, the answer cards say "planted heads", and
 `lab_text` explains the run with its numbers (the classifier's precision / recall on the plan, how much of the
 uniform-average and PAQ-fused maps the sink tokens hold, the answers of unpruned, uniform, the paper's HAP and
 HAP+ at the chosen budget).
@@ -20,7 +20,12 @@ from hap.planting import Plan, share_plan
 
 from .lab_pick import MISSED, PLANTED_MARK
 
-PLANTED_TITLE = "PLANTED heads (hap.plant) · "
+PLANTED_LABEL = "PLANTED heads (hap.plant)"
+PLANTED_TITLE = f'<b><span style="color:#d62728">{PLANTED_LABEL}</span></b> ·'  # a planted figure's
+#                 first title line: its badge, above the panels, so that it neither lengthens nor covers a title
+PLOTLY_MARGIN_T, PLOTLY_HEIGHT = 100, 450  # plotly's defaults, for a figure that sets neither
+LAB_VIEWS = ("head_classes", "uniform_vs_paq", "kept_masks")  # the lab's results side by side
+LAB_WIDTH = 560  # px a side-by-side figure gets in a 1280-px-wide window
 NO_PLAN = ("No plan: this run is the model's own heads. Write a plan above (or fill one with the share helper) and "
            "press **Run** to see what planted sink or dispersed heads do to each pruner.")
 LAB_INTRO = (
@@ -43,15 +48,55 @@ NO_PLAN = ("No plan: this run is the model's own heads. Click heads on the head 
 LAB_DETECTOR = "consensus"  # the lab's runs: the detector that can see a planted sink (the library default: norm)
 LAB_DETECTOR_INFO = (
     "The lab's runs use this detector (other runs: the advanced setting, default norm, the paper's). The norm "
-    "detector looks for tokens with massive hidden-state norms; a planted sink has none, so it never finds a planted "
-    "sink head, and PAQ ranks such a head high (it looks focused). consensus flags the tokens where many heads of a "
-    "layer park their attention: it finds planted sinks (docs/results.md, head lab).")
+    "detector looks for tokens with massive hidden-state norms: a planted sink has one (the plan's massive, the "
+    "default), else it never finds a planted sink head and PAQ ranks such a head high (it looks focused). "
+    "consensus flags the tokens where many heads of a layer park their attention (docs/method.md §10).")
 HEAD_PICKER = ("Head picker (click a head to plant or unplant it; x: sink, o: dispersed; pink: missed by the "
                "classifier; rows: layers, columns: heads)")
 TOKEN_PICKER = "Sink-token picker (click a patch to toggle its visual token; red: the sink tokens)"
 # The teaching example's plan: sinks in half the heads of the layers scoring the shipped model's cuts, found by the
 # attention-consensus detector (LAB_DETECTOR).
 TEACHING_PLAN = share_plan((0, 1, 3), 8, 0.5, seed=0)
+PLAN_DEPTH = 3  # a plan nests at most this deep: {"sink": [[layer, head], ...], ...}
+
+
+def read_plan(value) -> Plan:
+    """The plan of `/analyze`'s `plant` (a JSON object or its text; `Plan.from_json`), its nesting checked first and
+    without recursion, so that a value nested thousands deep is refused naming the field (json and repr would
+    recurse into it and fail with a RecursionError)."""
+    depth = nesting(value)
+    if depth > PLAN_DEPTH:
+        raise ValueError(f"plant nests {depth} levels deep; a plan nests at most {PLAN_DEPTH}: "
+                         '{"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...], "strength": 0.9}')
+    return Plan.from_json(value)
+
+
+def nesting(value) -> int:
+    """How deep `value` nests: a JSON text's brackets (outside its strings) or a Python value's lists, tuples and
+    dicts; iterative, so any depth is measured."""
+    if isinstance(value, str):
+        deepest = depth = 0
+        quoted = escaped = False
+        for char in value:
+            if quoted:
+                escaped, quoted = (False, True) if escaped else (char == "\\", char != '"')
+            elif char == '"':
+                quoted = True
+            elif char in "[{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif char in "]}":
+                depth -= 1
+        return deepest
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, (list, tuple)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def plan_from_share(kind: str, share: float, layers: str, seed: float, strength: float, sink_tokens: str,
@@ -76,27 +121,50 @@ def plan_from_share(kind: str, share: float, layers: str, seed: float, strength:
 
 
 def mark_planted(figures: dict, plan: Plan, classifier: dict | None = None) -> dict:
-    """Every figure of a planted run (outputs by name) titled PLANTED_TITLE + its title, with a PLANTED badge, every
-    text prefixed by it; the planted heads marked on the head-class grid (x: sink, o: dispersed), black where the
-    classifier found them in their planted class, pink (`app.lab_pick.MISSED`) where it missed them (`classifier`:
-    `hap.planting.classifier_report`)."""
+    """Every figure of a planted run (outputs by name) with PLANTED_TITLE (PLANTED in red) as its title's first line,
+    every text prefixed by PLANTED_LABEL; the planted heads marked on the head-class grid (x: sink, o: dispersed),
+    black where the classifier found them in their planted class, pink (`app.lab_pick.MISSED`) where it missed them
+    (`classifier`: `hap.planting.classifier_report`)."""
     import plotly.graph_objects as go
 
     marked = {}
     for name, fig in figures.items():
         if not isinstance(fig, go.Figure):  # a text of the section: marked too; nothing drawn: as is
-            marked[name] = f"**{PLANTED_TITLE}** {fig}" if isinstance(fig, str) and fig else fig
+            marked[name] = f"**{PLANTED_LABEL}** · {fig}" if isinstance(fig, str) and fig else fig
             continue
         fig = go.Figure(fig)
-        title = fig.layout.title.text or ""
-        fig.update_layout(title=PLANTED_TITLE + title)
-        fig.add_annotation(text="PLANTED", xref="paper", yref="paper", x=1.0, y=1.0, xanchor="right", yanchor="bottom",
-                           showarrow=False, font=dict(color="white", size=12), bgcolor="#d62728")
+        title = f"{PLANTED_TITLE}<br>{fig.layout.title.text or ''}"
+        before = fig.layout.margin.t if fig.layout.margin.t is not None else PLOTLY_MARGIN_T
+        top = max(before + views.FIGURE_TITLE_LINE_PX,
+                  views.FIGURE_TITLE_PAD_PX + (title.count("<br>") + 1) * views.FIGURE_TITLE_LINE_PX + 12)
+        fig.update_layout(title=dict(text=title, y=1, yref="container", yanchor="top",
+                                     pad=dict(t=views.FIGURE_TITLE_PAD_PX)),
+                          margin=dict(t=top), height=(fig.layout.height or PLOTLY_HEIGHT) + top - before)
         if name == "head_classes":
             for trace in planted_traces(plan, classifier):
                 fig.add_trace(trace)
         marked[name] = fig
     return marked
+
+
+def side_by_side(data: views.ViewData, plan: Plan, classifier: dict | None) -> dict:
+    """The lab's views of a planted run by name (`LAB_VIEWS`: head classes, uniform vs PAQ, kept tokens), drawn for
+    half the page's width and marked planted."""
+    return mark_planted(half_width(data), plan, classifier)
+
+
+def half_width(data: views.ViewData, names: tuple[str, ...] = LAB_VIEWS) -> dict:
+    """The views `names` of a run by name, drawn for half the page's width (LAB_WIDTH; titles wrapped to it)."""
+    drawn = {}
+    for name in names:
+        view = views.VIEW[name]
+        inputs = view.inputs(data)
+        if isinstance(inputs, views.Panels):
+            drawn[name] = view.plotly(replace(inputs, width=LAB_WIDTH), view.title_for(data))
+        else:
+            drawn[name] = view.plotly(inputs, views.wrap_title(view.title_for(data),
+                                                               LAB_WIDTH // views.FIGURE_TITLE_CHAR_PX))
+    return drawn
 
 
 def planted_traces(plan: Plan, classifier: dict | None) -> list:
@@ -147,11 +215,11 @@ def lab_text(report: dict, data: views.ViewData, answers: dict, config: hap.HAPC
                          f"{c['planted']} planted {kind} heads {kind} (recall {_pct(c['recall'])}); of the "
                          f"{c['classified']} heads it classed {kind}, {_pct(c['precision'])} were planted (precision)."
                          + (f" Missed: {[tuple(p) for p in c['missed']]}." if c["missed"] else ""))
-    if report["sink"] and config.sink_detector == "norm":
-        lines.append("- The norm detector (the paper's) flags tokens with massive hidden-state norms; a planted sink "
-                     "has none, so no planted sink can be classed sink, and a head parked on one token looks "
-                     "perfectly focused: PAQ ranks it high. Set sink_detector (the lab's, or the advanced "
-                     "setting) to consensus or both to find them.")
+    if report["sink"] and config.sink_detector == "norm" and not report.get("massive", True):
+        lines.append("- The norm detector (the paper's) flags tokens with massive hidden-state norms; this plan's "
+                     "sinks have none (massive: false), so no planted sink can be classed sink, and a head parked on "
+                     "one token looks perfectly focused: PAQ ranks it high. Set sink_detector (the lab's, or the "
+                     "advanced setting) to consensus or both to find them.")
     if data.groups and tokens:
         g = data.groups[0]
         kept = sorted(set(tokens) & set(g.kept))

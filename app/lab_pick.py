@@ -56,13 +56,19 @@ def toggle_head(plan: Plan, head: tuple[int, int], kind: str) -> Plan:
     sink, dispersed = [h for h in plan.sink if h != head], [h for h in plan.dispersed if h != head]
     if head not in getattr(plan, kind):
         (sink if kind == "sink" else dispersed).append(head)
-    return Plan.of(sink, dispersed, plan.sink_tokens, plan.strength)
+    return Plan.of(sink, dispersed, plan.sink_tokens, plan.strength, plan.massive)
 
 
 def toggle_token(plan: Plan, token: int) -> Plan:
-    """`plan` with `token` added to its sink tokens, or removed (none left: the default, None)."""
-    tokens = set(plan.sink_tokens or ()) ^ {token}
-    return Plan.of(plan.sink, plan.dispersed, sorted(tokens) or None, plan.strength)
+    """`plan` with `token` added to its sink tokens, or removed (none left: the default, None); a count of tokens per
+    image is replaced by the token clicked."""
+    tokens = set(chosen_tokens(plan) or ()) ^ {token}
+    return Plan.of(plan.sink, plan.dispersed, sorted(tokens) or None, plan.strength, plan.massive)
+
+
+def chosen_tokens(plan: Plan) -> tuple[int, ...] | None:
+    """The plan's sink tokens where it names them, None where each image's are chosen (the default or a count)."""
+    return None if isinstance(plan.sink_tokens, int) else plan.sink_tokens
 
 
 def plan_text(plan: Plan) -> str:

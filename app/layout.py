@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 
 import gradio as gr
 
@@ -23,7 +24,8 @@ from hap.views import VIEW
 
 from . import causal as causal_section
 from . import keeps as keeps_section
-from .handler import (CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
+from . import lesson
+from .handler import (CARDS, INSPECTOR, LESSON, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
                       show_turn)
 from .lab import (HEAD_PICKER, LAB_DETECTOR, LAB_DETECTOR_INFO, LAB_INTRO, NO_PLAN, TEACHING_PLAN,
                   TOKEN_PICKER, lab_answers)
@@ -175,7 +177,7 @@ def edit_section() -> dict[str, gr.components.Component]:
     """The run on the edited image against the run on the original, by output name (EDIT)."""
     gr.Markdown("## What the edit changed")
     return {"edit_diff": gr.Markdown(NO_EDIT, elem_id="edit-diff"),
-            "edit_diff_plot": gr.Plot(label="Kept tokens after the edit", elem_id="plot-edit_diff")}
+            "edit_diff_plot": gr.Plot(label="Kept tokens after the edit", elem_id="plot-edit_diff", visible=False)}
 
 
 def example_rows(names: list[str], request: list[gr.components.Component]) -> None:
@@ -248,15 +250,35 @@ def lab_section() -> tuple[dict[str, gr.components.Component], dict[str, gr.comp
     gr.Markdown("### This run with the plan, side by side")
     with gr.Row():
         out["lab_head_classes"] = gr.Plot(label="Head classes: the planted heads found or missed",
-                                          elem_id="plot-lab_head_classes")
+                                          elem_id="plot-lab_head_classes", visible=False)
         with gr.Column():
             out["lab_answers"] = gr.Markdown(lab_answers({}), elem_id="lab-answers", container=True)
             out["lab"] = gr.Markdown(NO_PLAN, elem_id="lab")
     with gr.Row():
-        out["lab_uniform_vs_paq"] = gr.Plot(label=VIEW["uniform_vs_paq"].label, elem_id="plot-lab_uniform_vs_paq")
-        out["lab_kept_masks"] = gr.Plot(label=VIEW["kept_masks"].label, elem_id="plot-lab_kept_masks")
+        out["lab_uniform_vs_paq"] = gr.Plot(label=VIEW["uniform_vs_paq"].label, elem_id="plot-lab_uniform_vs_paq",
+                                            visible=False)
+        out["lab_kept_masks"] = gr.Plot(label=VIEW["kept_masks"].label, elem_id="plot-lab_kept_masks", visible=False)
     out["lab_report"] = gr.State()
     return controls, out
+
+
+def lesson_section() -> tuple[list[gr.Button], dict[str, gr.components.Component]]:
+    """The guided lesson (`app.lesson`): (its step buttons, its outputs by name: `LESSON`, the views hidden until a
+    step shows them)."""
+    gr.Markdown(lesson.INTRO)
+    with gr.Row():
+        buttons = [gr.Button(step.button, elem_id=f"lesson-{i + 1}") for i, step in enumerate(lesson.STEPS)]
+    out = {"lesson_text": gr.Markdown("(press a step)", elem_id="lesson-text")}
+    labels = {"head_classes": "Head classes", "uniform_vs_paq": VIEW["uniform_vs_paq"].label,
+              "kept_masks": VIEW["kept_masks"].label}
+    for row in (("head_classes", "uniform_vs_paq"), ("kept_masks", None)):  # fixed half-page slots: showing or
+        with gr.Row():                                                        # hiding a view reflows nothing
+            for name in row:
+                with gr.Column():
+                    if name:
+                        out[f"lesson_{name}"] = gr.Plot(label=labels[name], elem_id=f"plot-lesson_{name}",
+                                                        visible=False)
+    return buttons, out
 
 
 def sweep_section() -> tuple[gr.Button, dict[str, gr.components.Component]]:
@@ -295,6 +317,7 @@ def build_demo(
         example_rows(settings.models, request)
         out.update(edit_section())
         out.update(analysis_sections(), state=gr.State(), turns=gr.State())
+        lesson_steps, lesson_out = lesson_section()
         lab, lab_out = lab_section()
         out.update(lab_out)
         if examples(settings.models)[0]:
@@ -343,6 +366,9 @@ def build_demo(
                                  api_visibility="private")
         lab["fill"].click(handler.fill_plan, [model, *(lab[k] for k in ("kind", "share", "layers", "seed", "strength",
                                                                   "sink_tokens"))], lab["plant"], api_visibility="private")
+        for index, button in enumerate(lesson_steps):
+            button.click(partial(handler.lesson_outputs, index), model, [lesson_out[name] for name in LESSON],
+                         api_visibility="private", concurrency_limit=1, concurrency_id="model")
         sweep_lane = {**lane, "inputs_kwargs": {**{k: knobs[k] for k in SWEEP_KNOBS}, **options},
                       "js": unset_zeros(len(request), (*SWEEP_KNOBS, *options))}
         sweeper, sweep_outputs = handler.endpoint(handler.sweep, sweep_out, (*SWEEP_KNOBS, *options)), [

@@ -37,9 +37,9 @@ def parser() -> argparse.ArgumentParser:
     for k in (*KNOBS, SEED):
         k.add_to(budget if k.name in ("retain", "flops_ratio") else r)
     r.add_argument("--plant", type=Path, help="JSON file: a head lab plan (hap.plant), planted for every run of this "
-                   'command: {"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...] or null, '
-                   '"strength": 0.9}; the --json result gains "plant" (the plan, the sink tokens used, the '
-                   "classifier's precision / recall on it)")
+                   'command: {"sink": [[layer, head], ...], "dispersed": [...], "sink_tokens": [...], a count or '
+                   'null, "strength": 0.9, "massive": true}; the --json result gains "plant" (the plan, the sink '
+                   "tokens used, the classifier's precision / recall on it)")
     images = r.add_argument_group("processor options", "how the image becomes visual tokens; unset: the "
                                   "checkpoint's own; a model whose processor has no such setting refuses it by name")
     for option in OPTIONS:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                       if getattr(args, o.name) is not None})
         model, processor = load_model(args.model, device=args.device, dtype=args.dtype)
         images = {**option_defaults(model, processor), **options.given()}
-        with plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength), \
+        with plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength, plan.massive), \
                 processor_options(model, processor, options):
             result = run(model, processor, args.image, args.prompt, config, max_new_tokens=args.max_new_tokens,
                          history=history)

@@ -34,6 +34,7 @@ class HAPConfig:
     sink_detector: str = knob("sink_detector").default  # "norm" (paper), "consensus" or "both"
     consensus_share: float = knob("consensus_share").default  # consensus sink: share of a head's visual attention
     consensus_quorum: float = knob("consensus_quorum").default  # consensus sink: fraction of the layer's heads
+    consensus_tokens: int = knob("consensus_tokens").default  # consensus sink: most tokens of a head's parked set
     score_layers: str = knob("score_layers").default  # "segment" (paper) or "last" (the segment's last layer)
     merge: str = knob("merge").default  # "none" (paper) or "proportional" (dropped tokens folded into kept ones)
     first_cut: str = knob("first_cut").default  # "attention" (paper) or "prerope"

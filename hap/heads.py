@@ -38,23 +38,43 @@ def sink_tokens(visual_hidden: torch.Tensor, rho: float) -> torch.Tensor:
     return norms > rho * norms.median(dim=-1, keepdim=True).values
 
 
-def consensus_sinks(dist: torch.Tensor, share: float = 0.5, quorum: float = 0.25) -> torch.Tensor:
-    """Attention-consensus sink test (docs/method.md §10): `dist [..., heads, visual]` (each head's visual
-    distribution, summing to 1) -> bool `[..., visual]`: tokens holding at least `share` of the visual
-    attention of at least `quorum` of the heads."""
-    return (dist >= share).float().mean(-2) >= quorum
+SINK_SET_TOP = 0.7  # a head's top tokens: those holding at least this fraction of its largest share
+SINK_SET_CONCENTRATION = 8.0  # a parked set holds at least this many times its even share (|S| / N) of the attention
+
+
+def parked_sets(dist: torch.Tensor, share: float = 0.5, tokens: int = 8) -> torch.Tensor:
+    """Where each head parks its attention: `dist [..., heads, visual]` (each head's visual distribution over the N
+    tokens present, summing to 1) -> bool `[..., heads, visual]`: the head's top tokens S (each holding at least
+    SINK_SET_TOP x its largest share: sink tokens look alike to a head, so it splits its parked attention about
+    evenly over them) where S spans at most `tokens` tokens and holds at least `share` of the head's visual
+    attention and at least SINK_SET_CONCENTRATION x |S| / N (a few tokens of many: 0.5 on one of 8 tokens left is
+    no sink); empty otherwise."""
+    top = dist >= SINK_SET_TOP * dist.amax(-1, keepdim=True)
+    size = top.sum(-1, keepdim=True)
+    mass = (dist * top).sum(-1, keepdim=True)
+    parked = (size <= tokens) & (mass >= share) & (mass >= SINK_SET_CONCENTRATION * size / dist.shape[-1])
+    return top & parked
+
+
+def consensus_sinks(dist: torch.Tensor, share: float = 0.5, quorum: float = 0.25, tokens: int = 8) -> torch.Tensor:
+    """Attention-consensus sink test (docs/method.md §10): `dist [..., heads, visual]` -> bool `[..., visual]`: the
+    tokens in the parked set (`parked_sets`: a head's top tokens, at most `tokens` of them, holding at least
+    `share` of its visual attention together) of at least `quorum` of the heads. tokens=1: a head parks on one
+    token only (the test before issue 47, which missed a sink split over several tokens)."""
+    return parked_sets(dist, share, tokens).float().mean(-2) >= quorum
 
 
 def detect_sinks(detector: str, visual_hidden: torch.Tensor, attn: torch.Tensor, row_valid: torch.Tensor,
-                 rho: float, share: float, quorum: float) -> torch.Tensor:
+                 rho: float, share: float, quorum: float, tokens: int = 8) -> torch.Tensor:
     """Sink tokens of one layer, bool `[batch, visual]`: by the norm test (`sink_tokens`, rho), by attention
-    consensus over the layer's heads (`consensus_sinks` of `visual_distribution(attn, row_valid)`), or by
-    either ("both"). visual_hidden [batch, visual, d]; attn [batch, heads, P, visual]; row_valid [batch, P]."""
+    consensus over the layer's heads (`consensus_sinks` of `visual_distribution(attn, row_valid)`: share, quorum,
+    tokens), or by either ("both"). visual_hidden [batch, visual, d]; attn [batch, heads, P, visual]; row_valid
+    [batch, P]."""
     found = torch.zeros(attn.shape[0], attn.shape[-1], dtype=torch.bool, device=attn.device)
     if detector in ("norm", "both"):
         found |= sink_tokens(visual_hidden, rho).to(attn.device)
     if detector in ("consensus", "both"):
-        found |= consensus_sinks(visual_distribution(attn, row_valid), share, quorum)
+        found |= consensus_sinks(visual_distribution(attn, row_valid), share, quorum, tokens)
     return found
 
 

@@ -150,10 +150,12 @@ KNOBS: tuple[Knob, ...] = (
          "sink tokens: hidden-state norm test (norm), attention consensus over the layer's heads (consensus), "
          "or either (both)", choices=SINK_DETECTORS, paper="norm"),
     Knob("consensus_share", float, 0.5,
-         "consensus sink test: a token holding >= this share of a head's visual attention...", low=0.0, high=1.0,
-         low_open=True),
+         "consensus sink test: a head's top tokens (at most consensus_tokens) holding >= this share of its visual "
+         "attention...", low=0.0, high=1.0, low_open=True),
     Knob("consensus_quorum", float, 0.25, "...for >= this fraction of the layer's heads", low=0.0, high=1.0,
          low_open=True),
+    Knob("consensus_tokens", int, 8,
+         "consensus sink test: the most tokens a head's parked attention may be split over (1: one token)", low=1),
     Knob("score_layers", str, "last",
          "layers whose maps score a cut: every layer of the segment before it (segment), or only its last layer "
          "(last, as PyramidDrop scores)", choices=SCORE_LAYERS, paper="segment"),

@@ -8,7 +8,13 @@ applies it to a model for a block):
   reads nothing from the sink tokens (their values count as zero for that head, as a real sink's small values
   contribute little);
 * a planted **dispersed** head spreads `strength` of its visual attention evenly over the visual tokens present
-  (its text attention and its visual share unchanged).
+  (its text attention and its visual share unchanged);
+* with `massive` (the default) the sink tokens also carry a **massive activation**, as real visual sinks do (Sun et
+  al. 2024; Kang et al. 2025): from the input of the first layer holding a planted sink head on, the residual stream
+  of each sink token gains `MASSIVE_RATIO` times the median visual token's hidden-state norm there, split evenly
+  over the fixed hidden dimensions `massive_dims` (the same for every token, image and layer). It is added once;
+  the residual connections carry it to every later layer, where every head (planted or not) and the norm sink test
+  see it.
 
 The rows planted are those after the image (the text that reads it: the prompt rows HAP scores and every generated
 token); rows before or inside the image are left as they are, so nothing reads a token it may not see. The same
@@ -28,9 +34,10 @@ from weakref import WeakKeyDictionary
 import torch
 
 DEFAULT_STRENGTH = 0.9
-DEFAULT_SINK_COUNT = 1  # default sink tokens per image: the most redundant visual token (`redundant_tokens`); one
-#                         token, so the attention-consensus detector's default share (0.5) can see what it holds
-PLAN_KEYS = ("sink", "dispersed", "sink_tokens", "strength")
+DEFAULT_SINK_COUNT = 1  # default sink tokens per image: the most redundant visual token (`redundant_tokens`)
+MASSIVE_RATIO = 100.0  # a massive sink token's added activation: this many times the median visual token's norm
+LLAMA2_MASSIVE_DIMS = (1415, 2533)  # LLaMA-2-7B's own massive-activation dimensions of its 4096 (Sun et al. 2024)
+PLAN_KEYS = ("sink", "dispersed", "sink_tokens", "strength", "massive")
 Head = tuple[int, int]
 
 
@@ -58,24 +65,31 @@ def _is_int(v) -> bool:
 @dataclass(frozen=True)
 class Plan:
     """Which heads to plant and how (see the module docstring). `sink_tokens`: visual-token indices (row-major over
-    the image's token grid) or None for the default (`redundant_tokens`, chosen per image)."""
+    the image's token grid), or a count k for the k most redundant visual tokens of each image (`redundant_tokens`),
+    or None for the default (the most redundant one); `massive`: the sink tokens carry a massive activation."""
 
     sink: tuple[Head, ...] = ()
     dispersed: tuple[Head, ...] = ()
-    sink_tokens: tuple[int, ...] | None = None
+    sink_tokens: tuple[int, ...] | int | None = None
     strength: float = DEFAULT_STRENGTH
+    massive: bool = True
 
     @classmethod
-    def of(cls, sink=(), dispersed=(), sink_tokens=None, strength=DEFAULT_STRENGTH) -> Plan:
+    def of(cls, sink=(), dispersed=(), sink_tokens=None, strength=DEFAULT_STRENGTH, massive=True) -> Plan:
         """A checked plan from plain values (lists, tuples, JSON numbers); ValueError naming the field and what it
         allows. The ranges that depend on the model are checked by `check_model` and `check_tokens`."""
         sink, dispersed = _heads("sink", sink), _heads("dispersed", dispersed)
         both = sorted(set(sink) & set(dispersed))
         if both:
             raise ValueError(f"dispersed: head {list(both[0])} is also planted as a sink; a head is planted once")
-        if sink_tokens is not None:
+        if _is_int(sink_tokens):
+            if sink_tokens < 1:
+                raise ValueError(f"sink_tokens={sink_tokens!r}: a count of sink tokens per image must be >= 1")
+            sink_tokens = int(sink_tokens)
+        elif sink_tokens is not None:
             if isinstance(sink_tokens, (str, bytes)) or not isinstance(sink_tokens, Iterable):
-                raise ValueError(f"sink_tokens must be a list of visual-token indices or null; got {sink_tokens!r}")
+                raise ValueError(f"sink_tokens must be a list of visual-token indices, a count of tokens per image or "
+                                 f"null; got {sink_tokens!r}")
             tokens = list(sink_tokens)
             if not tokens:
                 raise ValueError("sink_tokens must name at least one visual token (or be null for the default: "
@@ -85,13 +99,15 @@ class Plan:
             sink_tokens = tuple(sorted({int(t) for t in tokens}))
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 <= strength <= 1.0:
             raise ValueError(f"strength={strength!r} must be a number in [0, 1]")
-        return cls(sink, dispersed, sink_tokens, float(strength))
+        if not isinstance(massive, bool):
+            raise ValueError(f"massive={massive!r} must be true or false")
+        return cls(sink, dispersed, sink_tokens, float(strength), massive)
 
     @classmethod
     def from_json(cls, value) -> Plan:
         """A plan from `/analyze`'s `plant` parameter or a `--plant` file: a JSON object (or its text)
-        `{"sink": [[l, h], ...], "dispersed": [...], "sink_tokens": [...], "strength": 0.9}`, every key optional;
-        None, "" and {} are the empty plan."""
+        `{"sink": [[l, h], ...], "dispersed": [...], "sink_tokens": [...], "strength": 0.9, "massive": true}`, every
+        key optional; None, "" and {} are the empty plan."""
         if value is None or (isinstance(value, str) and not value.strip()):
             return cls()
         if isinstance(value, str):
@@ -105,20 +121,24 @@ class Plan:
         if unknown:
             raise ValueError(f"plant: unknown keys {', '.join(unknown)}; allowed: {', '.join(PLAN_KEYS)}")
         strength = value.get("strength", DEFAULT_STRENGTH)
+        massive = value.get("massive", True)
         return cls.of(value.get("sink", ()), value.get("dispersed", ()), value.get("sink_tokens"),
-                      DEFAULT_STRENGTH if strength is None else strength)
+                      DEFAULT_STRENGTH if strength is None else strength, True if massive is None else massive)
 
     @property
     def empty(self) -> bool:
         return not self.sink and not self.dispersed
 
     def to_json(self) -> dict:
+        tokens = self.sink_tokens if self.sink_tokens is None or isinstance(self.sink_tokens, int) else list(
+            self.sink_tokens)
         return {"sink": [list(p) for p in self.sink], "dispersed": [list(p) for p in self.dispersed],
-                "sink_tokens": None if self.sink_tokens is None else list(self.sink_tokens), "strength": self.strength}
+                "sink_tokens": tokens, "strength": self.strength, "massive": self.massive}
 
-    def check_model(self, layers: int, heads: int) -> None:
+    def check_model(self, layers: int, heads: int, windows: tuple[int | None, ...] = (), name: str = "") -> None:
         """ValueError naming the field when a planted head lies outside a decoder of `layers` x `heads` query
-        heads."""
+        heads, or in a layer that slides a window (`windows`: each layer's, None for full attention) over the keys:
+        the planted rows are recomputed over every key, so heads are planted in full-attention layers only."""
         for field, pairs in (("sink", self.sink), ("dispersed", self.dispersed)):
             for layer, head in pairs:
                 if not 0 <= layer < layers:
@@ -127,10 +147,19 @@ class Plan:
                 if not 0 <= head < heads:
                     raise ValueError(f"{field}: head {head} of [{layer}, {head}] is out of range; each layer has "
                                      f"query heads 0..{heads - 1}")
+                if windows and windows[layer] is not None:
+                    full = [l for l, w in enumerate(windows) if w is None]
+                    raise ValueError(f"{field}: layer {layer} of {name} slides a window of {windows[layer]} tokens; "
+                                     f"hap.plant plants heads in full-attention layers only "
+                                     f"({', '.join(map(str, full)) or 'none in this model'})")
 
     def check_tokens(self, num_visual: int) -> None:
-        """ValueError when a sink token is not a visual-token index of an image of `num_visual` tokens."""
-        if self.sink_tokens is not None and not all(0 <= t < num_visual for t in self.sink_tokens):
+        """ValueError when a sink token is not a visual-token index of an image of `num_visual` tokens (or a count
+        of them exceeds it)."""
+        if isinstance(self.sink_tokens, int):
+            if self.sink_tokens > num_visual:
+                raise ValueError(f"sink_tokens={self.sink_tokens} is more than this image's {num_visual} visual tokens")
+        elif self.sink_tokens is not None and not all(0 <= t < num_visual for t in self.sink_tokens):
             bad = [t for t in self.sink_tokens if not 0 <= t < num_visual]
             raise ValueError(f"sink_tokens {bad} are out of range; this image has visual tokens 0..{num_visual - 1}")
 
@@ -142,9 +171,15 @@ class Plan:
     def layers(self) -> list[int]:
         return sorted({l for l, _ in (*self.sink, *self.dispersed)})
 
+    @property
+    def massive_layer(self) -> int | None:
+        """The layer at whose input the sink tokens gain their massive activation: the first holding a planted sink
+        head (None: no sink head, or `massive` off)."""
+        return min(l for l, _ in self.sink) if self.massive and self.sink else None
+
 
 def share_plan(layers: Iterable[int], heads: int, share: float, seed: int, kind: str = "sink",
-               sink_tokens=None, strength: float = DEFAULT_STRENGTH) -> Plan:
+               sink_tokens=None, strength: float = DEFAULT_STRENGTH, massive: bool = True) -> Plan:
     """"Plant `kind` heads in `share` of the heads of `layers`": round(share x heads) heads of each layer, drawn
     without replacement by a generator seeded with `seed` (the same heads for the same arguments)."""
     if kind not in ("sink", "dispersed"):
@@ -154,7 +189,7 @@ def share_plan(layers: Iterable[int], heads: int, share: float, seed: int, kind:
     generator = torch.Generator().manual_seed(int(seed))
     count = round(share * heads)
     chosen = [(l, int(h)) for l in layers for h in torch.randperm(heads, generator=generator)[:count]]
-    return Plan.of(**{kind: chosen}, sink_tokens=sink_tokens, strength=strength)
+    return Plan.of(**{kind: chosen}, sink_tokens=sink_tokens, strength=strength, massive=massive)
 
 
 def redundant_tokens(visual_embeds: torch.Tensor, count: int = DEFAULT_SINK_COUNT) -> torch.Tensor:
@@ -164,6 +199,26 @@ def redundant_tokens(visual_embeds: torch.Tensor, count: int = DEFAULT_SINK_COUN
     x = torch.nn.functional.normalize(visual_embeds.detach().float(), dim=-1)
     typical = (x @ x.transpose(-1, -2)).mean(-1)  # [B, N]
     return torch.argsort(-typical, dim=-1, stable=True)[:, :count].sort(-1).values
+
+
+def massive_dims(hidden_size: int) -> list[int]:
+    """The hidden dimensions a planted sink's massive activation lives in, for a residual stream of `hidden_size`:
+    LLaMA-2-7B's own (1415 and 2533 of 4096), at the same fractions of `hidden_size`."""
+    return sorted({d * hidden_size // 4096 for d in LLAMA2_MASSIVE_DIMS})
+
+
+def massive_activation(hidden: torch.Tensor, visual: torch.Tensor, sink: torch.Tensor,
+                       ratio: float = MASSIVE_RATIO) -> torch.Tensor:
+    """`hidden [batch, T, d]` (a layer's input, the residual stream) with a massive activation added on the sink
+    rows: `ratio` x the sample's median visual-token norm (float32), split evenly over `massive_dims(d)`. visual,
+    sink bool [batch, T]: the visual rows and the sink tokens among them (a sample without visual rows gains
+    nothing). Returns a new tensor of `hidden`'s dtype."""
+    norms = hidden.detach().float().norm(dim=-1).masked_fill(~visual, float("nan"))  # [B, T]
+    median = norms.nanmedian(-1).values.nan_to_num(0.0)  # [B]
+    dims = massive_dims(hidden.shape[-1])
+    delta = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    delta[..., dims] = (ratio * median / len(dims) ** 0.5)[:, None, None]
+    return hidden + (delta * sink[..., None]).to(hidden.dtype)
 
 
 def plant_attention(attn: torch.Tensor, visual: torch.Tensor, sink: torch.Tensor, sink_heads: list[int],

@@ -215,7 +215,7 @@ class PruneState:
             -1, -1, hidden.shape[-1]))  # a fanned-out prefill's layers before its first cut run at batch 1
         c = self.config
         sink = detect_sinks(c.sink_detector, vis_hidden, attn, self.row_valid, c.sink_rho, c.consensus_share,
-                            c.consensus_quorum)
+                            c.consensus_quorum, c.consensus_tokens)
         stats = head_stats(attn, self.row_valid, sink)
         if lookahead or layer in self.scoring_layers:
             self._maps[(layer, lookahead)] = (attn, stats, sink)

@@ -65,6 +65,10 @@ PNG_DPI = 120
 TITLE_CHAR_PX = 6.5  # a subplot title character's width at font size 11, rounded up: the wrapping budget
 TITLE_LINE_PX = 15  # a subplot title line's height
 COLORBAR_PX = 100  # the width the small multiples' colour bar takes from the panels
+FIGURE_TITLE_CHAR_PX = 9  # a figure title character's width at plotly's title size (17), rounded up
+FIGURE_TITLE_LINE_PX = 22  # a figure title line's height
+FIGURE_TITLE_PAD_PX = 60  # the figure title's distance from the figure's top edge (the page's plot label and
+#                           plotly's mode bar sit above it)
 
 
 # --- plain data ------------------------------------------------------------------------------------
@@ -562,15 +566,18 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
     rows_n = math.ceil(len(panels) / cols)
     titles = [wrap_title(p.title, int((multiples.width - COLORBAR_PX) / cols / TITLE_CHAR_PX)) for p in panels]
     lines = max(t.count("<br>") + 1 for t in titles)
-    height = 40 + lines * TITLE_LINE_PX + rows_n * (20 + lines * TITLE_LINE_PX + multiples.width // max(cols, 3))
+    title = wrap_title(title, int(multiples.width / FIGURE_TITLE_CHAR_PX))
+    top = FIGURE_TITLE_PAD_PX + (title.count("<br>") + 1) * FIGURE_TITLE_LINE_PX + 10 + lines * TITLE_LINE_PX
+    height = top - 20 + rows_n * (20 + lines * TITLE_LINE_PX + multiples.width // max(cols, 3))
     fig = make_subplots(rows_n, cols, subplot_titles=titles, horizontal_spacing=0.02,
                         vertical_spacing=(10 + lines * TITLE_LINE_PX) / height)
-    uris: dict[tuple[int, bytes], str] = {}  # one encoded image per image and set of dimmed tokens
+    uris: dict[int, str] = {}  # one encoded image per image shown: the dimmed patches are drawn over it
     for i, panel in enumerate(panels):
-        key = id(panel.view), b"" if panel.present is None else panel.present.tobytes()
-        uris.setdefault(key, _data_uri(panel.background()))
         grid_rows, grid_cols = grid = panel.grid or multiples.grid
-        for trace in _panel_traces(panel, uris[key], grid):
+        fig.add_layout_image(source=uris.setdefault(id(panel.view), _data_uri(panel.view)), x=-0.5, y=-0.5,
+                             sizex=grid_cols, sizey=grid_rows, xanchor="left", yanchor="top", sizing="stretch",
+                             layer="below", row=i // cols + 1, col=i % cols + 1)
+        for trace in _panel_traces(panel, grid):
             fig.add_trace(trace, i // cols + 1, i % cols + 1)
         if panel.outline is not None and panel.outline.any():
             xs, ys = outline_segments(panel.outline)
@@ -583,7 +590,8 @@ def panels_plotly(multiples: Panels, title: str) -> go.Figure:
     fig.update_xaxes(visible=False, constrain="domain")
     fig.update_yaxes(visible=False, constrain="domain")
     fig.update_annotations(font_size=11)
-    fig.update_layout(title=title, height=height, margin=dict(l=10, r=10, t=60 + lines * TITLE_LINE_PX, b=10),
+    fig.update_layout(title=dict(text=title, y=1, yref="container", yanchor="top", pad=dict(t=FIGURE_TITLE_PAD_PX)),
+                      height=height, margin=dict(l=10, r=10, t=top, b=10),
                       coloraxis=dict(colorscale=[[at, f"rgba({r},{g},{b},{a})"] for at, (r, g, b, a) in MAP_STOPS],
                                      cmin=0, cmax=1, colorbar=dict(title="score /<br>highest", len=0.6)))
     return fig
@@ -605,27 +613,28 @@ def _no_cuts_plotly(title: str, text: str = NO_CUTS) -> go.Figure:
     return fig
 
 
-def _panel_traces(panel: Panel, uri: str, grid: tuple[int, int]) -> list:
-    """The image of one panel, then its token map (or, for a mask, an invisible layer naming each token on hover)."""
+def _panel_traces(panel: Panel, grid: tuple[int, int]) -> list:
+    """What one panel draws over its image (a layout image, below): the absent tokens' patches dimmed, then its token
+    map (or, for a mask, the pruned patches dimmed by a layer naming each token on hover)."""
     import plotly.graph_objects as go
 
-    rows, cols = grid
-    h, w = panel.view.shape[:2]
-    index = np.arange(rows * cols).reshape(grid)
-    traces = [go.Image(source=uri, x0=-0.5 + cols / w / 2, dx=cols / w, y0=-0.5 + rows / h / 2, dy=rows / h,
-                       hoverinfo="skip")]
+    index = np.arange(grid[0] * grid[1]).reshape(grid)
+    dark = f"rgba(0,0,0,{1 - PRUNED_BRIGHTNESS:g})"  # over a patch: PRUNED_BRIGHTNESS of its brightness left
+    if panel.scores is None and panel.present is not None:
+        return [go.Heatmap(
+            z=panel.present.astype(float), text=np.where(panel.present, "kept", "pruned"), customdata=index,
+            showscale=False, colorscale=[[0, dark], [1, "rgba(0,0,0,0)"]], zmin=0, zmax=1,
+            hovertemplate="token %{customdata} (row %{y}, col %{x}): %{text}<extra></extra>")]
+    traces = []
+    if panel.present is not None:
+        traces.append(go.Heatmap(z=np.where(panel.present, np.nan, 1.0), colorscale=[[0, dark], [1, dark]],
+                                 showscale=False, hoverinfo="skip", hoverongaps=False))
     if panel.scores is not None:
         traces.append(go.Heatmap(
             z=relative(panel.scores), customdata=np.stack([panel.scores, index], -1), coloraxis="coloraxis",
             hoverongaps=False,
             hovertemplate="token %{customdata[1]} (row %{y}, col %{x})<br>score %{customdata[0]:.3g}"
                           "<br>%{z:.0%} of the panel's highest<extra></extra>",
-        ))
-    elif panel.present is not None:
-        traces.append(go.Heatmap(
-            z=panel.present.astype(float), text=np.where(panel.present, "kept", "pruned"), customdata=index,
-            showscale=False, colorscale=[[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0)"]],
-            hovertemplate="token %{customdata} (row %{y}, col %{x}): %{text}<extra></extra>",
         ))
     return traces
 

@@ -208,8 +208,8 @@ def test_a_scene_returns_its_ground_truth_as_analysis_computes_it(client, model_
     figure = json.loads(out["grounding"]["plot"])
     assert figure["layout"]["title"]["text"].endswith(f"Spearman with PAQ {truth['spearman']:.2f}")
     for name in ("kept_masks", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq", "inspector"):
-        traces = json.loads(out[name]["plot"])["data"]
-        assert sum(t["type"] == "scatter" for t in traces) == sum(t["type"] == "image" for t in traces), name
+        figure = json.loads(out[name]["plot"])
+        assert sum(t["type"] == "scatter" for t in figure["data"]) == len(figure["layout"]["images"]), name
 
 
 def test_no_ground_truth_without_metadata_or_for_another_question(client, model_name, tmp_path):

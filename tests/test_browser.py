@@ -19,6 +19,7 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1150"]
 ARTIFACTS = ROOT / "test-artifacts"
+NARROW = 1280  # the window width the lab and the lesson are checked at
 # elem_id plot-<name> of the gr.Plot outputs: one per view of hap.views.VIEWS, then the head inspector
 PLOTS = ["kept_masks", "token_counts", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq",
          "inspector"]
@@ -242,6 +243,21 @@ def click_picture(driver, elem_id: str, x: int, y: int) -> None:
     ActionChains(driver).move_to_element_with_offset(img, round(dx), round(dy)).click().perform()
 
 
+def shoot(driver, first: str, last: str, name: str) -> None:
+    """Save test-artifacts/`name`: the page from element `first`'s top to element `last`'s bottom (ids), at the
+    window's width."""
+    import base64
+
+    top, bottom = (driver.execute_script("const r = document.getElementById(arguments[0]).getBoundingClientRect(); "
+                                         "return [r.top + window.scrollY, r.bottom + window.scrollY]", e)
+                   for e in (first, last))
+    width = driver.execute_script("return document.documentElement.clientWidth")
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"captureBeyondViewport": True, "clip": {
+        "x": 0, "y": top[0] - 16, "width": width, "height": bottom[1] - top[0] + 32, "scale": 1}})
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / name).write_bytes(base64.b64decode(shot["data"]))
+
+
 def test_the_head_lab_by_clicking(page_url, driver):
     """Click a head on the head picker and a patch on the sink-token picker: the plan box changes; run the plan:
     the lab's results side by side, marked planted; saves test-artifacts/lab.png."""
@@ -252,6 +268,7 @@ def test_the_head_lab_by_clicking(page_url, driver):
     from app.lab_pick import MARGIN, cell_px
 
     wait = WebDriverWait(driver, 240)
+    driver.set_window_size(NARROW, 1000)  # every figure legible at a 1280-px-wide window
     driver.get(page_url)
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#lab-heads img")))
     cell = cell_px((6, 8))
@@ -271,8 +288,41 @@ def test_the_head_lab_by_clicking(page_url, driver):
     wait.until(EC.text_to_be_present_in_element((By.ID, "plant"), '"sink_tokens": [0]'))
     box = driver.find_element(By.CSS_SELECTOR, "#lab-sink-tokens textarea, #lab-sink-tokens input")
     wait.until(lambda d: box.get_attribute("value") == "0")
-    ARTIFACTS.mkdir(exist_ok=True)
-    driver.execute_script("document.getElementById('lab-heads').scrollIntoView({block: 'start'})")
-    driver.save_screenshot(str(ARTIFACTS / "lab.png"))
+    shoot(driver, "lab-heads", "plot-lab_kept_masks", "lab.png")
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(NARROW, height)
+    driver.save_screenshot(str(ARTIFACTS / "lab-full.png"))  # every view of the planted run, at 1280 px
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+@pytest.mark.slow
+def test_the_guided_lesson_step_by_step(page_url, driver):
+    """Click each of the lesson's four steps at a 1280-px-wide window: its text (with the scene's answer) and only the
+    views it uses appear; saves test-artifacts/lesson-<step>.png."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from app import lesson
+
+    wait = WebDriverWait(driver, 300)
+    driver.set_window_size(NARROW, 1000)
+    driver.get(page_url)
+    for index, step in enumerate(lesson.STEPS, 1):
+        button = wait.until(EC.element_to_be_clickable((By.ID, f"lesson-{index}")))
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", button)
+        button.click()
+        wait.until(EC.text_to_be_present_in_element((By.ID, "lesson-text"), f"Step {index} ·"))
+        assert f"the scene's answer: {lesson.scene()['answer']}" in driver.find_element(By.ID, "lesson-text").text
+        for name in ("head_classes", "uniform_vs_paq", "kept_masks"):
+            plot = f"#plot-lesson_{name} .js-plotly-plot .main-svg"
+            if name in step.views:
+                wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, plot)))
+                if not step.plan.empty:
+                    wait.until(EC.text_to_be_present_in_element((By.ID, f"plot-lesson_{name}"), "PLANTED"))
+            else:
+                assert not any(e.is_displayed() for e in driver.find_elements(By.CSS_SELECTOR, plot)), (index, name)
+        shoot(driver, f"lesson-{index}", f"plot-lesson_{step.views[-1]}", f"lesson-{index}.png")
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors

@@ -10,13 +10,13 @@ import pytest
 from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 
-from app.lab import NO_PLAN, PLANTED_TITLE, TEACHING_PLAN, plan_from_share
+from app.lab import NO_PLAN, PLANTED_LABEL, TEACHING_PLAN, plan_from_share
 from hap import views
 from hap.planting import Plan, classifier_report
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"
-MARK = PLANTED_TITLE.split(" ·")[0]  # as plotly JSON writes it (the dot escaped)
+MARK = PLANTED_LABEL
 PLAN = {"sink": [[0, 1], [0, 2], [1, 0], [1, 5]], "dispersed": [[3, 2]], "strength": 0.9}
 
 
@@ -56,14 +56,17 @@ def test_a_planted_run_is_marked_on_every_view_and_reports_the_classifier(client
         assert out[name]["plot"] and MARK in json.dumps(out[name]), name
     assert all(out[card].startswith("#### PLANTED heads") for card in ("unpruned", "pruned", "uniform"))
     # the lab's results side by side: the same (marked) views, the four answers, the pickers on this run
-    for name in ("head_classes", "uniform_vs_paq", "kept_masks"):
-        assert out[f"lab_{name}"] == out[name], name
-    marks = {t["name"] for t in json.loads(out["lab_head_classes"]["plot"])["data"] if t.get("name")}
+    for name in ("head_classes", "uniform_vs_paq", "kept_masks"):  # the same views, drawn for half the page
+        lab = out[f"lab_{name}"]
+        assert lab["visible"] and MARK in lab["value"]["plot"], name
+        assert json.loads(lab["value"]["plot"])["data"] == json.loads(out[name]["plot"])["data"], name
+    marks = {t["name"] for t in json.loads(out["lab_head_classes"]["value"]["plot"])["data"] if t.get("name")}
     assert "planted sink, found by the classifier" in marks and "planted sink, missed by the classifier" not in marks
     assert all(f"- {label}: **{answer or '(empty)'}**" in out["lab_answers"] for label, answer in plant["answers"].items())
     assert out["lab_answers"].startswith("#### PLANTED heads") and out["lab_heads"] and out["lab_tokens"]
     stock = analyze(client, model_name, plant="")  # empty = none: the model's own heads, nothing marked
-    assert stock["summary"]["plant"] is None and stock["lab"] == NO_PLAN and stock["lab_head_classes"] is None
+    assert stock["summary"]["plant"] is None and stock["lab"] == NO_PLAN
+    assert stock["lab_head_classes"]["value"] is None and stock["lab_head_classes"]["visible"] is False
     assert MARK not in json.dumps(stock["head_classes"])
 
 
@@ -77,6 +80,39 @@ def test_a_planted_run_is_marked_on_every_view_and_reports_the_classifier(client
 def test_a_bad_plan_is_a_clear_error_and_the_server_keeps_answering(client, model_name, plant, message):
     with pytest.raises(Exception, match=message):
         analyze(client, model_name, plant=json.dumps(plant))
+
+
+DEEP = "[" * 5000 + "]" * 5000  # nested 5,000 deep: json.loads and repr would recurse past Python's limit
+MALFORMED = [  # (plant, the field its message names)
+    ("{oops", "plant is not valid JSON"), ("[1, 2]", "plant must be a JSON object"), ('"sink"', "plant must be"),
+    ("7", "plant must be"), ('{"sinks": []}', "plant: unknown keys sinks"), ('{"sink": 3}', "sink must be a list"),
+    ('{"sink": [[0, 1, 2]]}', "sink: each entry"), ('{"dispersed": [["a", 1]]}', "dispersed: each entry"),
+    ('{"strength": true}', "strength=True"), ('{"sink_tokens": "0"}', "sink_tokens must be a list"),
+    (DEEP, "plant nests 5000 levels deep"), ('{"sink": ' + DEEP + "}", "plant nests 5001 levels deep"),
+]
+
+
+@pytest.mark.parametrize("plant, message", MALFORMED)
+def test_every_malformed_plan_is_refused_naming_its_field(plant, message):
+    from app.lab import read_plan
+
+    with pytest.raises(ValueError, match="^" + message.replace("[", "\\[")):
+        read_plan(plant)
+
+
+def test_a_plan_nested_thousands_deep_is_measured_without_recursion_and_refused_by_the_server(client, model_name):
+    from app.lab import nesting, read_plan
+
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    assert nesting(deep) == 5001 and nesting({"sink": [[0, 1]]}) == 3 and nesting('{"a": "[[[[", "b": [1]}') == 2
+    with pytest.raises(ValueError, match="plant nests 5002 levels deep"):
+        read_plan({"sink": deep})
+    assert read_plan(json.dumps(PLAN)) == Plan.from_json(PLAN)
+    with pytest.raises(Exception, match="plant nests 5000 levels deep") as error:
+        analyze(client, model_name, plant=DEEP)
+    assert "RecursionError" not in str(error.value)
 
 
 def test_the_share_helper_and_the_teaching_plan():
@@ -109,7 +145,8 @@ def test_the_cli_plants_a_plan_file(tmp_path, capsys):
 
 
 # --- a random Qwen2-VL saved to a folder with its offline processor (no torchvision) -------------------------------
-QWEN_PLAN = {"sink": [[0, 1], [1, 2]], "dispersed": [[2, 0]], "strength": 0.9}
+QWEN_PLAN = {"sink": [[0, 1], [1, 2]], "dispersed": [[2, 0]], "strength": 0.9,
+             "massive": False}  # a random model: a massive sink token draws every head, planted or not
 
 
 @pytest.fixture(scope="module")

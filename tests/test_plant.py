@@ -1,6 +1,7 @@
 """hap.plant, the head lab: planted sink and dispersed heads change every forward exactly as planned (SDPA, eager,
-GQA, LLaVA and Qwen2-VL), what HAP captures is what the model runs, the model is stock after the block, bad plans
-are refused naming the field."""
+GQA, LLaVA and Qwen2-VL), a massive plan's sink tokens carry a massive activation from the first planted sink layer on
+(GQA, M-RoPE, sliding layers), what HAP captures is what the model runs, the model is stock after the block, bad plans
+are refused naming the field; on the shipped model both sink detectors find planted sinks over 1 and 4 tokens."""
 
 from pathlib import Path
 
@@ -9,9 +10,13 @@ import torch
 
 import hap
 from hap.causal import ablation, gradients
-from hap.patch import attention_outputs
-from hap.planting import Plan, classifier_report, plant_attention, precision_recall, redundant_tokens, share_plan
+from hap.patch import attention_outputs, decoder_of
+from hap.planting import (MASSIVE_RATIO, Plan, classifier_report, massive_activation, massive_dims, plant_attention,
+                          precision_recall, redundant_tokens, share_plan)
+from hap.run import chat_prompt
 from tiny_models import llava_case, qwen_vl_case
+from tiny_zoo import picture
+from tiny_zoo_recent import gemma3
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "assets" / "tiny-llava"
@@ -54,6 +59,24 @@ def test_plant_attention_moves_the_share_and_keeps_rows_summing():
     assert float((spread - 1 / 6).abs().max()) < 0.1 * 1 / 6 * 6
 
 
+def test_a_massive_activation_lifts_the_sink_rows_in_fixed_dimensions():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 10, 4096, dtype=torch.bfloat16)
+    visual = torch.zeros(2, 10, dtype=torch.bool)
+    visual[:, 2:8] = True
+    sink = torch.zeros(2, 10, dtype=torch.bool)
+    sink[0, 3], sink[1, [4, 6]] = True, True
+    out = massive_activation(hidden, visual, sink)
+    assert massive_dims(4096) == [1415, 2533] and massive_dims(64) == [22, 39]
+    assert out.dtype == torch.bfloat16 and torch.equal(out[~sink], hidden[~sink])
+    changed = (out != hidden).any(1).any(0).nonzero()[:, 0].tolist()  # the dimensions any row changed in
+    assert changed == [1415, 2533]
+    norms = out.float().norm(dim=-1)
+    median = hidden.float().norm(dim=-1)[visual].view(2, -1).median(-1).values
+    assert torch.allclose(norms[sink], MASSIVE_RATIO * median[[0, 1, 1]], rtol=0.02)
+    assert torch.equal(massive_activation(hidden, torch.zeros_like(visual), sink), hidden)  # no visual rows: nothing
+
+
 def test_redundant_tokens_pick_the_plain_background():
     x = torch.randn(1, 9, 16)
     x[0, [1, 4, 7]] = torch.ones(16)  # three identical background patches
@@ -78,6 +101,7 @@ def test_precision_recall_and_share_plan():
     ({"sink_tokens": []}, "sink_tokens"), ({"strength": 1.5}, "strength"), ({"strength": -0.1}, "strength"),
     ({"sink": [[0, 1]], "dispersed": [[0, 1]]}, "dispersed"), ({"sink": [[0]]}, "sink"), ({"heads": []}, "unknown"),
     ("{not json", "JSON"), ([1, 2], "JSON object"), ({"sink_tokens": ["a"]}, "sink_tokens"),
+    ({"sink_tokens": 0}, "sink_tokens=0"), ({"massive": "yes"}, "massive"),
 ])
 def test_bad_plans_are_refused_naming_the_field(value, field):
     model, _ = llava_case()
@@ -92,6 +116,9 @@ def test_out_of_range_sink_tokens_are_refused_at_the_prefill():
     model, make = llava_case()
     with pytest.raises(ValueError, match=r"sink_tokens \[144\] are out of range; this image has visual tokens 0..143"):
         with hap.plant(model, sink=[(1, 0)], sink_tokens=[144]):
+            _logits(model, make(["what color ?"], [0]))
+    with pytest.raises(ValueError, match=r"sink_tokens=145 is more than this image's 144 visual tokens"):
+        with hap.plant(model, sink=[(1, 0)], sink_tokens=145):
             _logits(model, make(["what color ?"], [0]))
 
 
@@ -149,7 +176,7 @@ def test_the_planted_head_runs_the_planned_attention_and_a_sink_reads_nothing(ca
     A, v, visual, sink = _reference(model, inputs, layer, head, token, kind, s)
     seen = {}
     o_proj = attention_outputs(model)[layer]
-    with hap.plant(model, **{kind: [(layer, head)]}, sink_tokens=[token], strength=s):
+    with hap.plant(model, **{kind: [(layer, head)]}, sink_tokens=[token], strength=s, massive=False):
         handle = o_proj.register_forward_pre_hook(lambda m, a: seen.update(x=a[0]))
         try:
             _logits(model, inputs)
@@ -187,6 +214,75 @@ def test_a_full_strength_sink_head_outputs_nothing_after_the_image():
     assert float(seen["x"].view(1, T, 4, -1)[0, after, 1].abs().max()) == 0.0
 
 
+def _gemma3_case():
+    model, processor = gemma3()
+
+    def make(questions, seeds):
+        return processor(images=[[picture((100, 170), seed)] for seed in seeds],
+                         text=[chat_prompt(processor, q) for q in questions], return_tensors="pt", padding=True)
+    return model, make
+
+
+MASSIVE_CASES = {"llava-gqa": llava_case, "qwen2vl-mrope": qwen_vl_case, "gemma3-sliding": _gemma3_case}
+
+
+def _layer_inputs(model, inputs) -> list[torch.Tensor]:
+    """The hidden states entering every decoder layer (after any planting hook), sample 0, float32."""
+    seen, handles = {}, []
+    for i, layer in enumerate(decoder_of(model).layers):
+        take = lambda m, args, kwargs, i=i: seen.update({i: (args[0] if args else kwargs["hidden_states"])[0].float()})
+        handles.append(layer.register_forward_pre_hook(take, with_kwargs=True))
+    try:
+        _logits(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [seen[i] for i in sorted(seen)]
+
+
+@pytest.mark.parametrize("case", list(MASSIVE_CASES))
+def test_massive_sink_tokens_stand_out_from_the_first_planted_sink_layer_on(case):
+    """A massive plan (two sink heads in layer 1, Gemma 3's 3, two sink tokens): from that layer's input on the sink
+    tokens' norm is far past sink_rho x the median visual token's (float32 norms); before it, and with massive=False,
+    they are ordinary; a dispersed-only plan adds nothing; decode steps agree with a full forward; after the block,
+    stock."""
+    model, make = MASSIVE_CASES[case]()
+    inputs = make(["what color is the circle ?"], [0])
+    stock = _logits(model, inputs)
+    visual = (inputs["input_ids"][0] == model.config.image_token_id).nonzero()[:, 0]
+    rho = hap.HAPConfig().sink_rho
+
+    def ratios(**plan) -> list[float]:
+        with hap.plant(model, sink_tokens=[1, 4], **plan) as lab:
+            hidden = _layer_inputs(model, inputs)
+            assert lab.sink_index[0].tolist() == [1, 4]
+        norms = [h.norm(dim=-1) for h in hidden]
+        return [float(n[visual[[1, 4]]].min() / n[visual].median()) for n in norms]
+
+    first = 3 if case.startswith("gemma3") else 1  # Gemma 3's layers 0-2 slide a window: planting there is refused
+    if first == 3:
+        with pytest.raises(ValueError, match="sink: layer 1 of Gemma3ForConditionalGeneration slides a window of 8 "
+                                             r"tokens; hap.plant plants heads in full-attention layers only \(3\)"):
+            ratios(sink=[(1, 0)])
+    massive = ratios(sink=[(first, 0), (first, 1)])
+    assert all(r > 3 * rho for r in massive[first:]) and all(r < rho for r in massive[:first]), massive
+    assert all(r < rho for r in ratios(sink=[(first, 0), (first, 1)], massive=False))
+    assert all(r < rho for r in ratios(dispersed=[(first, 0)]))
+    full = dict(inputs)
+    with hap.plant(model, sink=[(first, 0)], sink_tokens=2), torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        full.update(input_ids=out.sequences, attention_mask=torch.ones_like(out.sequences))
+        for key in ("mm_token_type_ids", "token_type_ids"):
+            if key in inputs:
+                full[key] = (out.sequences == model.config.image_token_id).to(inputs[key].dtype)
+        logits = model(**full, use_cache=False).logits
+    T = inputs["input_ids"].shape[1]
+    for step, step_logits in enumerate(out.logits):
+        assert torch.allclose(step_logits, logits[:, T - 1 + step], atol=1e-4)
+    assert torch.equal(_logits(model, inputs), stock)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_generate_decodes_what_a_full_forward_computes_with_the_plan(case):
     """The planted decode steps (keys from the cache) agree with a no-cache forward over prompt + answer."""
@@ -214,7 +310,7 @@ def test_hap_scores_what_the_planted_model_runs(case):
     _logits(model, inputs)  # transformers adds its own output-capturing hooks on the first forward
     hooks = _hooks(model)
     config = hap.HAPConfig(retain=0.5, first_layers=1, groups=2)
-    with hap.plant(model, sink=[(0, 1), (2, 2)], sink_tokens=[3], strength=0.9) as lab:
+    with hap.plant(model, sink=[(0, 1), (2, 2)], sink_tokens=[3], strength=0.9, massive=False) as lab:
         with hap.patched(model, config, trace=True) as patch, torch.no_grad():
             model.generate(**inputs, max_new_tokens=3, do_sample=False)
         assert lab.report()["sink_tokens_used"] == [3]
@@ -248,29 +344,46 @@ def shipped():
 
 def _classes(model, processor, items, plan: Plan, config: hap.HAPConfig) -> list[list[list[str]]]:
     classes = []
-    with hap.plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength):
+    with hap.plant(model, plan.sink, plan.dispersed, plan.sink_tokens, plan.strength, plan.massive):
         for scene, question in items:
             classes.append(hap.run(model, processor, scene.image, question.text, config, max_new_tokens=1).head_class)
     return classes
 
 
+def _found(model, processor, items, plan: Plan, detector: str) -> tuple[float, float]:
+    """(mean recall of the planted sink heads, mean share of the unplanted heads classed sink) over `items`."""
+    config = hap.HAPConfig(method="none", sink_detector=detector)
+    layers, heads = model.config.text_config.num_hidden_layers, model.config.text_config.num_attention_heads
+    found = [classifier_report(plan, c)["sink"] for c in _classes(model, processor, items, plan, config)]
+    false = sum(f["classified"] - len(f["found"]) for f in found) / ((layers * heads - len(plan.sink)) * len(found))
+    return sum(f["recall"] for f in found) / len(found), false
+
+
 @pytest.mark.slow
 def test_planted_heads_are_classified_on_held_out_scenes(shipped):
-    """Held-out test scenes (seeds 500000+): with the attention-consensus sink detector, planted sinks in half the
-    heads of every layer are classified sink (recall >= 0.9) and unplanted heads rarely (<= 10%); planted
-    dispersed heads are classified dispersed (recall >= 0.8)."""
+    """Held-out test scenes (seeds 500000+; the settings were chosen on validation seeds 400000-400005): planted
+    sinks in half the heads of every layer, parked on 1 or on 4 sink tokens per image, are classified sink by the
+    paper's norm test (massive activations) and by the attention-consensus test (recall >= 0.9), unplanted heads
+    rarely (<= 10%); without the massive activation the norm test sees none and the consensus test still finds them;
+    planted dispersed heads are classified dispersed (recall >= 0.8)."""
     from analysis.scenes import heldout_items
 
     model, processor = shipped
     items = list(heldout_items(range(500_000, 500_004), 1))
-    config = hap.HAPConfig(method="none", sink_detector="consensus")
     layers, heads = model.config.text_config.num_hidden_layers, model.config.text_config.num_attention_heads
-    sinks = share_plan(range(layers), heads, 0.5, seed=0)
-    found = [classifier_report(sinks, c)["sink"] for c in _classes(model, processor, items, sinks, config)]
-    assert sum(f["recall"] for f in found) / len(found) >= 0.9
-    unplanted = layers * heads - len(sinks.sink)
-    false = sum(f["classified"] - len(f["found"]) for f in found) / (unplanted * len(found))
-    assert false <= 0.1
+    for count in (1, 4):
+        sinks = share_plan(range(layers), heads, 0.5, seed=0, sink_tokens=count)
+        for detector in ("norm", "consensus"):
+            recall, false = _found(model, processor, items, sinks, detector)
+            assert recall >= 0.9 and false <= 0.1, (count, detector, recall, false)
+        plain = share_plan(range(layers), heads, 0.5, seed=0, sink_tokens=count, massive=False)
+        assert _found(model, processor, items, plain, "norm")[0] == 0.0
+        assert _found(model, processor, items, plain, "consensus")[0] >= 0.9
+    scene, question = items[0]  # the norm test flags the 4 sink tokens at every layer from the first planted one on
+    with hap.plant(model, sink=[(1, 0), (3, 2)], sink_tokens=4):
+        result = hap.run(model, processor, scene.image, question.text, hap.HAPConfig(method="none"), max_new_tokens=1)
+    assert result.sink_tokens == [0] + [4] * (layers - 1)
+    config = hap.HAPConfig(method="none", sink_detector="consensus")
     dispersed = share_plan(range(layers), heads, 0.25, seed=1, kind="dispersed")
     found = [classifier_report(dispersed, c)["dispersed"]
              for c in _classes(model, processor, items, dispersed, config)]

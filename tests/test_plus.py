@@ -51,20 +51,32 @@ def test_question_rows_leave_out_the_template_tail_per_sample():
 
 
 def test_consensus_sinks():
-    dist = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])  # [heads, visual]
-    assert consensus_sinks(dist, 0.5, 0.5).tolist() == [True, False, False]  # token 0 holds >= 0.5 in 2 of 4
-    assert consensus_sinks(dist, 0.5, 0.25).tolist() == [True, False, True]
-    assert consensus_sinks(dist[None].repeat(2, 1, 1), 0.5, 0.5).shape == (2, 3)  # batched
+    dist = torch.zeros(4, 16)  # [heads, visual]: 16 tokens
+    dist[0, :3] = torch.tensor([0.7, 0.2, 0.1])
+    dist[1, :3] = torch.tensor([0.6, 0.3, 0.1])
+    dist[2, :3] = torch.tensor([0.1, 0.1, 0.8])
+    dist[3, :3] = torch.tensor([0.3, 0.3, 0.4])  # three top tokens (each >= 0.7 x 0.4) of 16: not parked on a few
+    assert consensus_sinks(dist, 0.5, 0.5).tolist()[:4] == [True, False, False, False]  # token 0 parks 2 of 4 heads
+    assert consensus_sinks(dist, 0.5, 0.25).tolist()[:4] == [True, False, True, False]
+    assert consensus_sinks(dist[None].repeat(2, 1, 1), 0.5, 0.5).shape == (2, 16)  # batched
+    split = torch.full((4, 32), 0.1 / 30)  # a sink split evenly over tokens 5 and 9 in two heads: found as a set
+    split[:2, [5, 9]] = 0.45
+    split[2:] = torch.softmax(torch.arange(32.0) / 2, -1)  # the other two: focused on token 31 (0.39), 30 next (0.24)
+    assert consensus_sinks(split, 0.5, 0.5).nonzero()[:, 0].tolist() == [5, 9]
+    assert not consensus_sinks(split, 0.5, 0.5, tokens=1).any()  # one token at most: the split sink is not seen
+    few = torch.full((4, 8), 0.1 / 6)  # 2 of 8 tokens present hold 0.9 in every head: 3.6 x their even share, not 8
+    few[:, [5, 6]] = 0.45
+    assert not consensus_sinks(few, 0.5, 0.25).any()
 
 
 def test_sink_detectors_combine():
-    hidden = torch.ones(1, 3, 4)
+    hidden = torch.ones(1, 16, 4)
     hidden[0, 1] *= 100.0  # token 1: a massive activation
-    attn = torch.zeros(1, 2, 1, 3)
+    attn = torch.full((1, 2, 1, 16), 0.1 / 15)
     attn[0, :, 0, 2] = 0.9  # every head on token 2
-    attn[0, :, 0, :2] = 0.05
     valid = torch.ones(1, 1, dtype=torch.bool)
-    found = {d: detect_sinks(d, hidden, attn, valid, 10.0, 0.5, 0.25)[0].tolist() for d in ("norm", "consensus", "both")}
+    found = {d: detect_sinks(d, hidden, attn, valid, 10.0, 0.5, 0.25)[0, :3].tolist()
+             for d in ("norm", "consensus", "both")}
     assert found == {"norm": [False, True, False], "consensus": [False, False, True], "both": [False, True, True]}
 
 

@@ -39,7 +39,8 @@ def data(**changes) -> V.ViewData:
 
 
 def heatmaps(fig) -> list:
-    return [t for t in fig.data if t.type == "heatmap"]
+    """The heatmaps that carry values (not the layer dimming absent tokens, which has no hover)."""
+    return [t for t in fig.data if t.type == "heatmap" and t.hoverinfo != "skip"]
 
 
 def test_one_list_of_views_with_unique_names_and_titles():
@@ -75,7 +76,7 @@ def test_head_maps_show_one_panel_per_head_of_the_chosen_layer():
     d = data()
     fig = V.VIEW["head_maps"].figure(d)
     maps = heatmaps(fig)
-    assert len(maps) == H and sum(t.type == "image" for t in fig.data) == H
+    assert len(maps) == H and len(fig.layout.images) == H  # each head over the image
     for h, trace in enumerate(maps):
         raw = d.head_maps[2, h].reshape(GRID)
         np.testing.assert_allclose(np.asarray(trace.z, dtype=float), raw / np.nanmax(raw))  # relative to the highest
@@ -239,7 +240,7 @@ def test_the_answering_patches_are_outlined_on_every_map():
     d = data(truth=TRUTH)
     for view in V.VIEWS:
         fig = view.figure(d)
-        panels = [t for t in fig.data if t.type == "image"]
+        panels = fig.layout.images
         if panels:  # a map view: one outline per panel, none without ground truth
             assert len(outlines(fig)) == len(panels), view.name
             assert not outlines(view.figure(data())), view.name

@@ -365,8 +365,8 @@ def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
     assert len(report["causal"]["token_importance"]) == where.num_visual
     assert report["head_utility"]["values"]
     import json
-    masks = json.loads(out["kept_masks"]["plot"])["data"]
-    assert sum(t["type"] == "image" for t in masks) == len(where.views) * len(report["groups"])  # per view and group
+    masks = json.loads(out["kept_masks"]["plot"])["layout"]["images"]
+    assert len(masks) == len(where.views) * len(report["groups"])  # per view and group
     figure, data = client.predict(image=handle_file(str(photo)), prompt=QUESTION, model_name=names[family],
                                   **{k: v for k, v in knobs.items() if k != "retain"}, api_name="/sweep")
     assert data["methods"]["hap"]["answers"] and "visionzip" not in data["methods"]  # refused for the class

@@ -11,6 +11,12 @@ applies the same `plant_attention` through `hap.planting.PLANTED`, so the pruner
 SDPA or eager alike. Which keys are visual or sink tokens is known by their unpruned positions: those of the
 running `hap.patch` prefill's kept tokens (`PruneState.key_origins`), else the keys in order.
 
+A massive plan (`Plan.massive`, the default) also adds the sink tokens' massive activation
+(`hap.planting.massive_activation`) to the hidden states entering the first layer holding a planted sink head, in
+the prefill with the image, before any other hook of that layer (so a `hap.patch` cut entering it, its capture and
+the norm sink test see it); the residual stream carries it on, and the KV cache holds what it did to the keys and
+values of every later layer.
+
 Every hook is removable and is removed when the block ends, error or not; the model is then the stock one.
 """
 
@@ -23,9 +29,10 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ..capture import prompt_attention
-from ..planting import PLANTED, Plan, classifier_report, plant_attention, planted_values, redundant_tokens
+from ..planting import (DEFAULT_SINK_COUNT, PLANTED, Plan, classifier_report, massive_activation, plant_attention,
+                        planted_values, redundant_tokens)
 from . import adapter_for
-from .decoder import _cached_keys, _heads, _take, decoder_of
+from .decoder import _cached_keys, _heads, _take, decoder_of, layer_windows
 
 PLANTS: WeakKeyDictionary = WeakKeyDictionary()  # model -> its `Planting` while a plan is planted
 
@@ -46,6 +53,7 @@ class Planting:
         self.sink_index: torch.Tensor | None = None  # long [batch, k] the sink tokens (visual indices) of the prefill
         self.step_mask: torch.Tensor | None = None  # the forward's 2-D attention mask (None: no padding)
         self.fresh = False  # a prompt with the image is entering the decoder
+        self.prefill = False  # the decoder's forward now running is that prompt's
         self.inputs: dict[int, tuple] = {}  # layer -> (its attention's input, (cos, sin), cache) of this forward
         self.handles: list = []
 
@@ -53,6 +61,9 @@ class Planting:
         lm = decoder_of(self.model)
         self.handles.append(self.model.model.register_forward_pre_hook(self.model_pre_hook, with_kwargs=True))
         self.handles.append(lm.register_forward_pre_hook(self.decoder_pre_hook, with_kwargs=True))
+        if self.plan.massive_layer is not None:
+            self.handles.append(lm.layers[self.plan.massive_layer].register_forward_pre_hook(
+                self.massive_input, with_kwargs=True, prepend=True))
         for index in self.plan.layers:
             layer = lm.layers[index]
             self.handles.append(layer.self_attn.register_forward_pre_hook(partial(self.attention_input, index),
@@ -90,17 +101,36 @@ class Planting:
                 self.visual_pos = None
 
     def decoder_pre_hook(self, module, args, kwargs) -> None:
-        """The prefill's sink tokens: the plan's, or the most redundant visual token of each image."""
-        if not self.fresh:
+        """The prefill's sink tokens: the plan's, or the most redundant visual tokens of each image (one, or the
+        plan's count)."""
+        self.prefill, self.fresh = self.fresh, False
+        if not self.prefill:
             return
-        self.fresh = False
-        if self.plan.sink_tokens is None:
+        if self.plan.sink_tokens is None or isinstance(self.plan.sink_tokens, int):
             embeds = kwargs["inputs_embeds"]
-            self.sink_index = redundant_tokens(_take(embeds, self.visual_pos.to(embeds.device)))
+            self.sink_index = redundant_tokens(_take(embeds, self.visual_pos.to(embeds.device)),
+                                               self.plan.sink_tokens or DEFAULT_SINK_COUNT)
         else:
             tokens = torch.tensor(self.plan.sink_tokens, device=self.visual_pos.device)
             self.sink_index = tokens.expand(self.visual_pos.shape[0], -1)
         self.sink_index = self.sink_index.to(self.visual_pos.device)
+
+    def massive_input(self, module, args, kwargs) -> tuple | None:
+        """Before the first layer holding a planted sink head, in the prefill with the image: the sink tokens' rows
+        of its input gain the massive activation (rows placed by their unpruned positions, as the keys are)."""
+        if not self.prefill or self.visual_pos is None:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        B, T, _ = hidden.shape
+        origins = self.origins(self.plan.massive_layer, B, T).to(hidden.device)
+        visual_pos = _fit(self.visual_pos, B).to(hidden.device)
+        visual = (origins[..., None] == visual_pos[:, None, :]).any(-1)  # [B, T]
+        sinks = visual_pos.gather(1, _fit(self.sink_index, B).to(hidden.device))
+        sink = (origins[..., None] == sinks[:, None, :]).any(-1)
+        hidden = massive_activation(hidden, visual, sink)
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
 
     def attention_input(self, index: int, module, args, kwargs) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -188,17 +218,20 @@ def module_attention(model, index: int) -> torch.nn.Module:
 
 
 @contextmanager
-def plant(model, sink=(), dispersed=(), sink_tokens=None, strength: float = 0.9):
-    """`with hap.plant(model, sink=[(l, h), ...], dispersed=[...], sink_tokens=None, strength=0.9) as lab:` every
-    forward of `model` in the block (`hap.run`, `generate`, the causal and utility paths) runs the planted heads
-    (docs/method.md §14, `hap.planting`); after it the model is the stock one, error or not. `sink`, `dispersed`:
-    iterables of (layer, query head); `sink_tokens`: visual-token indices, None for the most redundant visual token
-    of each image (a background patch); `strength` in [0, 1]. A bad plan raises ValueError naming the field and the
-    allowed range. `lab.report()` gives the plan and the sink tokens its last prefill used."""
-    plan = Plan.of(sink, dispersed, sink_tokens, strength)
+def plant(model, sink=(), dispersed=(), sink_tokens=None, strength: float = 0.9, massive: bool = True):
+    """`with hap.plant(model, sink=[(l, h), ...], dispersed=[...], sink_tokens=None, strength=0.9, massive=True) as
+    lab:` every forward of `model` in the block (`hap.run`, `generate`, the causal and utility paths) runs the
+    planted heads (docs/method.md §14, `hap.planting`); after it the model is the stock one, error or not. `sink`,
+    `dispersed`: iterables of (layer, query head); `sink_tokens`: visual-token indices, or a count k for the k most
+    redundant visual tokens of each image (background patches), None for the most redundant one; `strength` in
+    [0, 1]; `massive`: the sink tokens also carry a massive activation in the residual stream from the input of the
+    first planted sink layer on, as real sink tokens do (False: attention and values only). A bad plan raises
+    ValueError naming the field and the allowed range. `lab.report()` gives the plan and the sink tokens its last
+    prefill used."""
+    plan = Plan.of(sink, dispersed, sink_tokens, strength, massive)
     adapter_for(model)
     text = model.config.text_config
-    plan.check_model(text.num_hidden_layers, text.num_attention_heads)
+    plan.check_model(text.num_hidden_layers, text.num_attention_heads, layer_windows(text), type(model).__name__)
     if model in PLANTS:
         raise ValueError("a plan is already planted on this model: one hap.plant block at a time")
     lab = Planting(model, plan)

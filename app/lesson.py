@@ -1,0 +1,232 @@
+"""The guided lesson above the head lab: four steps, one click each, on a scene asked its own question (its ground
+truth: the answering patches), at a budget where a few sink tokens compete with the object for the kept slots. Each
+step is one `/analyze` run with the step's plan (`STEPS`, a small table) and the paper's HAP settings, and says what
+that run did with its own numbers (`Numbers`, read from the run; the texts hold no fixed number):
+
+1. the model's own heads;
+2. sinks planted in half the heads of the layers scoring the first cut, parked on the most redundant patches, which
+   carry a massive activation: what uniform head averaging keeps;
+3. the same plan: what the classifier (the paper's norm test) finds, how PAQ weighting treats the sink heads, what
+   HAP keeps;
+4. dispersed heads planted instead.
+
+The scene was chosen on validation scenes (held-out seeds 400000-400029, their colour and shape questions;
+`python -m app.lesson` reruns the choice): on the first shipped scene uniform averaging and HAP both lose the object
+under the plan. `validate` prints, per scene, the answers and the answering patches each keeps at the first cut;
+the lesson's scene is the one where uniform averaging's answer changed under the plan and HAP's did not, shipped as
+assets/examples/lesson_400009.png (`analysis.scenes.save_scene`, its question in the metadata; not among the page's
+examples).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from hap import views
+from hap.knobs import KNOBS
+from hap.planting import Plan, share_plan
+
+from .settings import EXAMPLES
+
+SCENE = "lesson_400009.png"  # validation scene 400009 and its question (module docstring)
+VALIDATION = range(400_000, 400_030)  # the held-out seeds the scene and plan were checked on
+KINDS = ("color", "shape")  # their questions: one object answers each
+RETAIN = 0.056  # visual tokens kept, layer average: few slots, so sink tokens and the object compete for them
+SINK_TOKENS = 4  # sink tokens per image: the most redundant background patches (`hap.planting.redundant_tokens`)
+SINK_DETECTOR = "norm"  # the paper's: a massive planted sink token has the norm it looks for
+SINKS = share_plan((0, 1), 8, 0.5, seed=0, sink_tokens=SINK_TOKENS)  # half the heads of the layers scoring cut 1
+DISPERSED = share_plan((0, 1), 8, 0.5, seed=0, kind="dispersed")
+ANSWERS = {"unpruned": "unpruned", "uniform": "uniform averaging", "pruned": "HAP (the paper's)"}
+INTRO = ("## Guided lesson: what sink heads do to pruning\n"
+         "Four steps on one scene asked its own question (its answering patches outlined on every map; chosen on "
+         "validation scenes, docs/app.md), at "
+         f"a budget of {RETAIN:.1%} of the visual tokens, with the paper's HAP settings. Each button runs one step "
+         "on the shipped model; the text under it is written from that run's numbers.")
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """What one step's run did, read from its outputs (`of`)."""
+
+    question: str
+    truth: str  # the scene's answer
+    strength: float  # the plan's (0 without one)
+    layers: list[int]  # the layers holding planted heads
+    answers: dict[str, str]  # ANSWERS' labels -> answer
+    classes: dict[str, int]  # head class -> heads
+    classifier: dict | None  # the plan's `classifier_report` (None: nothing planted)
+    kept: int  # tokens kept at the first cut
+    visual: int
+    first_cut: int  # its first layer
+    sink_tokens: list[int]  # the planted sink tokens ([] without sinks)
+    answering: int  # answering patches
+    uniform_sinks: int  # sink tokens among the uniform average's top `kept` at the first cut
+    uniform_answering: int  # answering patches among them
+    paq_sinks: int  # sink tokens among HAP's kept tokens at the first cut (the PAQ-weighted map's top `kept`)
+    paq_answering: int
+    uniform_share: float  # share of the uniform-average map on the sink tokens
+    paq_share: float  # share of the PAQ-weighted map on them
+
+    @classmethod
+    def of(cls, outputs: dict) -> Numbers:
+        """The numbers of an `/analyze` run (`Handler.analyze`'s outputs by name) on a scene with its ground truth."""
+        from .lab import map_share
+
+        data: views.ViewData = outputs["state"]
+        summary = outputs["summary"]
+        plant = summary.get("plant")
+        group = data.groups[0]
+        uniform = views.top_k(data.group_uniform[0], len(group.kept))
+        paq = set(group.kept)
+        sinks = set((plant or {}).get("sink_tokens_used") or []) if plant and plant["sink"] else set()
+        answering = set(np.flatnonzero(data.truth.patches).tolist()) if data.truth is not None else set()
+        return cls(data.truth.question if data.truth else "", scene()["answer"], (plant or {}).get("strength", 0.0),
+                   sorted({layer for layer, _ in (plant or {}).get("sink", []) + (plant or {}).get("dispersed", [])}),
+                   {label: summary["runs"][key]["answer"] for key, label in ANSWERS.items()},
+                   views.class_counts(data.head_class), plant and plant["classifier"], len(group.kept), data.shape[2],
+                   group.layers[0], sorted(sinks), len(answering), len(uniform & sinks), len(uniform & answering),
+                   len(paq & sinks), len(paq & answering), map_share(data.group_uniform[0], sorted(sinks)),
+                   map_share(data.group_maps[0], sorted(sinks)))
+
+    def answers_line(self) -> str:
+        """The answers, each cut at its end (`analysis.sweep.short_answer`), and the scene's."""
+        from analysis.sweep import short_answer
+
+        return "; ".join(f"{label}: **{short_answer(answer) or '(empty)'}**" for label, answer in self.answers.items()
+                         ) + f" (the scene's answer: **{self.truth}**)"
+
+    def first_cut_objects(self) -> str:
+        """What the first cut keeps of the answering patches, uniform averaging's top k against HAP's."""
+        return (f"uniform averaging's top {self.kept} hold {self.uniform_answering} and HAP's {self.paq_answering} of "
+                f"the {self.answering} answering patches")
+
+    def layer_list(self) -> str:
+        return ", ".join(map(str, self.layers))
+
+    def keeps(self, sinks: int, answering: int) -> str:
+        return (f"{sinks} of the {len(self.sink_tokens)} sink tokens and {answering} of the {self.answering} "
+                "answering patches")
+
+
+def own_text(n: Numbers) -> str:
+    return (f"**Step 1 · the model's own heads.** Nothing planted: the model's own heads classed "
+            f"{', '.join(f'{c} {k}' for k, c in n.classes.items())}. At the first cut (layer {n.first_cut}) "
+            f"{n.kept} of {n.visual} tokens are kept; {n.first_cut_objects()}.")
+
+
+def uniform_text(n: Numbers) -> str:
+    return (f"**Step 2 · sinks planted, uniform averaging.** {n.classifier['sink']['planted']} sink heads are planted "
+            f"(layers {n.layer_list()}; PLANTED on every view): they park {n.strength:.0%} of their "
+            f"attention on the sink tokens {n.sink_tokens}, which carry a massive activation as real sink tokens do. "
+            f"Uniform averaging counts that parked attention as importance: the sink tokens hold {n.uniform_share:.0%} "
+            f"of its map at the first cut, and its top {n.kept} tokens there take "
+            f"{n.keeps(n.uniform_sinks, n.uniform_answering)}.")
+
+
+def paq_text(n: Numbers) -> str:
+    sink = n.classifier["sink"]
+    precision = "-" if sink["precision"] is None else f"{sink['precision']:.0%}"
+    more = n.paq_answering - n.uniform_answering
+    verdict = (f"HAP keeps {more} more answering patch{'es' * (more > 1)} than uniform averaging." if more > 0 else
+               "On this run HAP keeps no more of the answering patches than uniform averaging." if more == 0 else
+               f"On this run HAP keeps {-more} fewer answering patch{'es' * (more < -1)} than uniform averaging.")
+    return (f"**Step 3 · the classifier and PAQ.** The same plan. The paper's norm test "
+            f"(sink_detector={SINK_DETECTOR}) classed {len(sink['found'])} of the {sink['planted']} planted sink heads "
+            f"sink (precision {precision}); PAQ = (1 - sink share) x (1 - dispersion) weights them down: the sink "
+            f"tokens hold {n.paq_share:.0%} of the PAQ-weighted map (uniform: {n.uniform_share:.0%}). The massive "
+            f"activation also draws the other heads' attention, so the sink tokens can still rank high. At the first "
+            f"cut HAP keeps "
+            f"{n.keeps(n.paq_sinks, n.paq_answering)}; uniform averaging "
+            f"{n.keeps(n.uniform_sinks, n.uniform_answering)}. {verdict}")
+
+
+def dispersed_text(n: Numbers) -> str:
+    spread = n.classifier["dispersed"]
+    return (f"**Step 4 · dispersed heads.** Instead of sinks, {spread['planted']} heads (layers {n.layer_list()}) "
+            f"spread {n.strength:.0%} of their visual attention evenly over the image. The classifier classed "
+            f"{len(spread['found'])} of them dispersed; a flat map tells no patch from another, and PAQ weights such a "
+            f"head down. At the first cut {n.first_cut_objects()}.")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the lesson: its button, its plan, the views it shows (of `app.lab.LAB_VIEWS`) and its text."""
+
+    button: str
+    plan: Plan
+    views: tuple[str, ...]
+    text: Callable[[Numbers], str]
+
+    def say(self, numbers: Numbers) -> str:
+        """The step's text on a run, then the run's answers."""
+        return f"{self.text(numbers)}\n\n- Answers: {numbers.answers_line()}."
+
+
+STEPS = (
+    Step("1 · The model's own heads", Plan(), ("head_classes", "uniform_vs_paq"), own_text),
+    Step("2 · Plant sinks: uniform averaging", SINKS, ("uniform_vs_paq", "kept_masks"), uniform_text),
+    Step("3 · The classifier, PAQ and HAP", SINKS, ("head_classes", "uniform_vs_paq", "kept_masks"), paq_text),
+    Step("4 · Dispersed heads", DISPERSED, ("head_classes", "uniform_vs_paq"), dispersed_text),
+)
+
+
+def scene() -> dict:
+    """The lesson's scene: its question as its metadata holds it (text, answer, kind, answering patches)."""
+    from analysis.ground_truth import file_metadata
+
+    return file_metadata(EXAMPLES / SCENE)["question"]
+
+
+def request(model_name: str, step: Step) -> dict:
+    """The `Handler.analyze` arguments of a step: the scene, its question, the model, the paper's HAP settings at
+    RETAIN with SINK_DETECTOR, the step's plan, no causal section."""
+    from .settings import knob_defaults
+
+    knobs = {**knob_defaults(model_name), **{k.name: k.paper for k in KNOBS if k.paper is not None},
+             "retain": RETAIN, "flops_ratio": None, "sink_detector": SINK_DETECTOR}
+    image = {"path": str(EXAMPLES / SCENE), "orig_name": SCENE, "meta": {"_type": "gradio.FileData"}}
+    return dict(image=image, prompt=scene()["text"], model_name=model_name, causal="off",
+                plant=json.dumps(step.plan.to_json()) if not step.plan.empty else "", **knobs)
+
+
+def validate(seeds: range = VALIDATION, model_name: str = "assets/tiny-llava") -> list[dict]:
+    """The lesson's plan on held-out scenes (`seeds`, one colour or shape question each): per scene the stock and
+    planted answers of unpruned, uniform averaging and the paper's HAP at RETAIN, and the answering patches each
+    keeps at the first cut (uniform: its map's top k). Prints a line per scene and the totals."""
+    import hap
+    from analysis.scenes import heldout_items
+
+    from .settings import resolve
+
+    model, processor = hap.load_model(resolve(model_name))
+    paper = hap.HAPConfig.paper(retain=RETAIN, sink_detector=SINK_DETECTOR)
+    configs = {"unpruned": hap.HAPConfig(method="none"), "uniform": replace(paper, method="uniform")}
+    rows = []
+    for scene_, question in heldout_items(seeds, 1, KINDS):
+        def answer(config):
+            words = hap.run(model, processor, scene_.image, question.text, config, max_new_tokens=3).answer.split()
+            return (words or [""])[0].lower()
+
+        row = {"seed": scene_.seed, "question": question.text, "answer": question.answer,
+               "stock": {label: answer(c) for label, c in {**configs, "hap": paper}.items()}}
+        with hap.plant(model, SINKS.sink, (), SINKS.sink_tokens, SINKS.strength, SINKS.massive):
+            row["planted"] = {label: answer(c) for label, c in configs.items()}
+            traced = hap.run(model, processor, scene_.image, question.text, paper, max_new_tokens=3, trace=True)
+        row["planted"]["hap"] = (traced.answer.split() or [""])[0].lower()
+        group, answering = traced.groups[0], set(np.flatnonzero(question.target_mask).tolist())
+        uniform = views.top_k(np.asarray(traced.maps.group_uniform[0], float), len(group.kept))
+        row["answering"] = {"patches": len(answering), "uniform": len(uniform & answering),
+                            "hap": len(set(group.kept) & answering)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    right = {label: sum(r["planted"][label] == r["answer"] for r in rows) for label in ("unpruned", "uniform", "hap")}
+    print(f"{len(rows)} questions; right with the plan: {right}")
+    return rows
+
+
+if __name__ == "__main__":
+    validate()

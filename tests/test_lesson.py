@@ -1,0 +1,73 @@
+"""The guided lesson (`app.lesson`): its table of steps, texts written from a run's numbers, and every step run on the
+shipped model with its text checked against that run (about 6 s a step on a CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from app_model import default_model
+
+from analysis.sweep import short_answer
+from app import lesson
+from app.lab import map_share
+from hap import views
+
+FAKE = lesson.Numbers(
+    question="what color is the square ?", truth="yellow", strength=0.75, layers=[2, 3],
+    answers={"unpruned": "yellow", "uniform averaging": "red", "HAP (the paper's)": "yellow"},
+    classes={"sink": 7, "dispersed": 2, "optimal": 39},
+    classifier={"sink": {"planted": 8, "found": [[0, 1]] * 7, "precision": 0.875},
+                "dispersed": {"planted": 8, "found": [[0, 2]] * 5}},
+    kept=13, visual=144, first_cut=0, sink_tokens=[9, 16, 66, 103], answering=4, uniform_sinks=3,
+    uniform_answering=1, paq_sinks=0, paq_answering=4, uniform_share=0.49, paq_share=0.13)
+
+
+def test_the_steps_are_a_small_table_and_each_text_says_its_numbers():
+    assert [s.plan.empty for s in lesson.STEPS] == [True, False, False, False]
+    assert lesson.STEPS[1].plan == lesson.STEPS[2].plan == lesson.SINKS and lesson.STEPS[3].plan == lesson.DISPERSED
+    assert lesson.SINKS.sink_tokens == lesson.SINK_TOKENS and lesson.SINKS.massive
+    texts = [step.say(FAKE) for step in lesson.STEPS]
+    assert all("unpruned: **yellow**; uniform averaging: **red**" in t for t in texts)
+    assert "0 sink, 2 dispersed" not in texts[0] and "7 sink, 2 dispersed, 39 optimal" in texts[0]
+    assert "13 of 144 tokens" in texts[0] and "hold 1 and HAP's 4 of the 4 answering patches" in texts[0]
+    assert "49% of its map" in texts[1] and "3 of the 4 sink tokens and 1 of the 4 answering patches" in texts[1]
+    assert "(layers 2, 3; PLANTED on every view): they park 75% of their attention" in texts[1]
+    assert "classed 7 of the 8 planted sink heads sink (precision 88%)" in texts[2]
+    assert "13% of the PAQ-weighted map (uniform: 49%)" in texts[2]
+    assert "HAP keeps 3 more answering patches than uniform averaging" in texts[2]
+    assert "classed 5 of them dispersed" in texts[3] and "heads (layers 2, 3) spread 75%" in texts[3]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from app.handler import Handler
+    from app.settings import Settings
+
+    name = default_model(tmp_path_factory.mktemp("tiny-llava"))
+    return Handler(Settings(models=[name])), name
+
+
+@pytest.mark.parametrize("index", range(len(lesson.STEPS)))
+def test_each_step_runs_on_the_shipped_model_and_its_text_is_that_runs(server, index):
+    handler, name = server
+    step = lesson.STEPS[index]
+    out = handler.analyze(**lesson.request(name, step))
+    numbers = lesson.Numbers.of(out)
+    data, summary = out["state"], out["summary"]
+    group = data.groups[0]
+    assert data.truth is not None and numbers.truth == lesson.scene()["answer"]  # the scene's ground truth
+    assert numbers.kept == len(group.kept) and numbers.answering == int(data.truth.patches.sum())
+    answering = set(np.flatnonzero(data.truth.patches).tolist())
+    assert numbers.paq_answering == len(set(group.kept) & answering)
+    assert numbers.uniform_answering == len(views.top_k(data.group_uniform[0], len(group.kept)) & answering)
+    assert summary["runs"]["pruned"]["method"] == "hap" and summary["config"]["sink_detector"] == "norm"
+    if step.plan.sink:
+        assert numbers.sink_tokens == sorted(summary["plant"]["sink_tokens_used"])
+        assert len(numbers.sink_tokens) == lesson.SINK_TOKENS
+        assert numbers.uniform_share == map_share(data.group_uniform[0], numbers.sink_tokens)
+    text = handler.lesson_step(index, name)["lesson_text"]
+    assert text == step.say(numbers)
+    if not step.plan.empty:
+        assert numbers.strength == step.plan.strength and numbers.layers == step.plan.layers
+    for label, answer in numbers.answers.items():
+        assert f"{label}: **{short_answer(answer) or '(empty)'}**" in text
