@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     if args.figures:
-        crop = bool(getattr(processor.image_processor, "do_center_crop", False))
-        paths = export_png(result, args.figures, image=args.image, center_crop=crop)
+        paths = export_png(result, args.figures, image=args.image)
         print(f"wrote {len(paths)} figures to {args.figures}")
     return 0
 
