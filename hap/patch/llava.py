@@ -44,8 +44,8 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
     vision = model.config.vision_config
     square = rows == cols == vision.image_size // vision.patch_size
     box = WHOLE if processor is None or image_size is None else input_box(processor.image_processor, image_size)
-    return Layout.grid(rows, cols, image_size, box,
-                       seen=seen_share(vision.image_size, vision.patch_size) if square else 1.0)
+    return Layout.grid(rows, cols, image_size, box, "image" if box == WHOLE else "centre crop",
+                       seen_share(vision.image_size, vision.patch_size) if square else 1.0)
 
 
 def input_box(image_processor, image_size: tuple[int, int]) -> Box:
