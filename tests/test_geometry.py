@@ -8,7 +8,8 @@ layout under test: the mark's colour in the processor's own `pixel_values`, then
 the family's token order (for LLaVA-NeXT / OneVision the model's own `pack_image_features` run on a one-hot feature).
 That token's box, in the layout a `Result` carries (`to_dict` / `from_dict`) and on the panel the views draw, must
 hold the mark within half a token cell; a mark a tile's patches never see (the last 6 px of a 384-px SigLIP tile)
-lies in no cell of that view. Real-size images make processors slow: the largest grids run as `slow`.
+lies in no cell of that view, and a mark in no tile at all (cut away by LLaVA-1.5's centre crop) in no cell of any
+view. Real-size images make processors slow: the largest grids run as `slow`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, 
 from transformers.image_processing_utils import get_patch_output_size, select_best_resolution
 from transformers.image_utils import ChannelDimension, PILImageResampling
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 import hap
 from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_qwen_processor, build_tokenizer
-from hap.layout import Layout, seen_share
+from hap.layout import WHOLE, Layout, seen_share
 from hap.patch import layout
+from hap.patch.llava import input_box
 from hap.patch.llava_next import tiling
 from hap.run import chat_prompt
 from hap.views import VIEW_PIXELS, ViewData, model_view, single_view, view_image
@@ -495,3 +498,18 @@ def test_spans_survive_json_and_leave_each_tiles_unseen_end_out():
     for where in (one, tiled):
         back = Layout.from_dict(where.to_dict())
         assert back == where and np.array_equal(back.boxes(), where.boxes())
+
+
+def test_the_llava_input_box_is_the_processors_crop_and_refuses_what_it_does_not_know():
+    """`input_box`: CLIP's shortest edge to 336 then the centre 336 x 336 (1000 x 600 -> 560 x 336, columns 112..448
+    kept; 600 x 1400 -> 336 x 784, rows 224..560), SigLIP's squash to 384 x 384 keeps everything; a pad to a square
+    first or a size it does not know is refused by name."""
+    clip = built("llava-clip")[1].image_processor
+    assert input_box(clip, (1000, 600)) == pytest.approx((112 / 560, 0, 448 / 560, 1))
+    assert input_box(clip, (600, 1400)) == pytest.approx((0, 224 / 784, 1, 560 / 784))
+    assert input_box(clip, (2000, 2000)) == WHOLE
+    assert input_box(built("llava-siglip")[1].image_processor, (1000, 600)) == WHOLE
+    with pytest.raises(ValueError, match="do_pad=True"):
+        input_box(LlavaImageProcessorPil(do_pad=True), (1000, 600))
+    with pytest.raises(ValueError, match="shortest_edge alone, or height and width"):
+        input_box(CLIPImageProcessorPil(size={"shortest_edge": 336, "longest_edge": 672}), (1000, 600))
