@@ -177,7 +177,8 @@ class ViewData:
         tiled = layout is not None and not single_view(layout)
         view_images = tuple(view_image(image, v.box, v.grid, spans=v.spans()) for v in layout.views) if tiled else ()
         data = cls(
-            image=view_images[0] if len(view_images) == 1 else model_view(image), grid=tuple(result.visual_grid), head_class=result.head_class,
+            image=view_images[0] if len(view_images) == 1 else model_view(image), grid=tuple(result.visual_grid),
+            head_class=result.head_class,
             stats=stats, head_maps=_array(result.maps.head), head_attention=_array(result.maps.head_attention),
             layer_maps=_array(result.maps.layer),
             group_maps=_array(result.maps.group), group_uniform=_array(result.maps.group_uniform),

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
-from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
-                          LlavaProcessor, Qwen2Config, SiglipVisionConfig)
+from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                          LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config, SiglipVisionConfig)
 from transformers.image_processing_utils import get_patch_output_size, select_best_resolution
 from transformers.image_utils import ChannelDimension, PILImageResampling
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
