@@ -10,8 +10,8 @@ processing: 729 visual tokens), and saves it to a folder. Then, in one run on on
    before the requests and again after them (the mean of the two: the machine's speed drifts);
 2. for each mode, `before` (HAP_APP_SHARE=0: every run from the pixels, each answer decoded alone, as before the
    sharing) and `after` (HAP_APP_SHARE=1, the default): `python -m app` serving that folder, a warm-up `/analyze` on
-   another scene (the load), then `/analyze` with causal off and with causal auto (each the median of `--repeats`,
-   each from a new client) and `/sweep`, each timed from the client (`gradio_client`, the real handler and queue).
+   another scene (the load), then `/analyze` with causal off, with causal auto and with causal off and the opt-in
+   comparison of every method (`keeps`; each the median of `--repeats`, each from a new client) and `/sweep`, each timed from the client (`gradio_client`, the real handler and queue).
 Each time is printed as a ratio to the prefill. Random weights answer nonsense and never emit the end of the
 sequence, so every answer of the page runs to its 32-token limit: upper bounds for a real checkpoint, which stops at
 its end-of-sequence token (the table says what the decode steps cost). The tokenizer's vocabulary is filled to the
@@ -128,18 +128,19 @@ def connect(port: int, proc: subprocess.Popen, seconds: float = 300) -> Client:
 
 
 def requests(connect_client, folder: Path, repeats: int) -> dict[str, float]:
-    """Seconds of the load (a warm-up /analyze on another scene), /analyze with causal off and auto (each the median
-    of `repeats`, each from a new client: a new session, so no image features kept from before), /sweep (once: a
-    repeat would read the app's sweep cache)."""
-    def analyze(client: Client, image: Path, causal: str | None) -> float:
+    """Seconds of the load (a warm-up /analyze on another scene), /analyze with causal off and auto and with causal
+    off and the opt-in comparison of every method (`keeps`; each the median of `repeats`, each from a new client: a
+    new session, so no image features kept from before), /sweep (once: a repeat would read the app's sweep cache)."""
+    def analyze(client: Client, image: Path, causal: str | None, keeps: bool = False) -> float:
         t0 = time.perf_counter()
         client.predict(image=handle_file(str(image)), prompt=PROMPT, model_name=str(folder), causal=causal,
-                       api_name="/analyze")
+                       keeps=keeps, api_name="/analyze")
         return time.perf_counter() - t0
 
     out = {"load": analyze(connect_client(), WARMUP, "off")}
-    for key, causal in (("analyze_off", "off"), ("analyze_auto", None)):
-        out[key] = statistics.median(analyze(connect_client(), SCENE, causal) for _ in range(repeats))
+    for key, causal, keeps in (("analyze_off", "off", False), ("analyze_auto", None, False),
+                               ("analyze_keeps", "off", True)):
+        out[key] = statistics.median(analyze(connect_client(), SCENE, causal, keeps) for _ in range(repeats))
     client = connect_client()
     t0 = time.perf_counter()
     client.predict(image=handle_file(str(SCENE)), prompt=PROMPT, model_name=str(folder), api_name="/sweep")
@@ -173,8 +174,8 @@ def markdown(report: dict) -> str:
              "| request | " + " | ".join(f"{m} s (plain \\| generation prefills)" for m in report["modes"])
              + " | target |",
              "|---|" + "---|" * len(report["modes"]) + "---|"]
-    targets = {"analyze_off": "1.8", "analyze_auto": "4", "sweep": "9", "load": ""}
-    for key in ("analyze_off", "analyze_auto", "sweep", "load"):
+    targets = {"analyze_off": "1.8", "analyze_auto": "4", "analyze_keeps": "", "sweep": "9", "load": ""}
+    for key in targets:
         cells = [f"{t[key]:.1f} ({t[key] / p:.2f} \\| {t[key] / g:.2f})" for t in report["modes"].values()]
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {targets[key]} |")
     return "\n".join(lines) + "\n"

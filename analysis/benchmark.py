@@ -16,6 +16,17 @@ Every knob of `hap.knobs` but the method and the budget is a flag, shared by eve
 through `hap.patched(..., priority=...)`; a question with no answering patch gets plain uniform) and
 `oracle_causal` (the same with the tokens of highest causal token importance first, `hap.token_importance`: a
 ceiling that needs no scene metadata).
+`--methods all` runs every method of the registry (`hap.keeps.pruning`: the method knob's choices but none), so a
+method added to the registry joins the table by itself. The default budgets are 11.1% and 5.6% and the papers'
+64 / 128 / 192-of-576 equivalents (retain 0.111, 0.222, 0.333), each table column naming the equivalent; the held-out
+table of every method:
+
+    python -m analysis.benchmark --model assets/tiny-llava --seeds 500000:500100 --per-scene 9 \
+        --methods all hap_paper --accuracy-only --out results/frontier
+
+The per-kind tables (a row per question kind, then simple and cluttered scenes, `SCENE_KINDS`, then every question;
+a column per method; one table per budget) close benchmark.md and are written alone as by_kind.md and, one row per
+kind, method and budget, by_kind.csv; `--by-kind results/frontier/benchmark.json` prints them from a stored run.
 The validation sweep of a HAP+ setting against the paper, e.g.
 
     python -m analysis.benchmark --model assets/tiny-llava --seeds 400000:400100 --retain 0.111 0.056 \
@@ -23,6 +34,9 @@ The validation sweep of a HAP+ setting against the paper, e.g.
 
 Outputs in --out: benchmark.json (binding keys: accuracy[method][retain], relative[method][retain],
 accuracy_by_type[method][retain][kind], kept_recall[method][retain], grounding_spearman, n_questions,
+n_by_type[kind] (questions of each kind), scene_kinds (simple / cluttered -> "a-b objects"), n_by_scene[kind],
+unpruned_by_scene[kind], accuracy_by_scene[method][retain][kind] (each kind's accuracy weighted by its questions gives
+the overall one), refused[method] (why the model refuses it, `hap.patch.refusal`: never run, NaN in its rows),
 norm_ratio: per decoder layer, the median over questions of max / median L2 norm of the visual tokens'
 input hidden states, causal_spearman: mean over questions of Spearman(PAQ, exact ablation importance) over the
 scored heads, causal_token_precision: mean over questions with answering patches of the share of answering
@@ -32,7 +46,8 @@ causal_token_precision_by_type (the same per question kind, kinds with answering
 Spearman(PAQ, head utility) over the scored heads; utility_best_head, utility_uniform, utility_paq: mean over
 questions of the share of cut layers whose cut by the best single head, the plain head average, the PAQ weighting
 keeps the answer token the most likely; utility_spearman_within_layers, the Spearman among each layer's heads; each
-also `_by_type`, per question kind), benchmark.md (tables), accuracy.png, paq_grounding.png.
+also `_by_type`, per question kind), benchmark.md (tables), by_kind.md, by_kind.csv, accuracy.png,
+paq_grounding.png.
 """
 
 from __future__ import annotations
@@ -51,15 +66,18 @@ import torch
 import hap
 from hap import causal, utility
 from hap.budget import smallest_retain
+from hap.keeps import pruning, refusal
 from hap.knobs import knob
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt, template_tail
 from analysis.ground_truth import head_grounding, spearman
-from analysis.scenes import N_PATCHES, QTYPES, heldout_items
+from analysis.scenes import MAX_OBJECTS, MIN_OBJECTS, N_PATCHES, QTYPES, heldout_items
 
-RETAINS = (1.0, 0.222, 0.111, 0.056)
+RETAINS = (1.0, 0.333, 0.222, 0.111, 0.056)  # 0.333 / 0.222 / 0.111: the papers' 192 / 128 / 64 of 576 tokens
+PAPER_TOKENS = {"0.333": 192, "0.222": 128, "0.111": 64}  # retain -> the equivalent count of LLaVA-1.5's 576 tokens
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random")  # the default comparison
-CHOICES = (*(m for m in hap.METHODS if m != "none"), "hap_paper", "oracle", "oracle_causal")
+CHOICES = (*pruning(), "hap_paper", "oracle", "oracle_causal", "all")  # all: every method of the registry (`pruning`)
+SCENE_KINDS = {"simple": (MIN_OBJECTS, 4), "cluttered": (5, MAX_OBJECTS)}  # scenes by their objects: (fewest, most)
 KNOB_FLAGS = tuple(k.name for k in hap.KNOBS if k.name not in ("method", "retain", "flops_ratio"))  # every method's
 SCHEDULE = ("first_layers", "groups", "decay")  # the knobs `hap_paper` takes from the run
 
@@ -168,6 +186,8 @@ def run_parser(doc: str, seeds: str, out: str, retains: tuple[float, ...], knobs
 def parser() -> argparse.ArgumentParser:
     p = run_parser(__doc__, "500000:500200", "results/benchmark", RETAINS, KNOB_FLAGS)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=CHOICES)
+    p.add_argument("--by-kind", type=Path, metavar="JSON",
+                   help="only print the per-kind tables of a stored run's benchmark.json (no model run)")
     p.add_argument("--accuracy-only", action="store_true",
                    help="only accuracy and kept recall (no grounding, norms, causal truth or head utility): a new "
                         "method's rows beside a stored full run")
@@ -189,6 +209,7 @@ class Tally:
     #                                                                  question with a target: token precision
     utility: dict[str, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))  # per kind, per
     #                                                          question: `utility_row` (UTILITY_KEYS -> value)
+    refused: dict[str, str] = field(default_factory=dict)  # method -> why the model does not take it (never run)
 
     def add(self, key: tuple[str, float], batch, answers: list[str], state) -> None:
         """One pruned run of `batch`: correctness of each answer, kept recall of each question with a target."""
@@ -204,13 +225,15 @@ def evaluate(model, processor, batches: list, base: dict, methods: list[str], re
     if not extras and "oracle_causal" in methods:
         raise ValueError("oracle_causal ranks by the causal token importance, which --accuracy-only skips")
     tally = Tally()
+    tally.refused = {m: why for m in methods if m in hap.METHODS
+                     and (why := refusal(model, hap.HAPConfig(method=m, **base))) is not None}
     for batch in batches:
         truth = [q.answer for _, q in batch]
         answers, state = run_batch(model, processor, batch, hap.HAPConfig(method="none", **base), trace=extras)
         tally.correct[("none", 1.0)] += [x == y for x, y in zip(answers, truth)]
         tokens = extras_of(model, processor, batch, base, state, tally) if extras else None
         for retain in retains:
-            for method in methods:
+            for method in (m for m in methods if m not in tally.refused):  # a refused one: NaN, named in the report
                 config, priority = method_run(method, retain, base, batch, tokens)
                 if not reachable(model, config):
                     continue  # out of reach: no accuracy at this budget (a NaN in the report)
@@ -310,22 +333,38 @@ def load_run(args: argparse.Namespace, names: tuple[str, ...]) -> tuple:
     return model, processor, items, batches, {name: getattr(resolved, name) for name in names}
 
 
+def chosen(names: list[str]) -> list[str]:
+    """`--methods` with `all` replaced by every method of the registry (`hap.keeps.pruning`), each once, in order."""
+    return list(dict.fromkeys(m for name in names for m in (pruning() if name == "all" else [name])))
+
+
+def scene_kind(scene) -> str:
+    """The SCENE_KINDS entry of `scene`: simple or cluttered by its number of objects."""
+    return next(kind for kind, (low, high) in SCENE_KINDS.items() if low <= len(scene.objects) <= high)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
+    if args.by_kind is not None:
+        report = json.loads(args.by_kind.read_text())
+        print(by_kind_markdown(report))
+        return report
+    methods = chosen(args.methods)
     model, processor, items, batches, base = load_run(args, KNOB_FLAGS)
     t0 = time.perf_counter()
-    tally = evaluate(model, processor, batches, base, args.methods, args.retain, extras=not args.accuracy_only)
+    tally = evaluate(model, processor, batches, base, methods, args.retain, extras=not args.accuracy_only)
     seconds = time.perf_counter() - t0
     correct, recall = tally.correct, tally.recall
 
     qtypes = [q.qtype for _, q in items]
+    scenes = [scene_kind(scene) for scene, _ in items]
 
-    def acc(key, qtype=None) -> float:
-        values = [c for c, t in zip(correct[key], qtypes) if qtype is None or t == qtype]
+    def acc(key, qtype=None, labels=qtypes) -> float:
+        values = [c for c, t in zip(correct[key], labels) if qtype is None or t == qtype]
         return float(np.mean(values)) if values else math.nan
 
     unpruned = acc(("none", 1.0))
-    accuracy = {m: {str(r): acc((m, r)) for r in args.retain} for m in args.methods}
+    accuracy = {m: {str(r): acc((m, r)) for r in args.retain} for m in methods}
     report = {
         "model": args.model,
         "seeds": args.seeds,
@@ -336,11 +375,18 @@ def main(argv: list[str] | None = None) -> dict:
         "accuracy": accuracy,
         "relative": {m: {r: v / unpruned if unpruned else math.nan for r, v in row.items()}
                      for m, row in accuracy.items()},
-        "accuracy_by_type": {m: {str(r): {t: acc((m, r), t) for t in QTYPES} for r in args.retain} for m in args.methods},
+        "accuracy_by_type": {m: {str(r): {t: acc((m, r), t) for t in QTYPES} for r in args.retain} for m in methods},
+        "n_by_type": {t: qtypes.count(t) for t in QTYPES},
+        "scene_kinds": {kind: f"{low}-{high} objects" for kind, (low, high) in SCENE_KINDS.items()},
+        "n_by_scene": {kind: scenes.count(kind) for kind in SCENE_KINDS},
+        "unpruned_by_scene": {kind: acc(("none", 1.0), kind, scenes) for kind in SCENE_KINDS},
+        "accuracy_by_scene": {m: {str(r): {kind: acc((m, r), kind, scenes) for kind in SCENE_KINDS}
+                                  for r in args.retain} for m in methods},
         "num_visual": N_PATCHES,
         "retained_tokens": {str(r): r * N_PATCHES for r in args.retain},
         "kept_recall": {m: {str(r): float(np.mean(recall[(m, r)])) if recall[(m, r)] else math.nan
-                            for r in args.retain} for m in args.methods},
+                            for r in args.retain} for m in methods},
+        "refused": tally.refused,
         "seconds": seconds,
     }
     if not args.accuracy_only:
@@ -358,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmark.json").write_text(json.dumps(report, indent=1))
     (args.out / "benchmark.md").write_text(markdown(report))
+    (args.out / "by_kind.md").write_text(by_kind_markdown(report))
+    (args.out / "by_kind.csv").write_text(by_kind_csv(report))
     plots(report, args.out)
     print(markdown(report))
     return report
@@ -416,8 +464,14 @@ def head_report(h: dict[str, np.ndarray], other: dict[str, np.ndarray], cfg: hap
     }
 
 
+def budget_label(retain: str, tokens: float) -> str:
+    """A budget's column head: "retain 0.111 (16 tok; 64 of 576)" (the papers' equivalent where there is one)."""
+    paper = f"; {PAPER_TOKENS[retain]} of 576" if retain in PAPER_TOKENS else ""
+    return f"retain {retain} ({tokens:.0f} tok{paper})"
+
+
 def markdown(r: dict) -> str:
-    head = "| method | " + " | ".join(f"retain {k} ({v:.0f} tok)" for k, v in r["retained_tokens"].items()) + " |"
+    head = "| method | " + " | ".join(budget_label(k, v) for k, v in r["retained_tokens"].items()) + " |"
     rule = "|---" * (len(r["retained_tokens"]) + 1) + "|"
     lines = [f"Held-out questions: {r['n_questions']} (seeds {r['seeds']}), unpruned accuracy "
              f"{r['unpruned_accuracy']:.3f}; cells: accuracy (relative to unpruned) / recall of the "
@@ -426,15 +480,45 @@ def markdown(r: dict) -> str:
         cells = ["out of reach" if math.isnan(v) else f"{v:.3f} ({r['relative'][m][k]:.3f}) / {r['kept_recall'][m][k]:.2f}"
                  for k, v in row.items()]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += [f"\n{m}: refused by the model, not run ({why})." for m, why in r.get("refused", {}).items()]
     if "head_paq" in r:
         lines += extras_markdown(r)
-    kinds = list(r["unpruned_by_type"])
-    for retain in r["retained_tokens"]:
-        lines += ["", f"Accuracy by question kind at retain {retain} (unpruned: "
-                  + ", ".join(f"{k} {_cell(r['unpruned_by_type'][k])}" for k in kinds) + ")", "",
-                  "| method | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
-        lines += [f"| {m} | " + " | ".join(_cell(by[retain][k]) for k in kinds) + " |"
-                  for m, by in r["accuracy_by_type"].items()]
+    return "\n".join(lines) + "\n" + by_kind_markdown(r)
+
+
+def kind_rows(r: dict) -> list[tuple[str, str, int | None, float, dict[str, dict[str, float]]]]:
+    """The per-kind rows of a report: (label, key, questions, unpruned accuracy, {method: {retain: accuracy}}) of each
+    question kind, then each scene kind (simple / cluttered; a report without them: none), then every question."""
+    rows = [(kind, kind, r.get("n_by_type", {}).get(kind), r["unpruned_by_type"][kind],
+             {m: {k: v[kind] for k, v in by.items()} for m, by in r["accuracy_by_type"].items()})
+            for kind in r["unpruned_by_type"]]
+    rows += [(f"{kind} scenes ({r['scene_kinds'][kind]})", kind, r["n_by_scene"][kind], r["unpruned_by_scene"][kind],
+              {m: {k: v[kind] for k, v in by.items()} for m, by in r["accuracy_by_scene"].items()})
+             for kind in r.get("scene_kinds", {})]
+    return rows + [("all", "all", r["n_questions"], r["unpruned_accuracy"], r["accuracy"])]
+
+
+def by_kind_markdown(r: dict) -> str:
+    """Accuracy per question kind and per scene kind at each budget: one table per budget, a row per kind (its
+    questions in brackets), a column per method, the unpruned one first."""
+    methods, lines = list(r["accuracy"]), []
+    for retain, tokens in r["retained_tokens"].items():
+        lines += ["", f"Accuracy by kind at {budget_label(retain, tokens)}", "",
+                  "| kind (questions) | unpruned | " + " | ".join(methods) + " |", "|---" * (len(methods) + 2) + "|"]
+        lines += [f"| {label} ({'-' if n is None else n}) | {_cell(unpruned)} | "
+                  + " | ".join(_cell(by[m][retain]) for m in methods) + " |"
+                  for label, _, n, unpruned, by in kind_rows(r)]
+    return "\n".join(lines) + "\n"
+
+
+def by_kind_csv(r: dict) -> str:
+    """The per-kind rows as CSV: kind, questions, method, retain, accuracy (the unpruned model as method none at
+    retain 1.0)."""
+    lines = ["kind,questions,method,retain,accuracy"]
+    for _, key, n, unpruned, by in kind_rows(r):
+        lines.append(f"{key},{'' if n is None else n},none,1.0,{unpruned}")
+        lines += [f"{key},{'' if n is None else n},{m},{retain},{value}" for m, row in by.items()
+                  for retain, value in row.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -33,13 +33,14 @@ import hap
 from hap.budget import OFFICIAL, plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits
+from hap.keeps import pruning, refusal
 from hap.methods import policy_for
-from hap.patch import batch, refusal, visual_tokens
+from hap.patch import batch, visual_tokens
 from hap.patch.decoder import decoder_shape
 from hap.run import Prepared, eos_ids, prefill, prepare, template_tail
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
-METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
+METHODS = pruning()  # every method of the registry that prunes (the method knob's choices but none)
 GRID = [m for m in METHODS if m not in OFFICIAL]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
 
@@ -68,8 +69,8 @@ def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, poi
 
 
 def refused(model, config: hap.HAPConfig) -> dict[str, str]:
-    """{method: why} for the METHODS `model` does not take (`hap.patch.refusal`: visionzip without a [CLS] token,
-    pdrop on Qwen2-VL's M-RoPE)."""
+    """{method: why} for the METHODS `model` does not take (`hap.keeps.refusal`: visionzip without a [CLS] token,
+    pdrop on Qwen2-VL's M-RoPE, a file a method needs that does not load)."""
     why = {m: refusal(model, replace(config, method=m, retain=None, flops_ratio=None)) for m in METHODS}
     return {m: w for m, w in why.items() if w is not None}
 

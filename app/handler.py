@@ -50,6 +50,8 @@ from hap.causal import resolve_setting
 from hap.compare import compare
 from hap.features import FeatureCache, reusing_features
 from hap.inputs import InputLimits, check_history, clean_conversation
+from hap.keeps import Keeps, keeps_plotly, pruning
+from hap.keeps import keeps as every_method
 from hap.knobs import KNOBS
 from hap.options import NO_OPTIONS, OPTIONS, ProcessorOptions
 from hap.patch import batch
@@ -59,6 +61,7 @@ from hap.run import free_memory, run
 
 from . import causal as causal_section
 from . import conversation as chat
+from . import keeps as keeps_section
 from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
 from .lab import NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share
@@ -82,6 +85,7 @@ LAB = ("lab_head_classes", "lab_uniform_vs_paq", "lab_kept_masks", "lab_answers"
 # the head lab's results side by side and its two pickers; the run's plan report is a state ("lab_report")
 OUTPUTS = (*CARDS, "layer", "head", *(v.name for v in views.VIEWS), "explanation", "lab", *LAB, "summary",
            "ground_truth",
+           "keeps",  # "What each method keeps" (app.keeps; None unless the request asks)
            *causal_section.CAUSAL, *INSPECTOR, *EDIT, *CONVERSATION,
            "state", "lab_report", "turns")  # the states last: not among the API's outputs
 TURN_OUTPUTS = OUTPUTS[: OUTPUTS.index("history")] + ("state", "lab_report")  # what picking a turn shows again
@@ -258,6 +262,17 @@ def _original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: In
                    history=history)
 
 
+@gpu(lambda call: zerogpu.answers(runs=len(pruning()), traced=0, new_tokens=MAX_NEW_TOKENS, together=True))
+def _keeps(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits,
+           history: list[tuple[str, str]], done: dict[str, hap.Result], plan: Plan = Plan(),
+           cache: FeatureCache | None = None) -> Keeps:
+    """The GPU part of "What each method keeps" (`hap.keeps.keeps`; see `_compare` for ZeroGPU): every method at
+    `config`'s budget but those `done`, `plan` planted, the image's features from `cache`."""
+    with planted(plan), reusing_features(LOADED.model, cache):
+        return every_method(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits, history,
+                            done)
+
+
 @gpu(zerogpu.causal_work)
 def _causal(image: Image.Image, prompt: str, setting: str | None, limits: InputLimits,
             history: list[tuple[str, str]], config: hap.HAPConfig, cuts: list[int], plan: Plan = Plan(),
@@ -354,7 +369,8 @@ class Handler:
     @user_errors
     def analyze(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True), *,
                 history: list | str | None = None, turns: list[chat.Turn] | None = None, causal: str | None = None,
-                plant: dict | str | None = None, request: gr.Request | None = None, **settings) -> dict[str, object]:
+                plant: dict | str | None = None, keeps: bool | None = None, request: gr.Request | None = None,
+                **settings) -> dict[str, object]:
         """Run the full pipeline; `settings` are the knobs of hap/knobs.py by name (`KNOBS`) and the processor options
         of hap/options.py (`OPTIONS`: None the checkpoint's own; one the model's family lacks is refused by name; the
         JSON gains "processor_options", every option of the family as it ran). `image` is an upload
@@ -364,7 +380,9 @@ class Handler:
         (`app.conversation`); `plant` a head lab plan (`hap.planting.Plan.from_json`: a JSON object or its text,
         empty = none), planted for every run of the request, whose views are then all marked PLANTED and whose
         JSON gains "plant" (the plan, the sink tokens used, the classifier's precision / recall on it, the lab's
-        answers); `request` (gradio's) names the client whose image features are kept (`LoadedModel.feature_cache`).
+        answers); `keeps` (true: opt-in) also runs every pruning method at the budget ("What each method keeps",
+        `hap.keeps`; the JSON gains "keeps"); `request` (gradio's) names the client whose image features are kept
+        (`LoadedModel.feature_cache`).
 
         Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer and head sliders, every view
         of `hap.views.VIEWS`, the explanation, the JSON summary (with "input": the upload and its conversion,
@@ -373,7 +391,7 @@ class Handler:
         state for re-drawing and the turns. Any failure is a gr.Error with the message.
         """
         return self._analyze(image, prompt, model_name, settings, progress, history, turns, causal, plant,
-                             client(request))
+                             client(request), keeps_section.check(keeps))
 
     @user_errors
     def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
@@ -412,7 +430,7 @@ class Handler:
         return LOADED.feature_cache(client) if self.settings.share else None
 
     def _analyze(self, image, prompt, model_name, settings: dict, progress, history, turns,
-                 causal: str | None, plant, session: str) -> dict[str, object]:
+                 causal: str | None, plant, session: str, keeps: bool = False) -> dict[str, object]:
         settings, options = split_options(settings)
         picture, model_name, config, history = self.check(image, prompt, model_name, settings, history)
         plan = Plan.from_json(plant)
@@ -451,7 +469,13 @@ class Handler:
         edit = self.edit_diff(picture, prompt, config, history, data, comparison.pruned.answer, progress, plan, cache)
         if edit is not None:
             report["edit"] = edit.to_json()
-        figures = views.figures(data)
+        figures = {**views.figures(data), "keeps": None}  # "keeps": marked PLANTED with the views, as one of them
+        if keeps:
+            progress(0.93, desc="every method at this budget: one prefill each, the answers as one batch")
+            done = {r.method: r for r in (comparison.pruned, comparison.uniform)}
+            found = _keeps(img, prompt, config, limits, history, done, plan, cache)
+            report["keeps"] = found.to_json()
+            figures["keeps"] = keeps_plotly(data, found)
         cards = {label: answer_card(label, r, traced=r is comparison.pruned) for label, r in timed.items()}
         lab_note, planted_report = NO_PLAN, None
         if not plan.empty:

@@ -22,6 +22,7 @@ from hap.options import OPTIONS
 from hap.views import VIEW
 
 from . import causal as causal_section
+from . import keeps as keeps_section
 from .handler import (CARDS, INSPECTOR, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
                       show_turn)
 from .lab import (HEAD_PICKER, LAB_DETECTOR, LAB_DETECTOR_INFO, LAB_INTRO, NO_PLAN, TEACHING_PLAN,
@@ -303,6 +304,8 @@ def build_demo(
                               "(layers 0, 1, 3), found by the consensus detector; press Run with this plan")
         causal_setting, causal_out = causal_section.section()
         out.update(causal_out)
+        keeps_box, keeps_ticked, keeps_run, keeps_out = keeps_section.section()
+        out.update(keeps_out)
         sweep, sweep_out = sweep_section()
         outputs = [out[name] for name in OUTPUTS]
         _, prompt, model = request
@@ -315,7 +318,7 @@ def build_demo(
         # upload cache only in a FileData dict carrying meta; the handler checks every path, with meta or
         # without, against the upload cache and the examples (app/uploads.py)
         conversation = {"history": out["history"], "turns": out["turns"], "causal": causal_setting,
-                        "plant": lab["plant"]}
+                        "plant": lab["plant"], "keeps": keeps_box}
         inputs = {**knobs, **conversation, **options}
         lane = dict(inputs_kwargs=inputs, concurrency_limit=1, concurrency_id="model",
                     preprocess=False, js=unset_zeros(len(request), tuple(inputs)))
@@ -328,6 +331,8 @@ def build_demo(
         out["follow_up"].click(analyze, request, outputs, api_visibility="private", **lane)
         lab_lane = {**new, "inputs_kwargs": {**new["inputs_kwargs"], "sink_detector": lab["detector"]}}
         lab["run"].click(analyze, request, outputs, api_visibility="private", **lab_lane)
+        keeps_lane = {**new, "inputs_kwargs": {**new["inputs_kwargs"], "keeps": keeps_ticked}}
+        keeps_run.click(analyze, request, outputs, api_visibility="private", **keeps_lane)
         pickers = dict(fn=handler.lab_pickers, inputs=[model, lab["plant"], out["state"], out["lab_report"]],
                        outputs=[out["lab_heads"], out["lab_tokens"], lab["sink_tokens"]], api_visibility="private")
         lab["plant"].change(**pickers)

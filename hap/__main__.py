@@ -9,7 +9,9 @@ from pathlib import Path
 
 from . import causal, utility
 from .config import HAPConfig
+from .features import FeatureCache, reusing_features
 from .inputs import check_history
+from .keeps import keeps, keeps_png, panel_title
 from .knobs import KNOBS, SEED
 from .load import ModelLoadError, load_model
 from .options import OPTIONS, ProcessorOptions
@@ -17,7 +19,7 @@ from .patch.planted import plant
 from .patch.processors import option_defaults, processor_options
 from .planting import Plan, plant_line
 from .run import run
-from .views import export_png
+from .views import ViewData, export_png
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-llava")
 
@@ -52,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
                         "and each head's utility as a token scorer (hap.utility; every layer on small models, the "
                         "layers before the run's cuts on large ones); --causal alone: exact ablation on small "
                         "models, attribution on large ones; the --json result gains 'causal' and 'head_utility'")
+    r.add_argument("--keeps", action="store_true",
+                   help="also run every pruning method at this budget (one prefill each, the answers decoded as one "
+                        "batch) and show what each keeps (hap.keeps): a line per method, the --json result gains "
+                        "'keeps', --figures gains keeps.png")
     return p
 
 
@@ -96,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             useful = None if mode is None else utility.utility(
                 model, processor, args.image, args.prompt, rows=config.rows, history=history,
                 layers=utility.auto_layers(model, [g.layers[0] for g in result.groups]), config=config)
+            every = None
+            if args.keeps:  # the image encoded once for every method
+                with reusing_features(model, FeatureCache(1)):
+                    every = keeps(model, processor, args.image, args.prompt, config, args.max_new_tokens,
+                                  history=history, done={result.method: result})
     except (ValueError, ModelLoadError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -136,11 +147,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"head utility ({useful.seconds:.2f} s, keep {useful.keep}, layers {useful.scored}): cuts keeping the "
               f"answer, best head {kept['best_head']} / uniform {kept['uniform']} / PAQ weighting "
               f"{kept['paq_weighted']} of {kept['cuts']}; Spearman(PAQ, utility) {entry['spearman']}")
+    if every is not None:
+        report["keeps"] = every.to_json()
+        for kept in every.methods.values():
+            print(f"keeps {panel_title(kept).replace(chr(10), ', ')}, FLOPs ratio {kept.flops_ratio:.4f}")
+        for method, why in every.refused.items():
+            print(f"keeps {method}: refused: {why}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     if args.figures:
         paths = export_png(result, args.figures, image=args.image)
+        if every is not None:
+            paths.append(keeps_png(ViewData.from_result(result, args.image), every, args.figures))
         print(f"wrote {len(paths)} figures to {args.figures}")
     return 0
 

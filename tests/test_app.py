@@ -63,10 +63,12 @@ def analyze(client: Client, model: str, prompt: str = PROMPT, image=SCENE, **cha
 
 def test_every_knob_is_an_analyze_parameter_with_the_registry_default(client, model_name):
     from app.settings import knob_defaults
+    from hap.options import OPTIONS
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/analyze"]
     params = {p["parameter_name"]: p for p in info["parameters"]}
-    assert list(params) == ["image", "prompt", "model_name", *(k.name for k in KNOBS), "history", "causal", "plant"]
+    assert list(params) == ["image", "prompt", "model_name", *(k.name for k in KNOBS), "history", "causal", "plant",
+                            "keeps", *(o.name for o in OPTIONS)]
     assert {k.name for k in KNOBS} <= set(params) and "seed" not in params
     defaults = knob_defaults(model_name)  # per-model rules applied to the 6-layer default model
     assert (defaults["first_layers"], defaults["retain"]) == (0, 0.25)
@@ -242,10 +244,11 @@ def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, mode
     from app import handler
     from app.handler import SWEPT
     from hap.budget import OFFICIAL
+    from hap.options import OPTIONS
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/sweep"]
     assert [p["parameter_name"] for p in info["parameters"]] == [
-        "image", "prompt", "model_name", *(k.name for k in KNOBS if k.name not in SWEPT)]
+        "image", "prompt", "model_name", *(k.name for k in KNOBS if k.name not in SWEPT), *(o.name for o in OPTIONS)]
     figure, data = sweep(client, model_name)
     retain = data["retain"]
     assert len(retain) >= 6 and retain[0] == 1.0 and retain == sorted(retain, reverse=True)

@@ -118,3 +118,52 @@ def test_hap_paper_is_the_paper_preset_on_the_run_schedule(tmp_path):
     assert report["accuracy"]["hap"] == report["accuracy"]["hap_paper"]
     assert 0.0 <= report["kept_recall"]["visionzip"]["0.111"] <= 1.0  # the peer runs on the same budget
     assert report["kept_recall"]["hap"] == report["kept_recall"]["hap_paper"]
+
+
+def test_per_kind_rows_add_up_to_the_overall_rows(tmp_path, capsys):
+    """`--methods all` runs every registry method; each question kind's and scene kind's accuracy, weighted by its
+    questions, gives the overall one; the per-kind tables print from the stored JSON alone (`--by-kind`)."""
+    from analysis.benchmark import PAPER_TOKENS, SCENE_KINDS
+    from hap.keeps import pruning
+
+    report = main(["--model", str(SHIPPED), "--seeds", "500000:500003", "--per-scene", "3", "--out", str(tmp_path),
+                   "--methods", "all", "hap", "--retain", "0.333", "0.111", "--accuracy-only"])
+    assert list(report["accuracy"]) == pruning()  # each once, in the registry's order
+    n, by_type, by_scene = report["n_questions"], report["n_by_type"], report["n_by_scene"]
+    assert n == 9 == sum(by_type.values()) == sum(by_scene.values()) and set(by_scene) == set(SCENE_KINDS)
+
+    def weighted(values: dict, counts: dict) -> float:
+        return sum(values[k] * m for k, m in counts.items() if m) / n
+
+    assert weighted(report["unpruned_by_type"], by_type) == pytest.approx(report["unpruned_accuracy"])
+    assert weighted(report["unpruned_by_scene"], by_scene) == pytest.approx(report["unpruned_accuracy"])
+    reached = 0
+    for method, row in report["accuracy"].items():
+        for retain, value in row.items():
+            if math.isnan(value):  # out of reach: no kind has an accuracy either
+                assert all(math.isnan(v) for v in report["accuracy_by_type"][method][retain].values())
+                continue
+            reached += 1
+            assert weighted(report["accuracy_by_type"][method][retain], by_type) == pytest.approx(value), method
+            assert weighted(report["accuracy_by_scene"][method][retain], by_scene) == pytest.approx(value), method
+    assert reached >= len(pruning())
+    table = (tmp_path / "by_kind.md").read_text()
+    assert f"{PAPER_TOKENS['0.333']} of 576" in table and "| cluttered scenes (5-6 objects) (" in table
+    assert table in (tmp_path / "benchmark.md").read_text()
+    rows = (tmp_path / "by_kind.csv").read_text().splitlines()
+    kinds = len(report["unpruned_by_type"]) + len(SCENE_KINDS) + 1
+    assert rows[0] == "kind,questions,method,retain,accuracy" and len(rows) == 1 + kinds * (1 + 2 * len(pruning()))
+    capsys.readouterr()
+    assert main(["--by-kind", str(tmp_path / "benchmark.json")])["accuracy_by_scene"].keys() == set(pruning())
+    assert capsys.readouterr().out.strip() == table.strip()
+
+
+def test_a_method_the_model_refuses_is_named_not_run(tmp_path, monkeypatch):
+    from analysis import benchmark
+
+    monkeypatch.setattr(benchmark, "refusal", lambda model, config: "no [CLS]" if config.method == "fastv" else None)
+    report = main(["--model", str(SHIPPED), "--seeds", "500000:500002", "--per-scene", "1", "--out", str(tmp_path),
+                   "--methods", "hap", "fastv", "--retain", "0.111", "--accuracy-only"])
+    assert report["refused"] == {"fastv": "no [CLS]"} and math.isnan(report["accuracy"]["fastv"]["0.111"])
+    assert not math.isnan(report["accuracy"]["hap"]["0.111"])
+    assert "fastv: refused by the model, not run (no [CLS])." in (tmp_path / "benchmark.md").read_text()

@@ -107,9 +107,10 @@ class Server:
     def payload(self, image, **changes) -> list:
         """The positional `data` of a raw /analyze call: image, prompt, model, every knob in registry order (SETTINGS,
         else the model's defaults), then the history, the stored turns and the causal setting (None: a first
-        question, none stored, auto), then the processor options (None: the checkpoint's own)."""
+        question, none stored, auto), the plant and the keeps opt-in (None: nothing planted, no comparison), then
+        the processor options (None: the checkpoint's own)."""
         settings = {**knob_defaults(self.model), **SETTINGS, **changes}
-        return [image, PROMPT, self.model, *(settings[k.name] for k in KNOBS), None, None, None,
+        return [image, PROMPT, self.model, *(settings[k.name] for k in KNOBS), None, None, None, None, None,
                 *(None for _ in OPTIONS)]
 
     def sweep_payload(self, image) -> list:
