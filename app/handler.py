@@ -133,10 +133,6 @@ class LoadedModel:
             free_memory()  # the replaced model's weights
         return self.model, self.processor
 
-    def center_crop(self) -> bool:
-        """Whether the processor crops the centre square (CLIP) rather than squashing the image (SigLIP)."""
-        return bool(getattr(self.processor.image_processor, "do_center_crop", False))
-
     def reset(self) -> None:
         """Leave the loaded model stock after a request, whatever happened (no patch left behind, no processor
         options)."""
@@ -458,7 +454,7 @@ class Handler:
         cache = self.features(session)
         comparison, timed, lab = _compare(img, prompt, config, limits, progress, history, plan, cache)
         progress(0.9, desc="figures")
-        data = views.ViewData.from_result(comparison.pruned, img, LOADED.center_crop())
+        data = views.ViewData.from_result(comparison.pruned, img)
         question, why_not = question_for(meta, prompt, data.shape[2])
         if picture.edited:
             question, why_not = None, "the image was edited in the editor, and an edited scene has no saved ground truth"
@@ -529,7 +525,7 @@ class Handler:
         progress(0.92, desc=f"{config.method} on the original image, to compare with the edit")
         original = load(picture.original, picture.name, self.settings.limits)
         before = _original(original, prompt, config, self.settings.limits, history, plan, cache)
-        return EditDiff.of(views.ViewData.from_result(before, original, LOADED.center_crop()), after,
+        return EditDiff.of(views.ViewData.from_result(before, original), after,
                            (before.answer, answer))
 
     @user_errors

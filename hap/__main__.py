@@ -157,10 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     if args.figures:
-        crop = bool(getattr(processor.image_processor, "do_center_crop", False))
-        paths = export_png(result, args.figures, image=args.image, center_crop=crop)
+        paths = export_png(result, args.figures, image=args.image)
         if every is not None:
-            paths.append(keeps_png(ViewData.from_result(result, args.image, crop), every, args.figures))
+            paths.append(keeps_png(ViewData.from_result(result, args.image), every, args.figures))
         print(f"wrote {len(paths)} figures to {args.figures}")
     return 0
 

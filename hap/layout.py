@@ -10,8 +10,8 @@ The cells need not tile the view: a patch convolution over a tile that its patch
 first floor(tile / patch) patches, so a strip at the end of each tile lies in no cell (`tile_spans`); a token mixed
 from several patches (a bilinear shrink) covers their union, and such cells may overlap. A view whose cells are equal
 parts of one rectangle `box` stores only the box. The adapter of the model computes the layout once per run
-(`adapter.layout(model, inputs, image_size)`); every view of `hap.views` draws from it. Tokens that carry no pixels
-(LLaVA-NeXT's row-end newline tokens) are not visual tokens of the pruner and have no cell.
+(`adapter.layout(model, inputs, image_size, processor)`); every view of `hap.views` draws from it. Tokens that carry
+no pixels (LLaVA-NeXT's row-end newline tokens) are not visual tokens of the pruner and have no cell.
 
 Plain Python and numpy: no model, no transformers.
 """

@@ -183,7 +183,7 @@ def alone(model, processor, p: Prepared, config: HAPConfig, trace: bool, max_new
 
 def finish(model, processor, p: Prepared, config: HAPConfig, patch, answer: torch.Tensor, timings: dict) -> Result:
     """The `Result` of one run: `answer` long [new] its generated tokens, `timings` its seconds after `prepare`."""
-    where = layout(model, p.inputs, p.picture.size)
+    where = layout(model, p.inputs, p.picture.size, processor)
     N, grid = where.num_visual, where.views[0].grid
     shape, st = decoder_shape(model), patch.state
     facts = Outcome(config.resolved(shape.layers), shape, model.config.text_config.num_attention_heads, N,

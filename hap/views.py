@@ -167,9 +167,10 @@ class ViewData:
         return self.head_maps.shape
 
     @classmethod
-    def from_result(cls, result: Result, image: Image.Image | str | Path | None = None, center_crop: bool = True,
+    def from_result(cls, result: Result, image: Image.Image | str | Path | None = None,
                     layer: int | None = None) -> ViewData:
-        """Everything the views draw from `result`; `image` and `center_crop` as in `model_view`.
+        """Everything the views draw from `result` over the uploaded `image` (None: grey): `image` is the part of it
+        under a layout of one view (LLaVA-1.5's centre crop), else the whole image squashed (`model_view`).
 
         `layer` picks the per-head maps (default: `default_layer`).
         """
@@ -178,15 +179,17 @@ class ViewData:
         layout = getattr(result, "layout", None)  # a Result read back from JSON, or an older one, may lack it
         layout = None if layout is None else Layout.from_dict(layout)
         tiled = layout is not None and not single_view(layout)
+        view_images = tuple(view_image(image, v.box, v.grid, spans=v.spans()) for v in layout.views) if tiled else ()
         data = cls(
-            image=model_view(image, center_crop), grid=tuple(result.visual_grid), head_class=result.head_class,
+            image=view_images[0] if len(view_images) == 1 else model_view(image), grid=tuple(result.visual_grid),
+            head_class=result.head_class,
             stats=stats, head_maps=_array(result.maps.head), head_attention=_array(result.maps.head_attention),
             layer_maps=_array(result.maps.layer),
             group_maps=_array(result.maps.group), group_uniform=_array(result.maps.group_uniform),
             groups=result.groups, method=result.method, temperature=result.config["temperature"],
             merged=result.method == "hap" and result.config["merge"] != "none",
             visual_per_layer=list(result.visual_per_layer), curve=result.curve, layout=layout if tiled else None,
-            view_images=tuple(view_image(image, v.box, v.grid, spans=v.spans()) for v in layout.views) if tiled else (),
+            view_images=view_images,
         )
         return data.at_layer(default_layer(result.groups, stats[..., 0]) if layer is None else layer)
 
@@ -252,21 +255,14 @@ def _array(values) -> np.ndarray:
 
 
 # --- helpers on plain data -------------------------------------------------------------------------
-def model_view(image: Image.Image | str | Path | None, center_crop: bool = True, size: int = VIEW_PIXELS) -> np.ndarray:
-    """The image (or its file) as the visual grid covers it, `[size, size, 3]` uint8.
-
-    CLIP-style processors (LLaVA-1.5, the tiny model) resize the short side and crop the centre
-    square (`center_crop=True`); others (SigLIP, Qwen2-VL) let the grid cover the whole image
-    (False): it is squashed to a square here and stretched back to the grid's shape when drawn.
-    Without an image, a neutral grey square.
+def model_view(image: Image.Image | str | Path | None, size: int = VIEW_PIXELS) -> np.ndarray:
+    """The image (or its file) as one grid over the whole of it covers it, `[size, size, 3]` uint8: squashed to a
+    square here and stretched back to the grid's shape when drawn (a grid over part of the image, such as LLaVA-1.5's
+    centre crop, is a layout's view: `view_image`). Without an image, a neutral grey square.
     """
     if image is None:
         return np.full((size, size, 3), 128, np.uint8)
     image = _rgb(image)
-    if center_crop:
-        side = min(image.size)
-        left, top = (image.width - side) // 2, (image.height - side) // 2
-        image = image.crop((left, top, left + side, top + side))
     return np.asarray(image.resize((size, size), Image.Resampling.BICUBIC))
 
 
@@ -908,13 +904,13 @@ def figures(data: ViewData) -> dict[str, go.Figure]:
 
 
 def export_png(run: Result | ViewData, out_dir: str | Path, image: Image.Image | str | Path | None = None,
-               layer: int | None = None, center_crop: bool = True) -> list[Path]:
+               layer: int | None = None) -> list[Path]:
     """Write every view as `out_dir/<name>.png` with matplotlib; returns the paths in VIEWS order.
 
-    `run` is a `hap.Result` (then `image`, `layer` and `center_crop` go to `ViewData.from_result`;
+    `run` is a `hap.Result` (then `image` and `layer` go to `ViewData.from_result`;
     maps are drawn on grey without an image) or a `ViewData` already built.
     """
-    data = run if isinstance(run, ViewData) else ViewData.from_result(run, image, center_crop, layer)
+    data = run if isinstance(run, ViewData) else ViewData.from_result(run, image, layer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return [v.png(data, out) for v in VIEWS]

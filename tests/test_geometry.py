@@ -8,7 +8,8 @@ layout under test: the mark's colour in the processor's own `pixel_values`, then
 the family's token order (for LLaVA-NeXT / OneVision the model's own `pack_image_features` run on a one-hot feature).
 That token's box, in the layout a `Result` carries (`to_dict` / `from_dict`) and on the panel the views draw, must
 hold the mark within half a token cell; a mark a tile's patches never see (the last 6 px of a 384-px SigLIP tile)
-lies in no cell of that view. Real-size images make processors slow: the largest grids run as `slow`.
+lies in no cell of that view, and a mark in no tile at all (cut away by LLaVA-1.5's centre crop) in no cell of any
+view. Real-size images make processors slow: the largest grids run as `slow`.
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
-from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config, SiglipVisionConfig
+from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                          LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config, SiglipVisionConfig)
 from transformers.image_processing_utils import get_patch_output_size, select_best_resolution
 from transformers.image_utils import ChannelDimension, PILImageResampling
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 import hap
 from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_qwen_processor, build_tokenizer
-from hap.layout import Layout, seen_share
+from hap.layout import WHOLE, Layout, seen_share
 from hap.patch import layout
+from hap.patch.llava import input_box
 from hap.patch.llava_next import tiling
 from hap.run import chat_prompt
 from hap.views import VIEW_PIXELS, ViewData, model_view, single_view, view_image
@@ -66,8 +70,8 @@ BICUBIC, BILINEAR, LANCZOS = PILImageResampling.BICUBIC, PILImageResampling.BILI
 # (the PIL image processors); Z = /work/shared/notes/model-zoo.md §8 (config copies). Where the checkpoint's value is
 # null (Gemma 3's pan-and-scan), the processor's default is what runs.
 REAL = {
-    # N; D (CLIPImageProcessor: shortest edge 336, centre crop 336, bicubic, CLIP mean / std). Not in `BUILD`: its
-    # layout is the tower's input, the centre crop applied by the views when drawing (docs/method.md §15)
+    # N; C (a public copy, mohitsha/llava-1.5-7b-hf: shortest edge 336, centre crop 336 x 336, resample 3 =
+    # bicubic, CLIP mean / std; config: CLIP-L/14 of 336 px, feature layer -2, strategy default: [CLS] dropped)
     "llava-hf/llava-1.5-7b-hf": Real("llava-clip", 336, 14, 1, "one view (centre crop)", None, 576, BICUBIC, CLIP),
     # N (SigLIP-so400m/14-384, 729 tokens, strategy full); 0.5 / 0.5 and bicubic: N, as OneVision's tower
     "llava-hf/llava-interleave-qwen-0.5b-hf": Real("llava-siglip", 384, 14, 1, "one view", None, 729, BICUBIC, HALF),
@@ -125,14 +129,29 @@ def image_kwargs(name: str) -> dict:
 def llava_siglip():
     """LLaVA-interleave's image path in small: a 384-px SigLIP of 14-px patches (27 x 27 = 729 tokens, strategy
     "full"), the image squashed to 384 x 384, a one-layer Qwen2 decoder."""
-    tok = build_tokenizer()
     image_processor = SiglipImageProcessorPil(size={"height": 384, "width": 384}, **image_kwargs("llava-siglip"))
-    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
-                               vision_feature_select_strategy="full", num_additional_image_tokens=0,
-                               chat_template=CHAT_TEMPLATE)
-    config = LlavaConfig(vision_config=SiglipVisionConfig(**{**VISION, "image_size": 384}),
-                         text_config=_text(Qwen2Config, tok, 1), image_token_index=tok.image_token_id,
-                         vision_feature_layer=-1, vision_feature_select_strategy="full", image_seq_length=729)
+    return llava(image_processor, SiglipVisionConfig(**{**VISION, "image_size": 384}), Qwen2Config, "full", -1, 729)
+
+
+def llava_clip():
+    """LLaVA-1.5's image path in small: the shortest edge resized to 336 px and the centre 336 x 336 cropped, a CLIP
+    of 14-px patches (24 x 24 = 576 tokens, [CLS] dropped, feature layer -2), a one-layer Llama decoder."""
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                            **image_kwargs("llava-clip"))
+    return llava(image_processor, CLIPVisionConfig(**{**VISION, "image_size": 336}),
+                 LlamaConfig, "default", -2, 576)
+
+
+def llava(image_processor, vision, text, strategy: str, feature_layer: int, tokens: int):
+    """(model, processor): a `LlavaForConditionalGeneration` of the `vision` tower config, a one-layer `text` decoder
+    and feature `strategy` / layer, its `tokens` image tokens expanded by a `LlavaProcessor` over `image_processor`."""
+    tok = build_tokenizer()
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=vision.patch_size,
+                               vision_feature_select_strategy=strategy,
+                               num_additional_image_tokens=int(strategy == "default"), chat_template=CHAT_TEMPLATE)
+    config = LlavaConfig(vision_config=vision, text_config=_text(text, tok, 1), image_token_index=tok.image_token_id,
+                         vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
+                         image_seq_length=tokens)
     torch.manual_seed(0)
     return LlavaForConditionalGeneration(config).eval(), processor
 
@@ -147,6 +166,7 @@ def qwen2_vl():
 
 
 BUILD = {  # name -> () -> (model, processor) at the real image settings, tiny decoder and tiny-width tower
+    "llava-clip": llava_clip,
     "llava-siglip": llava_siglip,
     "llava-next": lambda: llava_next(layers=1, tile=336, pinpoints=NEXT_PINPOINTS, image=image_kwargs("llava-next")),
     "onevision": lambda: llava_onevision(layers=1, tile=384, image=image_kwargs("onevision")),
@@ -232,6 +252,10 @@ def edges(name: str, size: tuple[int, int], call: dict) -> tuple[list[float], li
         x = [((k * real.tile) - (best_w - new_w) // 2) * width / new_w for k in range(1, best_w // real.tile)]
         x += [((k * real.tile + seen) - (best_w - new_w) // 2) * width / new_w for k in range(best_w // real.tile)]
         y = [((k * real.tile) - (best_h - new_h) // 2) * height / new_h for k in range(1, best_h // real.tile)]
+        return [v for v in x if 0 < v < width], [v for v in y if 0 < v < height]
+    if name == "llava-clip":  # the centre crop's two edges per axis (the shortest edge resized to the tile)
+        scale = real.tile / min(size)
+        x, y = ([(side * scale - real.tile) // 2 / scale + k * real.tile / scale for k in (0, 1)] for side in size)
         return [v for v in x if 0 < v < width], [v for v in y if 0 < v < height]
     if name == "internvl":
         cols, rows = get_optimal_tiled_canvas((height, width), (448, 448), 1, call.get("max_patches", 12))
@@ -362,10 +386,10 @@ HEAVY = {("onevision", (2000, 2000)), ("internvl", (600, 1400)), ("internvl", FO
 def panel(where: Layout, image: Image.Image, view: int, size: int = 1024) -> np.ndarray:
     """The panel the views draw for `view` (`hap.views.ViewData.from_result`), `size` px on its longer side (larger
     than the page's, so that an 8-px mark of a 2000-px image stays visible): the view's cells laid out equally; one
-    view over the whole image: the image squashed (`model_view`; no processor here crops)."""
+    view over the whole image: the image squashed (`model_view`)."""
     v = where.views[view]
     if single_view(where):
-        return model_view(image, center_crop=False, size=size)
+        return model_view(image, size=size)
     return view_image(image, v.box, v.grid, size, spans=v.spans())
 
 
@@ -377,7 +401,7 @@ def test_every_mark_lies_in_the_box_of_the_token_that_sees_it(name, size):
     spots = centres(name, size, call)
     image = marked(size, spots)
     batch = processor(images=image, text=chat_prompt(processor, "what"), return_tensors="pt", **call)
-    where = Layout.from_dict(layout(model, batch, image.size).to_dict())  # as a `Result` carries it
+    where = Layout.from_dict(layout(model, batch, image.size, processor).to_dict())  # as a `Result` carries it
     where.check()
     assert [v.name for v in where.views][:len(LARGEST.get((case, size), ()))] == list(LARGEST.get((case, size), ()))
     boxes, width, height = where.boxes(), *size
@@ -391,7 +415,7 @@ def test_every_mark_lies_in_the_box_of_the_token_that_sees_it(name, size):
         v = where.views[s.view]
         cells = v.cell_boxes() * [width, height, width, height]
         if s.token is None:  # no patch there sees it: no cell holds it deeper than the mark's own half side (but in a
-            inside = np.minimum.reduce([mx - cells[:, 0], cells[:, 2] - mx, my - cells[:, 1], cells[:, 3] - my])
+            inside = depth(cells, mx, my)
             assert s.view in shrunk or (inside <= MARK / 2 + 1).all(), (name, size, s, inside.max())  # shrunk grid,
             continue  # whose tokens mixing two tiles' patches span the unseen strip between them)
         x0, y0, x1, y1 = boxes[s.token] * [width, height, width, height]
@@ -406,6 +430,17 @@ def test_every_mark_lies_in_the_box_of_the_token_that_sees_it(name, size):
         r, c = divmod(v.tokens.index(s.token), cols)
         u, w = drawn[0] * cols / panels[s.view].shape[1], drawn[1] * rows / panels[s.view].shape[0]
         assert c - 0.5 <= u <= c + 1.5 and r - 0.5 <= w <= r + 1.5, (name, size, s, (u, w), (r, c))
+    unseen = sorted(set(range(len(spots))) - {s.mark for s in seen})  # in no tile: cropped away (LLaVA-1.5)
+    for m in unseen:  # lies in no cell of any view
+        inside = depth(boxes * [width, height, width, height], *spots[m])
+        assert (inside <= MARK / 2 + 1).all(), (name, size, m, spots[m], inside.max())
+    assert bool(unseen) == (name == "llava-clip" and width != height), (name, size, unseen)
+
+
+def depth(cells: np.ndarray, x: float, y: float) -> np.ndarray:
+    """float [cells]: how deep the point (x, y) lies inside each of `cells` [cells, 4] (x0, y0, x1, y1), negative
+    outside."""
+    return np.minimum.reduce([x - cells[:, 0], cells[:, 2] - x, y - cells[:, 1], cells[:, 3] - y])
 
 
 @pytest.mark.parametrize("name", ["llava-next", "onevision"])
@@ -435,16 +470,16 @@ def test_the_table_is_what_the_tests_build():
             assert per == real.tokens, name
 
 
-@pytest.mark.parametrize("name", ["llava-siglip", "onevision", "smolvlm2"])
+@pytest.mark.parametrize("name", ["llava-clip", "llava-siglip", "onevision", "smolvlm2"])
 def test_a_run_carries_this_layout_and_draws_these_panels(name):
     """`hap.run`'s `Result.layout` is the layout checked above, and `ViewData.from_result` draws each view's panel as
-    `panel` does (the families whose tiles end in an unseen strip)."""
+    `panel` does (LLaVA-1.5's centre crop of a non-square image, the families whose tiles end in an unseen strip)."""
     model, processor = built(name)
     size = (420, 380)  # one OneVision tile: a prompt within the tiny decoder's 2048 positions
     image = marked(size, centres(name, size, {}))
     result = hap.run(model, processor, image, "what", hap.HAPConfig(retain=0.5, groups=1), max_new_tokens=1)
     batch = processor(images=image, text=result.prompt_text, return_tensors="pt")
-    assert result.layout == layout(model, batch, image.size).to_dict()
+    assert result.layout == layout(model, batch, image.size, processor).to_dict()
     where, data = Layout.from_dict(result.layout), ViewData.from_result(result, image)
     assert len(data.view_images) == len(where.views)
     for i, drawn in enumerate(data.view_images):
@@ -463,3 +498,18 @@ def test_spans_survive_json_and_leave_each_tiles_unseen_end_out():
     for where in (one, tiled):
         back = Layout.from_dict(where.to_dict())
         assert back == where and np.array_equal(back.boxes(), where.boxes())
+
+
+def test_the_llava_input_box_is_the_processors_crop_and_refuses_what_it_does_not_know():
+    """`input_box`: CLIP's shortest edge to 336 then the centre 336 x 336 (1000 x 600 -> 560 x 336, columns 112..448
+    kept; 600 x 1400 -> 336 x 784, rows 224..560), SigLIP's squash to 384 x 384 keeps everything; a pad to a square
+    first or a size it does not know is refused by name."""
+    clip = built("llava-clip")[1].image_processor
+    assert input_box(clip, (1000, 600)) == pytest.approx((112 / 560, 0, 448 / 560, 1))
+    assert input_box(clip, (600, 1400)) == pytest.approx((0, 224 / 784, 1, 560 / 784))
+    assert input_box(clip, (2000, 2000)) == WHOLE
+    assert input_box(built("llava-siglip")[1].image_processor, (1000, 600)) == WHOLE
+    with pytest.raises(ValueError, match="do_pad=True"):
+        input_box(LlavaImageProcessorPil(do_pad=True), (1000, 600))
+    with pytest.raises(ValueError, match="shortest_edge alone, or height and width"):
+        input_box(CLIPImageProcessorPil(size={"shortest_edge": 336, "longest_edge": 672}), (1000, 600))

@@ -124,7 +124,7 @@ def test_a_random_qwen2_vl_refuses_by_name_and_draws_its_own_grid(tmp_path):
     config = hap.HAPConfig(retain=0.5, first_layers=0)
     found = keeps(model, processor, image, PROMPT, config, max_new_tokens=3)
     assert {"visionzip", "pdrop"} <= set(found.refused) and REFERENCE in found.methods
-    data = views.ViewData.from_result(hap.run(model, processor, image, PROMPT, config, 3), image, center_crop=False)
+    data = views.ViewData.from_result(hap.run(model, processor, image, PROMPT, config, 3), image)
     panels = keeps_panels(data, found).panels
     assert len(panels) == len(found.methods) and all(p.present.shape == data.grid for p in panels)
     assert all(0 <= v < data.shape[2] for k in found.methods.values() for v in k.kept)

@@ -12,6 +12,7 @@ from PIL import Image
 
 import hap
 from hap import views as V
+from hap.layout import Layout
 
 L, H, GRID = 4, 3, (2, 3)  # layers, heads, visual grid (rows, cols)
 N = GRID[0] * GRID[1]
@@ -155,25 +156,34 @@ def test_a_run_without_cuts_says_so():
     assert not fig.data and fig.layout.annotations[0].text == V.NO_CUTS
 
 
-def test_model_view_crops_the_centre_square():
+def test_model_view_squashes_the_whole_image_and_a_one_view_layout_draws_its_part():
     image = Image.new("RGB", (300, 100), "red")
     image.paste((0, 0, 255), (100, 0, 200, 100))  # the centre square is blue
-    assert V.model_view(image, center_crop=True, size=10)[..., 2].min() == 255
-    assert V.model_view(image, center_crop=False, size=10)[..., 0].max() == 255
+    whole = V.model_view(image, size=10)
+    assert whole[:, 0, 0].min() == 255 and whole[:, 5, 2].min() == 255  # red ends, blue middle
     assert V.model_view(None).shape == (V.VIEW_PIXELS, V.VIEW_PIXELS, 3)
+    result = fake_result(data(), layout=Layout.grid(*GRID, (300, 100), (1 / 3, 0, 2 / 3, 1)).to_dict())
+    cropped = V.ViewData.from_result(result, image)  # a centre crop (LLaVA-1.5): the image and panel are its part
+    assert cropped.image[..., 2].min() == 255 and cropped.image[..., 0].max() == 0
+    assert cropped.panels("map")[0].view is cropped.view_images[0]
 
 
-def test_from_result_reads_every_array_into_place():
-    d = data()
+def fake_result(d: V.ViewData, **fields) -> SimpleNamespace:
+    """The fields of a hap.Result the views read, from `d`'s arrays (a "fastv" run at temperature 0.5)."""
     tensor = __import__("torch").tensor
-    result = SimpleNamespace(  # the fields of a hap.Result the views read
+    return SimpleNamespace(
         paq=tensor(d.stats[..., 0]), sink_share=tensor(d.stats[..., 1]), dispersion=tensor(d.stats[..., 2]),
         visual_share=tensor(d.stats[..., 3]), visual_grid=GRID, head_class=HEAD_CLASS, groups=GROUPS,
         method="fastv", config={"temperature": 0.5}, visual_per_layer=[N] + [2] * (L - 1), curve=None,
         maps=SimpleNamespace(head=tensor(d.head_maps), head_attention=tensor(d.head_attention),
                              layer=tensor(d.layer_maps), group=tensor(d.group_maps),
-                             group_uniform=tensor(d.group_uniform)),
+                             group_uniform=tensor(d.group_uniform)), **fields,
     )
+
+
+def test_from_result_reads_every_array_into_place():
+    d = data()
+    result = fake_result(d)
     got = V.ViewData.from_result(result, Image.new("RGB", (40, 20), "blue"))
     np.testing.assert_array_equal(got.stats, d.stats)
     np.testing.assert_array_equal(got.head_maps, d.head_maps)

@@ -66,13 +66,13 @@ def repeat_decoder_kwargs(model, kwargs: dict, batch: int) -> None:
         adapter.repeat_decoder_kwargs(kwargs, batch)
 
 
-def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
-    """Where each visual token of the first sample of `inputs` (the processor's output) lies on its image of
-    `image_size` = (width, height) pixels (`hap.layout`): the adapter's tiled layout, else its `visual_grid` over the
-    whole image."""
+def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=None) -> Layout:
+    """Where each visual token of the first sample of `inputs` (the output of `processor`) lies on its image of
+    `image_size` = (width, height) pixels (`hap.layout`): the adapter's layout (which may read the processor's
+    settings: LLaVA-1.5's centre crop), else its `visual_grid` over the whole image."""
     adapter = adapter_for(model)
     if hasattr(adapter, "layout"):
-        return adapter.layout(model, inputs, image_size)
+        return adapter.layout(model, inputs, image_size, processor)
     N = int(visual_tokens(model, inputs)[0].sum())
     return Layout.grid(*adapter.visual_grid(model, inputs, N), image_size)
 

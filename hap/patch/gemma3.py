@@ -44,7 +44,7 @@ from .decoder import attention_outputs, decoder_of, remove_patch
 __all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "token_masks"]
 
 
-def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
+def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=None) -> Layout:
     """The visual tokens of the first prompt on its image of `image_size` = (width, height): a square of
     `mm_tokens_per_image` tokens over the whole image, then one over each pan-and-scan crop (`crop_boxes`), each
     token's cell the patches it pools (the tower's input seen as far as whole pooled cells reach)."""

@@ -72,7 +72,7 @@ def crop_grid(model, ids: torch.Tensor) -> tuple[int, int]:
     return rows, cols
 
 
-def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
+def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=None) -> Layout:
     """The first sample's tokens on its image: the crop grid and the global view, each over the whole image (an image
     not split, the global view alone), each token's cell its `scale_factor` x `scale_factor` patches: where the patch
     does not divide the crop (SmolVLM2-2.2B: 27 patches of 14 px see 378 of 384 px) the end of every crop lies in

@@ -57,7 +57,7 @@ def tile_grid(model, tiles: int, height: int, width: int) -> tuple[int, int]:
     return rows, cols
 
 
-def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
+def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=None) -> Layout:
     """The first sample's tokens on its image of `image_size` = (width, height) pixels (required: the processor's
     output does not carry it): the tile grid and the thumbnail, each over the whole image; one tile: one view."""
     if image_size is None:

@@ -13,16 +13,19 @@ from __future__ import annotations
 import math
 from functools import partial
 
+import numpy as np
 import torch
+from transformers.image_transforms import get_resize_output_image_size
+from transformers.image_utils import ChannelDimension
 
 from ..config import HAPConfig
-from ..layout import Layout, seen_share
+from ..layout import WHOLE, Box, Layout, seen_share
 from ..methods import policy_for
 from ..visionzip import VisionCues
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
-__all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "visual_grid"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "input_box", "layout", "remove_patch", "visual_grid"]
 
 
 def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
@@ -31,14 +34,48 @@ def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
     return (side, side) if side * side == num_visual else (1, num_visual)
 
 
-def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
-    """The first sample's tokens on its image: the square patch grid over the tower's whole input (the views crop
-    where the processor centre-crops, `hap.views.model_view`), each cell the pixels its patch sees: where the patch
-    does not divide the input (SigLIP-384 with 14-px patches: 27 patches see 378 px) the last pixels lie in no cell."""
+def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=None) -> Layout:
+    """The first sample's tokens on its image of `image_size` = (width, height): the square patch grid over the part
+    of the image the tower's input shows (`input_box`: a CLIP processor's centre crop leaves a non-square image's two
+    end strips unseen), each cell the pixels its patch sees: where the patch does not divide the input (SigLIP-384
+    with 14-px patches: 27 patches see 378 px) the last pixels lie in no cell. Without the `processor` the input is
+    taken for the whole image squashed."""
     rows, cols = visual_grid(model, inputs, int((inputs["input_ids"][0] == model.config.image_token_id).sum()))
     vision = model.config.vision_config
     square = rows == cols == vision.image_size // vision.patch_size
-    return Layout.grid(rows, cols, image_size, seen=seen_share(vision.image_size, vision.patch_size) if square else 1.0)
+    box = WHOLE if processor is None or image_size is None else input_box(processor.image_processor, image_size)
+    return Layout.grid(rows, cols, image_size, box, "image" if box == WHOLE else "centre crop",
+                       seen_share(vision.image_size, vision.patch_size) if square else 1.0)
+
+
+def input_box(image_processor, image_size: tuple[int, int]) -> Box:
+    """The rectangle (x0, y0, x1, y1), fractions of an image of `image_size` = (width, height) pixels, that the tower's
+    input shows after `image_processor` (the settings it runs with): resized (`size`: the shortest edge by
+    transformers' `get_resize_output_image_size`, as the processors' `resize`, or height x width), then, with
+    `do_center_crop`, cut to `crop_size` at the offset floor((resized - crop) / 2) on each axis, as the processors'
+    `center_crop`. A resize scales the image, so the box is the crop's share of the resized image."""
+    if getattr(image_processor, "do_pad", False):
+        raise ValueError(f"{type(image_processor).__name__} with do_pad=True (a pad to a square first) is not a "
+                         "geometry the layout knows: set do_pad=False")
+    width, height = image_size
+    new_h, new_w = height, width
+    if image_processor.do_resize:
+        size = dict(image_processor.size)
+        if set(size) == {"shortest_edge"}:
+            new_h, new_w = get_resize_output_image_size(np.broadcast_to(np.uint8(0), (1, height, width)),
+                                                        size["shortest_edge"], default_to_square=False,
+                                                        input_data_format=ChannelDimension.FIRST)
+        elif set(size) == {"height", "width"}:
+            new_h, new_w = size["height"], size["width"]
+        else:
+            raise ValueError(f"{type(image_processor).__name__}'s size {size} is not one the layout knows: give "
+                             "shortest_edge alone, or height and width")
+    if not image_processor.do_center_crop:
+        return WHOLE
+    crop = dict(image_processor.crop_size)
+    crop_h, crop_w = crop["height"], crop["width"]
+    top, left = (new_h - crop_h) // 2, (new_w - crop_w) // 2
+    return left / new_w, top / new_h, (left + crop_w) / new_w, (top + crop_h) / new_h
 
 
 def cls_layer(model) -> torch.nn.Module:

@@ -144,7 +144,7 @@ def token_masks(model, input_ids: torch.Tensor, kwargs: dict) -> tuple[torch.Ten
     return visual, image
 
 
-def layout(model, inputs, image_size: tuple[int, int] | None = None) -> Layout:
+def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=None) -> Layout:
     """The first sample's tokens on its image, each cell the pixels its patch sees (`tiling`): the base view over the
     whole image, the tile grid over the unpadded canvas (reaching past the image by the canvas cells that hold some
     padding)."""
