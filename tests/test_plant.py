@@ -362,7 +362,7 @@ def _found(model, processor, items, plan: Plan, detector: str) -> tuple[float, f
 @pytest.mark.slow
 def test_planted_heads_are_classified_on_held_out_scenes(shipped):
     """Held-out test scenes (seeds 500000+; the settings were chosen on validation seeds 400000-400005): planted
-    sinks in half the heads of every layer, parked on 1 or on 4 sink tokens per image, are classified sink by the
+    sinks in half the heads of every layer, parked on 1, 4 or 8 sink tokens per image, are classified sink by the
     paper's norm test (massive activations) and by the attention-consensus test (recall >= 0.9), unplanted heads
     rarely (<= 10%); without the massive activation the norm test sees none and the consensus test still finds them;
     planted dispersed heads are classified dispersed (recall >= 0.8)."""
@@ -371,7 +371,7 @@ def test_planted_heads_are_classified_on_held_out_scenes(shipped):
     model, processor = shipped
     items = list(heldout_items(range(500_000, 500_004), 1))
     layers, heads = model.config.text_config.num_hidden_layers, model.config.text_config.num_attention_heads
-    for count in (1, 4):
+    for count in (1, 4, 8):
         sinks = share_plan(range(layers), heads, 0.5, seed=0, sink_tokens=count)
         for detector in ("norm", "consensus"):
             recall, false = _found(model, processor, items, sinks, detector)
