@@ -1,8 +1,8 @@
 """What if heads differed? Accuracy of every pruner as planted sink (or dispersed) heads take a growing share of
 the scoring layers' heads (`hap.plant`, docs/method.md §14), on held-out scenes.
 
-    python -m analysis.heterogeneity --seeds 500000:500060 --out results/heterogeneity
-    python -m analysis.heterogeneity --seeds 500000:500060 --no-massive --kinds sink \
+    python -m analysis.heterogeneity --seeds 500000:500060 --per-scene 2 --out results/heterogeneity
+    python -m analysis.heterogeneity --seeds 500000:500060 --per-scene 2 --no-massive --kinds sink \
         --out results/heterogeneity/no-massive
 
 For each kind (sinks parked on 1 and on 4 sink tokens per image: `--sink-tokens`, the most redundant visual tokens of
