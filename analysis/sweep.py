@@ -30,16 +30,17 @@ import numpy as np
 import torch
 
 import hap
-from hap.budget import OFFICIAL, plan
+from hap.budget import plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits
-from hap.methods import policy_for
+from hap.pruners import pruner_class, pruner_for
 from hap.patch import batch, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from hap.run import Prepared, eos_ids, prefill, prepare, template_tail
+from hap.run import Prepared, eos_ids, prefill_then_decode, prepare, template_tail
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
+OFFICIAL = [m for m in METHODS if pruner_class(m).official]  # their official schedules, solved on their budget T
 GRID = [m for m in METHODS if m not in OFFICIAL]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
 
@@ -104,7 +105,8 @@ def keeps_everything(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual:
     """Whether `config` runs as the stock model on this input: a schedule that keeps every visual token in every
     layer, of a method that only drops tokens at its cuts (not VisionZip's tokens built before the decoder, nor the
     official schedules' recycled cluster means)."""
-    if config.method in OFFICIAL or policy_for(config).vision:
+    pruner = pruner_for(config)
+    if pruner.official or pruner.writes_tokens:
         return False
     schedule = plan(config, shape, num_visual, text_tokens)
     return schedule is None or all(n == num_visual for n in schedule.visual_per_layer)
@@ -147,25 +149,17 @@ def generated_together(model, processor, p: Prepared, configs: list[hap.HAPConfi
     """`generated_answer` of each config (the same answers and logits): one prefill each, the greedy answers
     continued as one batch (`hap.patch.batch`) until each is complete, each row cut where it would have stopped
     alone. Also returns the prefills and their first logits `[1, vocab]`, for `forced_together`."""
-    runs, first_logits = [], []
-    for config in configs:
-        done, out, _ = prefill(model, p, config, output_logits=True)
-        runs.append(done)
-        first_logits.append(out.logits[0])
-    T, tokenizer, ends = p.prompt_len, processor.tokenizer, set(eos_ids(model))
-    sequences, steps = torch.cat([done.first for done in runs]), ()
-    if max_new_tokens > 1:
-        with torch.inference_mode():
-            out = batch.decode(model, runs, max_new_tokens - 1, output_logits=True, return_dict_in_generate=True,
-                               stopping_criteria=[AnswerEnd(tokenizer, T)])
-        sequences, steps = out.sequences, out.logits
-    rows = []
+    done = prefill_then_decode(model, [(p, config, False) for config in configs], max_new_tokens,
+                               {"output_logits": True}, output_logits=True,
+                               stopping_criteria=[AnswerEnd(processor.tokenizer, p.prompt_len)])
+    first_logits = [out.logits[0] for out in done.outputs]
+    rows, ends = [], set(eos_ids(model))
     for i in range(len(configs)):
-        ids = sequences[i, T:].tolist()
-        ids = ids[:answer_length(tokenizer, ids, ends)]
-        logits = [first_logits[i], *(step[i:i + 1] for step in steps)][:len(ids)]
+        ids = done.tokens[i].tolist()
+        ids = ids[:answer_length(processor.tokenizer, ids, ends)]
+        logits = [first_logits[i], *(step[i:i + 1] for step in done.logits)][:len(ids)]
         rows.append((short_answer(processor.decode(ids, skip_special_tokens=True)), ids, logits))
-    return rows, runs, first_logits
+    return rows, done.runs, first_logits
 
 
 def forced_together(model, p: Prepared, runs: list[batch.Prefilled], first_logits: list[torch.Tensor],

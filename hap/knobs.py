@@ -14,7 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-METHODS = ("hap", "uniform", "fastv", "pdrop", "pdrop_ours", "random", "visionzip", "sparsevlm", "autoprune", "none")
+from .pruners import METHODS  # the registry of methods (hap/pruners/__init__.py)
+
 ROWS = ("prompt", "last", "question")
 HEAD_WEIGHTS = ("paq", "paq_visual")
 SINK_RANKINGS = ("keep", "mask", "mask_keep_one")

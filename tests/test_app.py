@@ -241,7 +241,7 @@ def sweep(client: Client, model: str, image=SCENE, prompt: str = PROMPT, **chang
 def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, model_name, loaded, monkeypatch):
     from app import handler
     from app.handler import SWEPT
-    from hap.budget import OFFICIAL
+    from analysis.sweep import OFFICIAL
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/sweep"]
     assert [p["parameter_name"] for p in info["parameters"]] == [

@@ -48,8 +48,8 @@ class Prefilled:
     def shift(self, layer: int) -> int:
         """Positions a decode step at `layer` is lowered by (`PruneState.decode_shift` of its group; 0 before a cut)."""
         state = self.patch.state
-        cuts = [c for c in (state.segment_index if state else {}) if c <= layer]
-        return state.decode_shift(max(cuts)) if cuts else 0
+        cut = None if state is None else state.group_of(layer)
+        return 0 if cut is None else state.decode_shift(cut)
 
     def bias(self, layer: int) -> torch.Tensor | None:
         """float [1, T_group] the merge bias on the prompt keys of `layer`'s group, or None."""

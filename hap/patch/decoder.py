@@ -44,8 +44,8 @@ from ..capture import prompt_attention
 from ..config import HAPConfig
 from ..merge import add_key_bias
 from ..planting import PLANTED
-from ..methods import policy_for
 from ..pruner import PruneState
+from ..pruners import pruner_for
 
 
 Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
@@ -228,11 +228,11 @@ class Patch:
         (deferred to `layer_done` when the layer writes its keys to the cache). Returns the hidden states."""
         st = self.state
         self.cache = kwargs.get("cache")
-        if index == 0 and st.policy.rows == "raters":  # SparseVLM's raters, from the input embeddings
+        if index == 0 and st.pruner.rows == "raters":  # SparseVLM's raters, from the input embeddings
             st.choose_raters(hidden)
         if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
             t0 = time.perf_counter()
-            _lookahead(st, layer, index, hidden, kwargs, rope=st.policy.first_cut != "prerope",
+            _lookahead(st, layer, index, hidden, kwargs, rope=st.pruner.first_cut != "prerope",
                        window=self.shape.window(index))
             st.scoring_seconds += time.perf_counter() - t0
         if st.cut_index(index) is not None:
@@ -327,11 +327,11 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
     (`TokenMasks`; default: the image token's ids). `kinds`: the layers' attention kinds where they differ
     (`LayerKinds`; default: one)."""
     check_decoder(model, kinds)
-    if tail is None and policy_for(config).rows == "question":
+    if tail is None and pruner_for(config).rows == "question":
         raise ValueError("rows='question' needs the chat template's tail after the question: "
                          "hap.patched(model, config, tail=hap.run.template_tail(processor))")
     attention = getattr(decoder_of(model).config, "_attn_implementation", None) or ""
-    if policy_for(config).merge == "proportional" and "flash" in attention:
+    if pruner_for(config).merge == "proportional" and "flash" in attention:
         raise ValueError(f"merge='proportional' adds a bias to the attention mask, which {attention} does not take: "
                          "load the model with attn_implementation='sdpa' or 'eager', or use merge='none'")
     if hasattr(model, "_hap"):
@@ -439,7 +439,7 @@ def _cut(st: PruneState, index: int, hidden: torch.Tensor, kwargs: dict) -> tupl
         hidden = hidden.scatter(1, where, merged.to(hidden))
         st.merged = None
     at = keep
-    if st.policy.renumber:  # the official PyramidDrop / VisionZip: positions 0..T'-1 (the first T' of 0..T-1)
+    if st.pruner.renumber:  # the official PyramidDrop / VisionZip: positions 0..T'-1 (the first T' of 0..T-1)
         at = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
     cos, sin = kwargs["position_embeddings"]
     kwargs["position_embeddings"] = (_take(cos, at), _take(sin, at))

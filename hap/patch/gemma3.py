@@ -36,7 +36,7 @@ from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_fo
 
 from ..config import HAPConfig
 from ..layout import Layout, TokenView
-from ..methods import policy_for
+from ..pruners import pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -127,7 +127,7 @@ def layer_kinds(model) -> decoder.LayerKinds:
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch` with Gemma 3's layer kinds and image tokens; the [CLS] cues are refused."""
-    if policy_for(config).needs_cls:
+    if pruner_for(config).needs_cls:
         raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the "
                          f"{type(model).__name__} vision tower (SigLIP) has no [CLS] token")
     if getattr(model.config.text_config, "use_bidirectional_attention", False):

@@ -16,8 +16,8 @@ from functools import partial
 import torch
 
 from ..config import HAPConfig
-from ..methods import policy_for
-from ..visionzip import VisionCues
+from ..pruners import pruner_for
+from ..pruners.visionzip import VisionCues
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -73,7 +73,7 @@ def capture_cls(patch: decoder.Patch, project, layer, args, kwargs, output) -> N
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch`, plus the [CLS] capture for `visionzip` and `autoprune`."""
-    layer = cls_layer(model) if policy_for(config).needs_cls else None
+    layer = cls_layer(model) if pruner_for(config).needs_cls else None
     patch = decoder.apply_patch(model, config, trace, priority, tail, lead=lead)
     if layer is not None:
         hook = partial(capture_cls, patch, model.model.multi_modal_projector)
