@@ -362,6 +362,8 @@ def test_load_clip_errors(clip_folder, tmp_path):
 
     with pytest.raises(ModelLoadError, match="no such folder"):
         load_clip(str(tmp_path / "missing"))
+    with pytest.raises(ModelLoadError, match="hub id.*unknown or unreachable"):
+        load_clip("no-such/clip-model")
     vision = tmp_path / "vision"
     model, _ = load_clip(str(clip_folder), device="cpu")
     CLIPVisionModel(model.config.vision_config).save_pretrained(vision)
