@@ -66,7 +66,7 @@ def select(tokens: torch.Tensor, relevance: torch.Tensor, k: int) -> torch.Tenso
     diag = L.diagonal().clone()
     d2 = diag.clone()
     c = L.new_zeros(k, n)
-    picks = torch.empty(k, dtype=torch.long)
+    picks = torch.empty(k, dtype=torch.long, device=tokens.device)
     for i in range(k):
         j = int(d2.argmax())
         if not d2[j] > RANK_TOL * diag[j]:

@@ -37,20 +37,20 @@ def distances(tokens: torch.Tensor) -> torch.Tensor:
 
 def select(tokens: torch.Tensor, k: int) -> torch.Tensor:
     """The `k` tokens of `tokens [N, D]` (one image's projected visual tokens) DivPrune keeps -> long [k],
-    ascending (0 <= k <= N)."""
+    ascending (0 <= k <= N), on the tokens' device."""
     n = tokens.shape[0]
     if not 0 <= k <= n:
         raise ValueError(f"k={k} must lie in 0..{n} (the image's visual tokens)")
-    picks = torch.empty(k, dtype=torch.long)
+    picks = torch.empty(k, dtype=torch.long, device=tokens.device)
     if k == 0:
         return picks
     d = distances(tokens)
-    first = d.kthvalue(2, dim=0).values.argmax() if n > 1 else torch.tensor(0)
+    first = int(d.kthvalue(2, dim=0).values.argmax()) if n > 1 else 0
     picks[0] = first
     nearest = d[first].clone()  # [N] distance of each token to its nearest pick
     nearest[first] = -torch.inf
     for i in range(1, k):
-        j = nearest.argmax()
+        j = int(nearest.argmax())
         picks[i] = j
         nearest = torch.minimum(nearest, d[j])  # earlier picks stay at -inf
         nearest[j] = -torch.inf

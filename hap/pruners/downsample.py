@@ -47,8 +47,8 @@ def pool(grid_tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     h, w, _ = grid_tokens.shape
     rows, cols = grid(h, w, k)
     pooled = F.adaptive_avg_pool2d(grid_tokens.permute(2, 0, 1).float(), (rows, cols))  # [D, rows, cols]
-    top = torch.arange(rows) * h // rows  # floor(i h / rows): adaptive pooling's window starts
-    left = torch.arange(cols) * w // cols
+    top = torch.arange(rows, device=grid_tokens.device) * h // rows  # floor(i h / rows): the windows' starts
+    left = torch.arange(cols, device=grid_tokens.device) * w // cols
     first = (top[:, None] * w + left[None, :]).flatten()
     return pooled.flatten(1).T.to(grid_tokens.dtype), first
 
