@@ -6,8 +6,8 @@ with the reason.
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
 token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). SparseVLM and
-AutoPrune (`OFFICIAL`) run their official schedules, whose first cut comes after layer 0, so their floor is at least
-1 / layers: they do not set the grid, and at a budget below their floor they have no answer (None, "out of reach"). The answer comes from
+AutoPrune run their official schedules and DART reads the layer before its cut (`OWN_FLOOR`): their first cut comes
+after layer 0, so their floor is at least 1 / layers: they do not set the grid, and at a budget below their floor they have no answer (None, "out of reach"). The answer comes from
 `hap.run` (untraced), cut at its end (`short_answer`: end of sequence, end of line, or `ANSWER_WORDS` words), the
 unpruned one included, since a pruned run may ramble on until the token limit. The probability of the
 unpruned answer is teacher-forced: the product of the pruned model's next-token probabilities of that (cut)
@@ -40,8 +40,9 @@ from hap.run import Prepared, eos_ids, prefill_then_decode, prepare, template_ta
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = [m for m in hap.METHODS if m != "none"]  # every method that prunes
-OFFICIAL = [m for m in METHODS if pruner_class(m).official]  # their official schedules, solved on their budget T
-GRID = [m for m in METHODS if m not in OFFICIAL]  # the methods whose floors set the grid's smallest budget
+OWN_FLOOR = [m for m in METHODS if pruner_class(m).official or pruner_class(m).min_full_layers]  # floors their own
+#   rules set (the official schedules; DART's cut after layer 0 at the earliest, 4 pivots at least): off the grid
+GRID = [m for m in METHODS if m not in OWN_FLOOR]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
 
 

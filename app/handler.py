@@ -61,7 +61,7 @@ from . import zerogpu
 from .edit import NO_EDIT, EditDiff, ImageInput, image_input, load
 from .lab import NO_PLAN, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share
 from .lab_pick import head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
-from .settings import Settings, check_model, is_local, resolve
+from .settings import Settings, check_clip, check_model, is_local, resolve
 
 
 def gpu(work: Callable[[zerogpu.Call], zerogpu.Work]) -> Callable[[Callable], Callable]:
@@ -377,6 +377,7 @@ class Handler:
         turns = check_history(history, limits)
         clean_conversation(prompt, turns, set(), limits)  # types, lengths, empty; hap.run cleans them (and says what)
         model_name, config = check_model(model_name, self.settings), check_settings(settings)
+        check_clip(config.clip_model, self.settings)
         return image_input(image, limits), model_name, config, turns
 
     def features(self, client: str) -> FeatureCache | None:

@@ -78,6 +78,8 @@ class Schedule:
     recycled: list[int] = field(default_factory=list)  # [groups] recycled tokens added at each cut; empty: none
     budget: int | None = None  # the official budget T of sparsevlm / autoprune (their accounting, `official_tokens`)
     last_drop: int | None = None  # visual tokens after the last layer's own drop (AutoPrune cuts there too)
+    planned: list[int] = field(default_factory=list)  # [groups] the budget's counts where the rule keeps others
+    #                                                   (`kept`: DART's 4 + 8T, downsample's pooled grid); empty: same
 
     @property
     def visual_per_layer(self) -> list[int]:
@@ -229,7 +231,17 @@ def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: i
                               decay=config.decay, retain=config.retain, flops_ratio=config.flops_ratio,
                               text_tokens=text_tokens)
     _check_min_tokens(config, shape, schedule, text_tokens)
+    kept = [pruner.realised(k, num_visual) for k in schedule.kept]
+    if kept != schedule.kept:
+        schedule.notes.append(f"method={config.method!r} keeps {kept} visual tokens where the budget plans "
+                              f"{schedule.kept} (its rule's count): realised retain {_realised(schedule, kept):.4f}")
+        schedule.planned, schedule.kept = schedule.kept, kept
     return schedule
+
+
+def _realised(schedule: Schedule, kept: list[int]) -> float:
+    """The retain of `schedule` with `kept` in place of its counts."""
+    return Schedule(schedule.num_visual, schedule.num_layers, schedule.cuts, kept).retain
 
 
 def official_schedule(method: str, budget: int, num_visual: int, num_layers: int) -> Schedule:
@@ -276,8 +288,8 @@ def _check_min_tokens(config: HAPConfig, shape: DecoderShape, schedule: Schedule
         floor = (prefill_flops([least] * shape.layers, text_tokens, shape)
                  / prefill_flops([n] * shape.layers, text_tokens, shape))
     raise ValueError(f"{name}={target:g} keeps {min(schedule.kept)} of {n} visual tokens, which under "
-                     f"method={config.method!r} is too few: it needs at least {least} (`min_tokens`): raise {name} to at "
-                     f"least {floor:.4f}")
+                     f"method={config.method!r} is too few: it needs at least {least} (`min_tokens`): raise {name} "
+                     f"to at least {floor:.4f}")
 
 
 def smallest_retain(config: HAPConfig, shape: DecoderShape, num_visual: int) -> float:
@@ -292,11 +304,12 @@ def smallest_retain(config: HAPConfig, shape: DecoderShape, num_visual: int) -> 
         return official_schedule(config.method, 1, num_visual, shape.layers).retain
     full = _full_layers(config)
     group_cuts(shape.layers, full, pruner.groups)  # refuses the layouts `plan` refuses, naming the knob
-    least = pruner.min_tokens
+    least = pruner.realised(pruner.min_tokens, num_visual)
     return (full * num_visual + (shape.layers - full) * least) / (shape.layers * num_visual)
 
 
 def _full_layers(config: HAPConfig) -> int:
     """Decoder layers before the first cut: none for a pruner that cuts before the decoder (VisionZip), else
-    first_layers."""
-    return 0 if pruner_class(config.method).before_decoder else config.first_layers
+    first_layers, at least the pruner's `min_full_layers` (DART reads the layer before its cut)."""
+    pruner = pruner_class(config.method)
+    return 0 if pruner.before_decoder else max(config.first_layers, pruner.min_full_layers)

@@ -53,6 +53,7 @@ class PruneState:
     tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
     priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
+    text_embeds: torch.Tensor | None = None  # [M, E] the raw question's CLIP text embeddings (CDPruner)
     vision: VisionCues | None = None  # the vision tower's cues of this prefill (VisionZip, first_cut="vision")
     merged: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions [B, c], embeds [B, c, D]) to write into the
     #                                     hidden states after the cut: VisionZip's block, merge's kept ones
@@ -198,8 +199,8 @@ class PruneState:
 
     # --- capture and cuts -------------------------------------------------------------------------
     def choose_raters(self, embeds: torch.Tensor) -> None:
-        """SparseVLM's raters from the decoder's input embeddings `embeds [batch, T, D]` (`hap.pruners.sparsevlm.raters`):
-        from here on only their rows score (the head statistics too)."""
+        """SparseVLM's raters from the decoder's input embeddings `embeds [batch, T, D]`
+        (`hap.pruners.sparsevlm.raters`): from here on only their rows score (the head statistics too)."""
         rows = self.row_positions(embeds.shape[1]).to(embeds.device)
         gather = lambda pos: embeds.gather(1, pos[..., None].expand(-1, -1, embeds.shape[-1]))
         chosen = raters(gather(self.visual_pos.to(embeds.device)), gather(rows), self.row_valid.to(embeds.device))
@@ -226,19 +227,22 @@ class PruneState:
         if self.tracer is not None and not lookahead:
             self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
 
-    def cut(self, layer: int, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def cut(self, layer: int, visual_embeds: torch.Tensor | None = None, keys: torch.Tensor | None = None,
+            normed: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. A pruner that
         builds its tokens (VisionZip, docs/method.md §7) leaves them in `merged` for the adapter to write into the
         kept visual slots; a merge (§10) folds the dropped tokens of `visual_embeds` [batch, N_cur, D] (the visual rows
-        of the hidden states) into the kept ones, and merge="proportional" records the group's attention bias."""
+        of the hidden states) into the kept ones, and merge="proportional" records the group's attention bias; a
+        pruner may read `visual_embeds` too (`Pruner.embeds`), and the previous layer's `keys` [batch, T, d] and
+        `normed` output [batch, T, D] (`Pruner.layer_states`)."""
         t0 = time.perf_counter()
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
         scored = self.pruner.scoring_layers((starts[g], layer))
         attn = paq = weights = sink = None
-        keys = [(l, l == layer) for l in scored]
+        map_keys = [(l, l == layer) for l in scored]
         if scored:
-            maps = [self._maps[key] for key in keys]
+            maps = [self._maps[key] for key in map_keys]
             attn = torch.stack([m[0] for m in maps], 1)  # [B, Lg, H, P, N_cur]
             paq = torch.stack([m[1].paq for m in maps], 1)  # [B, Lg, H]
             weights = self.pruner.head_weights(paq, torch.stack([m[1].visual_share for m in maps], 1))
@@ -246,7 +250,9 @@ class PruneState:
             if self.tracer is not None:
                 self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
-        selection = self.pruner.select(self, Cut(g, attn, weights, sink, visual_embeds))
+        s = self.schedule
+        budget = (s.planned or s.kept)[g]
+        selection = self.pruner.select(self, Cut(g, budget, attn, weights, sink, visual_embeds, keys, normed))
         chosen, scores = selection.chosen, selection.scores
         k = chosen.shape[1]
         B, T = self.seq_index.shape
@@ -278,7 +284,7 @@ class PruneState:
         self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(),
                                   None if weights is None else weights.cpu(),
                                   None if self.recycled is None else self.recycled.cpu()))
-        for key in keys:
+        for key in map_keys:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0
         return order
@@ -323,7 +329,7 @@ class PruneState:
             raise ValueError("the vision tower's [CLS] attention of this prefill is missing: pass pixel_values")
         device = self.visual_pos.device
         return VisionCues(cues.cls_attention.to(device), cues.keys.to(device), cues.features.to(device), cues.project,
-                          cues.heads)
+                          cues.heads, None if cues.image_embeds is None else cues.image_embeds.to(device))
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.

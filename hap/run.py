@@ -133,6 +133,7 @@ class Prepared:
     tail: int  # `template_tail`
     lead: int  # `question_lead`
     prepare_s: float  # seconds to clean, load and encode
+    question: str = ""  # the cleaned question, no chat template (what `cdpruner` reads)
 
     @property
     def prompt_len(self) -> int:
@@ -150,12 +151,12 @@ def prepare(model, processor, image, prompt: str, max_new_tokens: int, limits: I
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     check_context(model, inputs["input_ids"].shape[1], max_new_tokens, bool(history))
     return Prepared(inputs, text, picture, history, notes, template_tail(processor), question_lead(processor, history),
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0, prompt)
 
 
 def generate(model, p: Prepared, config: HAPConfig, trace: bool, max_new_tokens: int, **kwargs):
     """(the patch, `generate`'s output, its seconds): greedy decoding of `p` on the model patched with `config`."""
-    patch = apply(model, config, trace=trace, tail=p.tail, lead=p.lead)
+    patch = apply(model, config, trace=trace, tail=p.tail, lead=p.lead, question=p.question)
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -72,7 +72,8 @@ def test_cut_scores_fuse_with_the_pruner_temperature():
     mu = torch.rand(1, 2, 3)
     for method, T in (("hap", 0.1), ("uniform", math.inf)):
         pruner = pruner_for(HAPConfig(method=method))
-        got = pruner.scores(_state(), Cut(0, attn, pruner.head_weights(paq, mu), torch.zeros(1, 10, dtype=torch.bool)))
+        sink = torch.zeros(1, 10, dtype=torch.bool)
+        got = pruner.scores(_state(), Cut(0, attn=attn, weights=pruner.head_weights(paq, mu), sink=sink))
         torch.testing.assert_close(got, token_scores(group_map(attn, paq, T), _state().row_valid))
 
 

@@ -36,7 +36,7 @@ from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_fo
 
 from ..config import HAPConfig
 from ..layout import Layout, TokenView
-from ..pruners import pruner_for
+from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -128,7 +128,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch` with Gemma 3's layer kinds and image tokens; the [CLS] cues are refused."""
     if pruner_for(config).needs_cls:
-        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the "
+        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the "
                          f"{type(model).__name__} vision tower (SigLIP) has no [CLS] token")
     if getattr(model.config.text_config, "use_bidirectional_attention", False):
         raise ValueError(f"{type(model).__name__} with use_bidirectional_attention (every token sees every other) is "

@@ -30,7 +30,7 @@ from transformers.image_processing_utils import select_best_resolution
 
 from ..config import HAPConfig
 from ..layout import Box, Layout, TokenView
-from ..pruners import pruner_for
+from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -144,7 +144,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch` with the newline tokens kept out of the pruner; the [CLS] cues are refused."""
     if pruner_for(config).needs_cls:
-        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need one [CLS] attention "
+        raise ValueError(f"{cls_user(config)} needs one [CLS] attention "
                          f"over the visual tokens: {type(model).__name__} packs a base view and a tile canvas, each "
                          "tile encoded on its own, plus newline tokens, so no single [CLS] row ranks them")
     return decoder.apply_patch(model, config, trace, priority, tail, lead=lead,

@@ -5,7 +5,7 @@ benchmark and the lmms-eval plugin read.
 Every method runs through the same cuts, the same FLOPs accounting and the same selection; a pruner says what it
 needs captured, where it cuts, how it selects and how positions continue:
 
-    method     cuts                  scored by (rows; layers)                      heads               positions after a cut
+    method     cuts                  scored by (rows; layers)                      heads               positions
     hap        G after K             config.rows; the previous segment (or its last layer)  softmax(PAQ / T)  original
     uniform    G after K             config.rows; the whole previous segment       uniform (T = inf)   original
     pdrop      G after K             last token; the next layer (lookahead)        uniform             renumbered
@@ -16,6 +16,11 @@ needs captured, where it cuts, how it selects and how positions continue:
     sparsevlm  3 (official)          raters, mean; the layer that just ran, + recycling    uniform     renumbered
     autoprune  L-1 (every layer)     all text rows, mean; the layer that just ran, + [CLS] prior at layer 0,
                                      MI-driven schedule, + recycling               uniform             renumbered
+    divprune   1 before layer 0      - (max-min diversity of the projected tokens)  -                  renumbered
+    dart       1 at K (>= 1)         - (layer K-1's keys: pivots; its final-normed output: least similar)  original
+    vispruner  1 before layer 0      - (the tower's [CLS] attention, then duplicate removal)  -         renumbered
+    cdpruner   1 before layer 0      - (DPP on the projected tokens x CLIP relevance to the raw question)  renumbered
+    downsample 1 before layer 0      - (the grid average-pooled, no scoring)      -                    renumbered
     none       no cuts
 
 `pdrop` and `visionzip` follow their official code (docs/method.md §7): PyramidDrop scores the cut entering
@@ -28,6 +33,11 @@ are partly recycled into cluster means placed after the kept ones, and positions
 our earlier PyramidDrop variant, reported as ours: FastV's rule at every cut of the pyramid (the last token's
 attention in the layer that just ran), original positions kept (on the shipped model it scored above the official
 rule, docs/method.md §7).
+
+The 2025 pruners (`divprune`, `dart`, `vispruner`, `cdpruner`, `downsample`) keep what their official code keeps on
+the same inputs (docs/method.md §7); their rules are pure tensor functions in their modules, the executor hands them
+the cues they name (`Pruner.embeds`, `cls_cues`, `clip`, `layer_states`), and a family a rule does not carry over to
+is refused before any work (`Pruner.refuses`, the adapters' [CLS] and M-RoPE refusals).
 
 HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`, `merge`,
 `first_cut`) shape the `hap` pruner only; the baselines score as published (`rows` applies to `uniform` too).
@@ -56,6 +66,11 @@ METHODS = (
     "visionzip",
     "sparsevlm",
     "autoprune",
+    "divprune",
+    "dart",
+    "vispruner",
+    "cdpruner",
+    "downsample",
     "none",
 )
 
@@ -70,3 +85,9 @@ def pruner_class(method: str) -> type[Pruner]:
 def pruner_for(config: HAPConfig) -> Pruner:
     """The pruner `config` asks for, its scoring knobs taken from `config`."""
     return pruner_class(config.method).from_config(config)
+
+
+def cls_user(config: HAPConfig) -> str:
+    """Who asks for the vision tower's [CLS] cues in `config`, for a refusal: `first_cut='vision'` under HAP, else
+    the method."""
+    return "first_cut='vision'" if config.method == "hap" else f"method={config.method!r}"

@@ -25,18 +25,23 @@ if TYPE_CHECKING:
 
 @dataclass
 class Cut:
-    """What the executor hands a pruner at one cut: its index in the schedule and what was captured for it.
+    """What the executor hands a pruner at one cut: its index in the schedule, the count its budget plans (before
+    the rule's own count, `Pruner.realised`) and what was captured for it.
 
     attn [batch, layers, heads, P, visual] and weights [batch, layers, heads] (`Pruner.head_weights`) of the scoring
     layers, sink bool [batch, visual] the tokens any of them flagged as sinks (None where no layer scores); embeds
     [batch, visual, D] the visual rows of the hidden states entering the cut (None unless the pruner or a merge asks
-    for them)."""
+    for them); keys [batch, T, kv_heads * head_dim] the previous layer's keys after its k projection, key norm and
+    RoPE, and normed [batch, T, D] its output through the decoder's final norm (`Pruner.layer_states`, else None)."""
 
     index: int
+    budget: int = 0
     attn: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     sink: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
 
 
 @dataclass
@@ -70,12 +75,16 @@ class Pruner:
     # what it needs captured
     maps: ClassVar[bool] = True  # decoder attention maps of the scoring layers
     cls_cues: ClassVar[bool] = False  # the vision tower's [CLS] cues (`hap.pruners.visionzip.VisionCues`)
+    clip: ClassVar[bool] = False  # CLIP's projections of those cues and of the raw question (`clip_model`, CDPruner)
+    embeds: ClassVar[bool] = False  # the visual rows of the hidden states entering the cut (`Cut.embeds`)
+    layer_states: ClassVar[bool] = False  # the previous layer's keys and final-normed output (`Cut.keys`, DART)
     # where it cuts
     fixed_cuts: ClassVar[int | None] = None  # how many cuts it always makes (None: the `groups` knob)
     lookahead: ClassVar[bool] = False  # score every cut with the next layer's attention on the tokens about to enter it
     before_decoder: ClassVar[bool] = False  # one cut before layer 0, whatever first_layers says
+    min_full_layers: ClassVar[int] = 0  # the fewest layers before its first cut (first_layers is raised to it)
     min_tokens: ClassVar[int] = 1  # the fewest visual tokens a cut may keep
-    official: ClassVar[bool] = False  # its schedule is its official code's, solved on its budget T (`official_schedule`)
+    official: ClassVar[bool] = False  # its official code's schedule, solved on its budget T (`official_schedule`)
     # how it selects
     writes_tokens: ClassVar[bool] = False  # the kept slots carry tokens it builds (`Selection.tokens`)
     recycle: ClassVar[bool] = False  # the dropped tokens' cluster means join the kept ones (`hap.recycle`)
@@ -101,6 +110,15 @@ class Pruner:
     def official_schedule(cls, budget: int, num_visual: int, num_layers: int) -> Schedule:
         """The schedule of its official code at budget `budget` (`official` pruners only)."""
         raise NotImplementedError(f"{cls.name} has no official schedule")
+
+    def refuses(self, family: str) -> str | None:
+        """Why the pruner does not run on the models of adapter `family` (`hap.patch` module name: "llava",
+        "llava_next", "qwen2_vl", ...), or None; asked before any work with the model."""
+        return None
+
+    def realised(self, k: int, num_visual: int) -> int:
+        """Visual tokens a cut planned to keep `k` of `num_visual` really keeps (its rule's count; default k)."""
+        return k
 
     def scoring_layers(self, segment: tuple[int, int]) -> list[int]:
         """Layers whose maps score the cut that follows `segment` = [start, end).

@@ -14,11 +14,15 @@ Past the kernel's numerical rank (at most min(N, projector width)), the official
 NaN or arbitrary repeated picks. Here that is refused: `select` raises a ValueError naming the count and the limit
 as soon as the pick it would take is numerically spanned by the earlier ones (its residual below `RANK_TOL` of its
 own kernel diagonal, or not positive); callers can check `rank_limit` before any work with the model.
+
+The pruner (`CDPruner`) runs the rule on the shared executor, on the projected tokens and the tower's CLIP cues.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .base import BeforeDecoder, Selection
 
 ROW = 77  # CLIP's text context: the question is cut into rows of this many ids
 RANK_TOL = 1e-4  # a pick whose residual d2 is below this share of its own L[j, j] is numerically spanned
@@ -105,3 +109,27 @@ def question_embeddings(model, tokenizer, question: str) -> torch.Tensor:
     mask = text_rows([1] * len(ids), row).to(device)
     pooled = model.text_model(input_ids=input_ids, attention_mask=mask).pooler_output
     return model.text_projection(pooled)
+
+
+class CDPruner(BeforeDecoder):
+    """One selection before the first decoder layer over the projected visual tokens, conditioned on the raw
+    question: the relevance of CLIP's projection of the tower's own feature-layer patches (`VisionCues.image_embeds`,
+    the `clip_model` knob's checkpoint) to the question's CLIP text embeddings (`PruneState.text_embeds`)."""
+
+    name = "cdpruner"
+    cls_cues = True
+    clip = True
+    embeds = True
+
+    def select(self, state, cut):
+        cues, k = state.cues(), state.kept_count(cut.index)
+        if state.text_embeds is None:
+            raise ValueError("method='cdpruner' needs the raw question: hap.patched(model, config, question=...) "
+                             "(hap.run passes the prompt)")
+        text = state.text_embeds.to(cues.image_embeds.device)
+        chosen = torch.stack([select(tokens, relevance(image, text).to(tokens.device), k)
+                              for tokens, image in zip(cut.embeds, cues.image_embeds)])
+        return Selection(chosen.to(state.visual_pos.device))
+
+
+PRUNER = CDPruner

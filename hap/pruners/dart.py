@@ -24,12 +24,16 @@ Edge cases, handled rather than failing as `topk` would in the official code:
   set holds every pivot once;
 - pool exhaustion: when the pool runs out, each later pivot takes what is left (possibly nothing), so the image
   keeps all its tokens rather than more than it has; `kept_count` gives the count either way.
+
+The pruner (`Dart`) runs the rule on the shared executor, which hands it layer K-1's keys and final-normed output.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .base import Pruner, Selection
 
 PIVOTS = 4  # image pivots, and text pivots (official pivot_image_token = pivot_text_token = 4)
 
@@ -101,3 +105,33 @@ def select(keys: torch.Tensor, normed: torch.Tensor, visual: torch.Tensor, after
         pool[picks] = False
         kept[picks] = True
     return kept.nonzero()[:, 0]
+
+
+class Dart(Pruner):
+    """One selection entering layer K = `first_layers` (at least 1: it reads layer K-1), from layer K-1's keys and
+    final-normed output (`Cut.keys`, `Cut.normed`): the image pivots and per_pivot(budget) tokens per pivot; the text
+    pivots come from every token after the image. Original positions kept."""
+
+    name = "dart"
+    fixed_rows = "prompt"  # the tokens after the image: the text-pivot candidates
+    fixed_cuts = 1
+    maps = False
+    layer_states = True
+    min_full_layers = 1
+
+    def realised(self, k, num_visual):
+        return kept_count(num_visual, per_pivot(k))
+
+    def select(self, state, cut):
+        T = state.seq_index.shape[1]
+        rows, valid = state.row_positions(T), state.row_valid
+        per = per_pivot(cut.budget)
+        chosen = [select(keys, normed, visual, row[ok], per)
+                  for keys, normed, visual, row, ok in zip(cut.keys, cut.normed, state.visual_pos, rows, valid)]
+        if len({c.numel() for c in chosen}) > 1:
+            raise ValueError("method='dart' keeps a count that depends on the tokens after the image: a batch needs "
+                             f"at least {PIVOTS} of them in every prompt")
+        return Selection(torch.stack(chosen).to(state.visual_pos.device))
+
+
+PRUNER = Dart

@@ -13,12 +13,14 @@ sequence then holds that token twice). Here picked tokens are out of the running
 distinct: in that case the rule takes the duplicate (the same direction) instead of repeating the pick. On any
 input where the official rule picks no token twice, both keep the same set.
 
-Pure tensor functions; no question and no attention weights are needed.
+Pure tensor functions (no question and no attention weights are needed), then the pruner (`DivPrune`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .base import BeforeDecoder, Selection
 
 
 def count(ratio: float, n: int) -> int:
@@ -55,3 +57,19 @@ def select(tokens: torch.Tensor, k: int) -> torch.Tensor:
         nearest = torch.minimum(nearest, d[j])  # earlier picks stay at -inf
         nearest[j] = -torch.inf
     return picks.sort().values
+
+
+class DivPrune(BeforeDecoder):
+    """One selection before the first decoder layer over the projected visual tokens each sample's decoder receives
+    (`select`), positions renumbered as the official code splices the kept tokens."""
+
+    name = "divprune"
+    embeds = True
+
+    def select(self, state, cut):
+        k = state.kept_count(cut.index)
+        chosen = torch.stack([select(tokens, k) for tokens in cut.embeds])
+        return Selection(chosen.to(state.visual_pos.device))
+
+
+PRUNER = DivPrune

@@ -9,6 +9,8 @@
 The grid rule (`grid`), shared by both: h' x w' <= budget tokens, short of it by less than one row (w'), with h' <= h,
 w' <= w and the aspect ratio h'/w' closest (in log ratio) to h/w; ties go to the larger count, then to more rows.
 A budget of at least h * w keeps the grid as it is.
+
+The pruner (`Downsample`) runs the fixed-grid rule on the shared executor (LLaVA-1.5's one square grid).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from .base import BeforeDecoder, Selection
 
 
 def grid(height: int, width: int, budget: int) -> tuple[int, int]:
@@ -84,3 +88,36 @@ def processor_size(height: int, width: int, factor: int, min_pixels: int, max_pi
         return tuple(smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels))
     except ValueError as err:
         raise ValueError(f"image of {height}x{width} px: {err}") from err
+
+
+class Downsample(BeforeDecoder):
+    """No scoring: before the first decoder layer, the image's square grid of projected tokens is average-pooled to
+    the budget (`pool`); the pooled tokens take the first slots, each reported at the first patch of its window.
+    Runs where the decoder receives one square grid (LLaVA-1.5); tiles, blocks and dynamic resolution are refused."""
+
+    name = "downsample"
+    embeds = True
+    writes_tokens = True
+
+    def refuses(self, family: str) -> str | None:
+        if family != "llava":
+            return ("downsample pools one square grid of projected tokens (LLaVA-1.5); this family's tiles, blocks or "
+                    "dynamic resolution (the image resized, `resized_size`) are not built here")
+        return None
+
+    def realised(self, k, num_visual):
+        side = math.isqrt(num_visual)
+        return math.prod(grid(side, side, k)) if side * side == num_visual else k
+
+    def select(self, state, cut):
+        B, N, D = cut.embeds.shape
+        side = math.isqrt(N)
+        if side * side != N:
+            raise ValueError(f"method='downsample' pools one square grid of tokens; this image gives {N}")
+        pooled = [pool(tokens.view(side, side, D), cut.budget) for tokens in cut.embeds]
+        tokens, first = torch.stack([p for p, _ in pooled]), torch.stack([f for _, f in pooled])
+        chosen = torch.arange(tokens.shape[1], device=state.visual_pos.device).expand(B, -1)
+        return Selection(chosen, tokens=tokens, patches=first)
+
+
+PRUNER = Downsample

@@ -13,8 +13,8 @@ Carried over to other decoders (ours, docs/method.md §7): the cut layers sit at
 `round(l x L / 32)` (made strictly increasing), and the counts at the same share of the visual tokens: for the budget
 share t = T / N, each stage keeps the share the official lists give at 64/576, 128/576 and 192/576, linearly
 interpolated between them, scaled down proportionally below 64/576 and interpolated up to all tokens at t = 1. On
-LLaVA-1.5 (576 tokens, 32 layers) at T = 64, 128 or 192 this is the official list exactly. Pure functions, then the pruner
-(`SparseVLM`) on the shared executor.
+LLaVA-1.5 (576 tokens, 32 layers) at T = 64, 128 or 192 this is the official list exactly. Pure functions,
+then the pruner (`SparseVLM`) on the shared executor.
 """
 
 from __future__ import annotations

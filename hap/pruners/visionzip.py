@@ -37,6 +37,7 @@ class VisionCues:
     features: torch.Tensor  # [batch, 1 + N, Dv] the layer's output, [CLS] first
     project: Callable[[torch.Tensor], torch.Tensor]  # tower features [batch, n, Dv] -> decoder embeddings [batch, n, D]
     heads: int  # the feature layer's attention heads (cls_attention / heads is their mean: AutoPrune's prior)
+    image_embeds: torch.Tensor | None = None  # [batch, N, E] the patches' CLIP image embeddings (CDPruner), or None
 
 
 def split_budget(k: int, dominant_share: float = DOMINANT_SHARE) -> tuple[int, int]:

@@ -17,11 +17,15 @@ Two cases the official code never meets in its settings, handled by its evident 
 - r larger than A (only for tiny k_div): all of A is dropped (the list shrinks by |A|) and the loop goes on.
 Ties (left to `argsort` officially) go to the lowest position: the most attended patches lowest index first, the
 highest-scoring A items earliest in A first.
+
+The pruner (`VisPruner`) runs the rule on the shared executor, on the vision tower's cues (`VisionCues`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .base import BeforeDecoder, Selection
 
 IMPORTANT_RATIO = 0.5  # the official default: 64 = 32 important + 32 diverse
 STEP = 8  # at most this many duplicates leave the residual list per round
@@ -63,3 +67,20 @@ def select(cls_attention: torch.Tensor, features: torch.Tensor, k: int,
     unit = features.float() / features.float().norm(dim=-1, keepdim=True)
     residual = remove_duplicates(unit, order[important:], diverse) if diverse > 0 else order[:0]
     return torch.cat([order[:important], residual]).sort().values
+
+
+class VisPruner(BeforeDecoder):
+    """One selection before the first decoder layer from the vision tower's feature layer: its [CLS] attention
+    averaged over heads and its patch features before the projector (`hap.pruners.visionzip.VisionCues`)."""
+
+    name = "vispruner"
+    cls_cues = True
+
+    def select(self, state, cut):
+        cues, k = state.cues(), state.kept_count(cut.index)
+        mean = cues.cls_attention / cues.heads  # [B, N]
+        chosen = torch.stack([select(a, f[1:], k) for a, f in zip(mean, cues.features)])
+        return Selection(chosen.to(state.visual_pos.device))
+
+
+PRUNER = VisPruner
