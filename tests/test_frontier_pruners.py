@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
-from test_frontier_rules import (WORDS, clip_tokenizer, ref_cdpruner, ref_dart, ref_divprune, ref_grid, ref_pool,
-                                 ref_relevance, ref_vispruner)
+from test_frontier_rules import clip_folder as small_clip  # noqa: F401 (a fixture: the rules' tiny CLIP folder)
+from test_frontier_rules import ref_cdpruner, ref_dart, ref_divprune, ref_grid, ref_pool, ref_relevance, ref_vispruner
 from tiny_models import noise_image, qwen_vl_case, tiny_llava
 
 import hap
@@ -82,26 +82,22 @@ def test_vispruner_keeps_the_official_picks_of_the_tower_cues(llava, tower, reta
     assert r.groups[0].layers[0] == 0 and kept == ref_vispruner(tower["cls"], tower["patches"], len(kept))
 
 
-def save_clip(folder):
-    """A random CLIP whose vision width is the tiny LLaVA tower's (32), saved with its tokenizer to `folder`."""
-    from transformers import CLIPConfig, CLIPModel
+def save_clip(folder, source):
+    """The random CLIP of `source` (test_frontier_rules' folder) with its vision tower as wide as the tiny LLaVA's
+    (32), saved with the same tokenizer to `folder`."""
+    from transformers import AutoTokenizer, CLIPConfig, CLIPModel
 
+    config = CLIPConfig.from_pretrained(source)
+    config.vision_config.hidden_size = 32
     torch.manual_seed(0)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=8, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0),
-        vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=28, patch_size=14),
-        projection_dim=8)
     CLIPModel(config).save_pretrained(folder)
-    clip_tokenizer().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
-def clip_folder(tmp_path_factory):
-    return save_clip(tmp_path_factory.mktemp("clip"))
+def clip_folder(tmp_path_factory, small_clip):
+    return save_clip(tmp_path_factory.mktemp("clip"), small_clip)
 
 
 def test_cdpruner_keeps_the_official_picks_with_a_clip_loaded_from_a_folder(llava, tower, clip_folder):
