@@ -227,9 +227,15 @@ def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: i
         return None
     if pruner.official:
         return solve_budget(config, shape, num_visual, text_tokens)
-    schedule = solve_schedule(num_visual, shape, first_layers=_full_layers(config), groups=pruner.groups,
-                              decay=config.decay, retain=config.retain, flops_ratio=config.flops_ratio,
-                              text_tokens=text_tokens)
+    full = _full_layers(config)
+    try:
+        schedule = solve_schedule(num_visual, shape, first_layers=full, groups=pruner.groups, decay=config.decay,
+                                  retain=config.retain, flops_ratio=config.flops_ratio, text_tokens=text_tokens)
+    except ValueError as err:
+        if full > config.first_layers:  # the pruner's own floor, not the knob's
+            raise ValueError(f"method={config.method!r} cuts entering layer {full} at the earliest (it reads the layer "
+                             f"before its cut), whatever first_layers={config.first_layers} says: {err}") from err
+        raise
     _check_min_tokens(config, shape, schedule, text_tokens)
     kept = [pruner.realised(k, num_visual) for k in schedule.kept]
     if kept != schedule.kept:

@@ -206,6 +206,9 @@ def test_the_accounting_counts_what_each_rule_keeps(llava):
         else:
             assert not s.planned and s.kept[0] == math.floor(0.3 * 144)
     assert plan(hap.HAPConfig(method="dart", retain=0.7), shape, 144, T - 144).cuts == [1]  # K >= 1 (reads K-1)
+    with pytest.raises(ValueError, match="method='dart' cuts entering layer 1 at the earliest .* first_layers=0 says: "
+                                         "retain=0.2 is unreachable"):
+        plan(hap.HAPConfig(method="dart", retain=0.2, first_layers=0), shape, 144, T - 144)
 
 
 def test_qwen2_vl_runs_dart_and_refuses_the_others_by_name():

@@ -6,7 +6,7 @@ their own lengths (a layer after a cut holds only its group's kept tokens). `mer
 into one batch, layer by layer, each run's keys and values left-padded to the longest run's at that layer
 (layer 0 to the prompt's length, so `generate` counts positions as on an unpruned cache), and `BatchDecode`
 hooks each decoder layer of the continued `generate` with the mask of that layer: the padding masked out, each run's
-own merge bias on its prompt keys, the generated tokens open to all. Where a run's policy renumbers positions
+own merge bias on its prompt keys, the generated tokens open to all. Where a run's pruner renumbers positions
 (`PruneState.decode_shift`), its rows of the layer's positions and rotary tables are lowered as its own decode steps
 would be. Keys carry their rotary embedding from the prefill, so where they sit in the padded cache does not matter.
 
