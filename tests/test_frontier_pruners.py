@@ -211,10 +211,11 @@ def test_the_accounting_counts_what_each_rule_keeps(llava):
         plan(hap.HAPConfig(method="dart", retain=0.2, first_layers=0), shape, 144, T - 144)
 
 
-def test_qwen2_vl_runs_dart_and_refuses_the_others_by_name():
-    """Qwen2-VL: DART keeps the original M-RoPE ids; the selections before the decoder renumber positions (refused
-    on M-RoPE), VisPruner and CDPruner need a [CLS] token, downsample would resize the image (not built)."""
-    model, make = qwen_vl_case()
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_qwen2_vl_runs_dart_and_refuses_the_others_by_name(version):
+    """Qwen2-VL / 2.5-VL: DART keeps the original M-RoPE ids; the selections before the decoder renumber positions
+    (refused on M-RoPE), VisPruner and CDPruner need a [CLS] token, downsample would resize the image (not built)."""
+    model, make = qwen_vl_case(version=version)
     for method in FIVE:
         why = refusal(model, hap.HAPConfig(method=method, retain=0.5))
         if method == "dart":
