@@ -7,7 +7,8 @@ The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
 token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). SparseVLM and
 AutoPrune run their official schedules and DART reads the layer before its cut (`OWN_FLOOR`): their first cut comes
-after layer 0, so their floor is at least 1 / layers: they do not set the grid, and at a budget below their floor they have no answer (None, "out of reach"). The answer comes from
+after layer 0, so their floor is at least 1 / layers: they do not set the grid, and at a budget below their floor
+they have no answer (None, "out of reach"). The answer comes from
 `hap.run` (untraced), cut at its end (`short_answer`: end of sequence, end of line, or `ANSWER_WORDS` words), the
 unpruned one included, since a pruned run may ramble on until the token limit. The probability of the
 unpruned answer is teacher-forced: the product of the pruned model's next-token probabilities of that (cut)
