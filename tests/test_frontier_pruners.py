@@ -240,3 +240,22 @@ def test_the_app_loads_the_default_clip_or_an_allowed_local_folder_only(tmp_path
     with pytest.raises(ValueError, match="loads only"):
         check_clip(str(tmp_path), Settings())
     assert check_clip(str(tmp_path), Settings(allow_local=True)) == str(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["divprune", "dart", "vispruner", "downsample"])
+def test_a_padded_batch_keeps_what_each_prompt_keeps_alone(method):
+    """Two prompts of different lengths (left-padded) and images: each sample's kept set is its own alone (`generate`
+    counts each sample's positions from its first real token, as DART's rotated keys need; its pivot order follows
+    positions counted so too)."""
+    from tiny_models import inputs_for
+
+    model, processor = tiny_llava()
+    config = hap.HAPConfig(method=method, retain=0.5, first_layers=1)
+    questions = ["what colour is the cube ?", "is there a red sphere left of the big green cube in the picture ?"]
+    with hap.patched(model, config) as patch, torch.no_grad():
+        model.generate(**inputs_for(processor, questions, [0, 1]), max_new_tokens=1)
+        together = patch.state.cuts[0].kept
+    for b in range(2):
+        with hap.patched(model, config) as patch, torch.no_grad():
+            model.generate(**inputs_for(processor, questions[b:b + 1], [b]), max_new_tokens=1)
+        assert torch.equal(together[b], patch.state.cuts[0].kept[0]), b

@@ -123,11 +123,15 @@ class Dart(Pruner):
         return kept_count(num_visual, per_pivot(k))
 
     def select(self, state, cut):
+        """Each sample's rule on its own sequence: positions counted from its first real token (left padding off),
+        as the official batch of one counts them (the pivot order follows absolute positions)."""
         T = state.seq_index.shape[1]
         rows, valid = state.row_positions(T), state.row_valid
+        real = state.key_valid()
+        starts = [0] * len(rows) if real is None else real.long().argmax(1).tolist()
         per = per_pivot(cut.budget)
-        chosen = [select(keys, normed, visual, row[ok], per)
-                  for keys, normed, visual, row, ok in zip(cut.keys, cut.normed, state.visual_pos, rows, valid)]
+        chosen = [select(keys[s:], normed[s:], visual - s, row[ok] - s, per) for keys, normed, visual, row, ok, s
+                  in zip(cut.keys, cut.normed, state.visual_pos, rows, valid, starts)]
         if len({c.numel() for c in chosen}) > 1:
             raise ValueError("method='dart' keeps a count that depends on the tokens after the image: a batch needs "
                              f"at least {PIVOTS} of them in every prompt")
