@@ -88,7 +88,7 @@ def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor 
     `tail`: tokens of the chat template after the question (`hap.run.template_tail(processor)`), needed by
     rows="question". `lead`: tokens between the image and the question (`hap.run.question_lead(processor, history)`),
     the earlier turns of a follow-up, which no prompt row is taken from. `question`: the raw question (no chat
-    template), for a pruner that reads it (`cdpruner`). A method the model's family does not take is refused first,
+    template), for a pruner that reads it (`cdpruner`; one question for every prompt of a batch). A method the model's family does not take is refused first,
     naming the method, the model class and the reason."""
     adapter = adapter_for(model)
     why = pruner_for(config).refuses(adapter.__name__.rsplit(".", 1)[-1])

@@ -18,7 +18,7 @@ import torch
 from ..fusion import fuse, fusion_weights, row_mean, select_top, token_scores
 
 if TYPE_CHECKING:
-    from ..budget import DecoderShape, Schedule
+    from ..budget import Schedule
     from ..config import HAPConfig
     from ..pruner import PruneState
 
