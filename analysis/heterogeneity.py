@@ -35,7 +35,7 @@ import torch
 
 import hap
 from hap.heads import HeadStats, classify
-from hap.methods import policy_for, scoring_layers
+from hap.pruners import pruner_for
 from hap.patch.decoder import decoder_shape
 from hap.planting import Plan, classifier_report, share_plan
 from hap.run import chat_prompt
@@ -78,8 +78,8 @@ def hap_scoring_layers(model, base: dict, retain: float, num_visual: int, text_t
     config = hap.HAPConfig(method="hap", retain=retain, **base)
     schedule = hap.plan(config, decoder_shape(model), num_visual, text_tokens)
     starts = [0, *schedule.cuts]
-    policy = policy_for(config.resolved(schedule.num_layers))
-    return sorted({l for g, cut in enumerate(schedule.cuts) for l in scoring_layers(policy, (starts[g], cut))})
+    pruner = pruner_for(config.resolved(schedule.num_layers))
+    return sorted({l for g, cut in enumerate(schedule.cuts) for l in pruner.scoring_layers((starts[g], cut))})
 
 
 def classes_of(state, config: hap.HAPConfig) -> list[list[list[str]]]:

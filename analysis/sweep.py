@@ -6,8 +6,9 @@ with the reason.
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
 token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). SparseVLM and
-AutoPrune (`OFFICIAL`) run their official schedules, whose first cut comes after layer 0, so their floor is at least
-1 / layers: they do not set the grid, and at a budget below their floor they have no answer (None, "out of reach"). The answer comes from
+AutoPrune run their official schedules and DART reads the layer before its cut (`OWN_FLOOR`): their first cut comes
+after layer 0, so their floor is at least 1 / layers: they do not set the grid, and at a budget below their floor
+they have no answer (None, "out of reach"). The answer comes from
 `hap.run` (untraced), cut at its end (`short_answer`: end of sequence, end of line, or `ANSWER_WORDS` words), the
 unpruned one included, since a pruned run may ramble on until the token limit. The probability of the
 unpruned answer is teacher-forced: the product of the pruned model's next-token probabilities of that (cut)
@@ -30,18 +31,20 @@ import numpy as np
 import torch
 
 import hap
-from hap.budget import OFFICIAL, plan
+from hap.budget import plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits
 from hap.keeps import pruning, refusal
-from hap.methods import policy_for
 from hap.patch import batch, visual_tokens
+from hap.pruners import pruner_class, pruner_for
 from hap.patch.decoder import decoder_shape
-from hap.run import Prepared, eos_ids, prefill, prepare, template_tail
+from hap.run import Prepared, eos_ids, prefill_then_decode, prepare, template_tail
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = pruning()  # every method of the registry that prunes (the method knob's choices but none)
-GRID = [m for m in METHODS if m not in OFFICIAL]  # the methods whose floors set the grid's smallest budget
+OWN_FLOOR = [m for m in METHODS if pruner_class(m).official or pruner_class(m).min_full_layers]  # floors their own
+#   rules set (the official schedules; DART's cut after layer 0 at the earliest, 4 pivots at least): off the grid
+GRID = [m for m in METHODS if m not in OWN_FLOOR]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
 
 
@@ -105,7 +108,8 @@ def keeps_everything(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual:
     """Whether `config` runs as the stock model on this input: a schedule that keeps every visual token in every
     layer, of a method that only drops tokens at its cuts (not VisionZip's tokens built before the decoder, nor the
     official schedules' recycled cluster means)."""
-    if config.method in OFFICIAL or policy_for(config).vision:
+    pruner = pruner_for(config)
+    if pruner.official or pruner.writes_tokens:
         return False
     schedule = plan(config, shape, num_visual, text_tokens)
     return schedule is None or all(n == num_visual for n in schedule.visual_per_layer)
@@ -148,25 +152,17 @@ def generated_together(model, processor, p: Prepared, configs: list[hap.HAPConfi
     """`generated_answer` of each config (the same answers and logits): one prefill each, the greedy answers
     continued as one batch (`hap.patch.batch`) until each is complete, each row cut where it would have stopped
     alone. Also returns the prefills and their first logits `[1, vocab]`, for `forced_together`."""
-    runs, first_logits = [], []
-    for config in configs:
-        done, out, _ = prefill(model, p, config, output_logits=True)
-        runs.append(done)
-        first_logits.append(out.logits[0])
-    T, tokenizer, ends = p.prompt_len, processor.tokenizer, set(eos_ids(model))
-    sequences, steps = torch.cat([done.first for done in runs]), ()
-    if max_new_tokens > 1:
-        with torch.inference_mode():
-            out = batch.decode(model, runs, max_new_tokens - 1, output_logits=True, return_dict_in_generate=True,
-                               stopping_criteria=[AnswerEnd(tokenizer, T)])
-        sequences, steps = out.sequences, out.logits
-    rows = []
+    done = prefill_then_decode(model, [(p, config, False) for config in configs], max_new_tokens,
+                               {"output_logits": True}, output_logits=True,
+                               stopping_criteria=[AnswerEnd(processor.tokenizer, p.prompt_len)])
+    first_logits = [out.logits[0] for out in done.outputs]
+    rows, ends = [], set(eos_ids(model))
     for i in range(len(configs)):
-        ids = sequences[i, T:].tolist()
-        ids = ids[:answer_length(tokenizer, ids, ends)]
-        logits = [first_logits[i], *(step[i:i + 1] for step in steps)][:len(ids)]
+        ids = done.tokens[i].tolist()
+        ids = ids[:answer_length(processor.tokenizer, ids, ends)]
+        logits = [first_logits[i], *(step[i:i + 1] for step in done.logits)][:len(ids)]
         rows.append((short_answer(processor.decode(ids, skip_special_tokens=True)), ids, logits))
-    return rows, runs, first_logits
+    return rows, done.runs, first_logits
 
 
 def forced_together(model, p: Prepared, runs: list[batch.Prefilled], first_logits: list[torch.Tensor],

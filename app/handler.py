@@ -69,7 +69,7 @@ from .images import serve_figure, serve_images
 from .lab import (LAB_VIEWS, NO_PLAN, half_width, lab_answers, lab_configs, lab_text, mark_planted, plan_from_share,
                   read_plan, side_by_side)
 from .lab_pick import chosen_tokens, head_at, head_picker, plan_text, toggle_head, toggle_token, token_at, token_picker
-from .settings import Settings, check_model, is_local, resolve
+from .settings import Settings, check_clip, check_model, is_local, resolve
 
 
 def gpu(work: Callable[[zerogpu.Call], zerogpu.Work]) -> Callable[[Callable], Callable]:
@@ -427,6 +427,7 @@ class Handler:
         turns = check_history(history, limits)
         clean_conversation(prompt, turns, set(), limits)  # types, lengths, empty; hap.run cleans them (and says what)
         model_name, config = check_model(model_name, self.settings), check_settings(settings)
+        check_clip(config.clip_model, self.settings)
         return image_input(image, limits), model_name, config, turns
 
     def features(self, client: str) -> FeatureCache | None:

@@ -71,6 +71,8 @@ def control(knob: Knob, value: object) -> gr.components.Component:
     common = dict(value=value, label=knob.name, info=info, elem_id=f"knob-{knob.name}")
     if knob.choices is not None:
         return gr.Radio(list(knob.choices), **common)
+    if knob.kind is str:
+        return gr.Textbox(**common)
     if knob.kind is float and knob.low is not None and knob.high is not None and value is not None:
         step = (knob.high - knob.low) / SLIDER_STEPS
         return gr.Slider(knob.low + (step if knob.low_open else 0.0), knob.high, step=step, **common)

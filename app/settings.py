@@ -39,7 +39,7 @@ from pathlib import Path
 import gradio as gr
 
 from hap.inputs import DEFAULT_LIMITS, InputLimits
-from hap.knobs import KNOBS
+from hap.knobs import KNOBS, knob
 from hap.patch.processors import options_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,6 +178,16 @@ def check_model(name: object, settings: Settings) -> str:
             f"model {name!r} is a local folder, and loading local folders is off on this server "
             "(the operator enables it with HAP_APP_ALLOW_LOCAL=1); choose a hub model or the shipped tiny model"
         )
+    return name
+
+
+def check_clip(name: str, settings: Settings) -> str:
+    """`name` (the `clip_model` knob, cdpruner's CLIP) if this server may load it: the default, or a local folder where
+    local folders are allowed; else ValueError saying so (any other hub id would download a checkpoint)."""
+    default = knob("clip_model").default
+    if name != default and not (is_local(name) and settings.allow_local):
+        raise ValueError(f"clip_model={name!r}: this server loads only {default!r}"
+                         + (" or a local folder" if settings.allow_local else ""))
     return name
 
 

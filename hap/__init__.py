@@ -3,7 +3,9 @@
     model, processor = hap.load_model("llava-hf/llava-1.5-7b-hf")
     result = hap.run(model, processor, image, "What is in the image?", hap.HAPConfig(retain=0.056, first_layers=1))
 
-(`hap.HAPConfig()` alone uses per-model defaults, see `hap.knobs`), or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`.
+(`hap.HAPConfig()` alone uses per-model defaults, see `hap.knobs`), or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`
+(`method="cdpruner"` also reads the raw question: `hap.patched(model, cfg, question=q)`). The methods: `hap.METHODS`,
+one module each in `hap.pruners`.
 Images of different sizes (their own visual-token counts, their own budgets) go together through
 `hap.run_batch(model, processor, images, prompts, cfg)`; several configs on one input through `hap.run_together`.
 Each takes `options=hap.ProcessorOptions(max_tiles=6, ...)`: the processor settings that change the visual-token

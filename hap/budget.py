@@ -20,11 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import HAPConfig
-from . import autoprune, sparsevlm
-from .methods import policy_for
-from .visionzip import MIN_TOKENS as VISIONZIP_MIN
-
-OFFICIAL = ("sparsevlm", "autoprune")  # methods whose schedule is their official code's, solved on its budget T
+from .pruners import pruner_class, pruner_for
 FLOPS_CONVENTION = ("MACs per layer: 2nd*d_q + 2n*d*d_kv + 2n*min(n, w)*d_q + 3ndm (= 4nd^2+2n^2d+3ndm without "
                     "GQA, with d_q = d and no sliding window w)")
 
@@ -82,6 +78,8 @@ class Schedule:
     recycled: list[int] = field(default_factory=list)  # [groups] recycled tokens added at each cut; empty: none
     budget: int | None = None  # the official budget T of sparsevlm / autoprune (their accounting, `official_tokens`)
     last_drop: int | None = None  # visual tokens after the last layer's own drop (AutoPrune cuts there too)
+    planned: list[int] = field(default_factory=list)  # [groups] the budget's counts where the rule keeps others
+    #                                                   (`kept`: DART's 4 + 8T, downsample's pooled grid); empty: same
 
     @property
     def visual_per_layer(self) -> list[int]:
@@ -220,42 +218,41 @@ def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: i
     """The schedule `config` asks for on a decoder of `shape` and a sequence of `num_visual` visual and
     `text_tokens` text tokens; None when the method does not prune. The one planner of the pruner, the
     lmms-eval plugin and the speed script: model-dependent defaults resolve here (`HAPConfig.resolved`),
-    FastV gets its single cut at K, VisionZip its single cut before layer 0 (k = floor(retain x N) in every
-    layer, at least VISIONZIP_MIN), and an unreachable budget raises ValueError naming the knobs."""
+    FastV gets its single cut at K, a pruner that cuts before the decoder (VisionZip) its single cut before layer 0
+    (k = floor(retain x N) in every layer, at least its `min_tokens`), an official schedule (SparseVLM, AutoPrune)
+    its budget (`solve_budget`), and an unreachable budget raises ValueError naming the knobs."""
     config = config.resolved(shape.layers)
-    policy = policy_for(config)
-    if not policy.groups:
+    pruner = pruner_for(config)
+    if not pruner.groups:
         return None
-    if config.method in OFFICIAL:
+    if pruner.official:
         return solve_budget(config, shape, num_visual, text_tokens)
-    schedule = solve_schedule(num_visual, shape, first_layers=_full_layers(config), groups=policy.groups,
-                              decay=config.decay, retain=config.retain, flops_ratio=config.flops_ratio,
-                              text_tokens=text_tokens)
-    if policy.vision:
-        _check_visionzip(config, shape, schedule, text_tokens)
+    full = _full_layers(config)
+    try:
+        schedule = solve_schedule(num_visual, shape, first_layers=full, groups=pruner.groups, decay=config.decay,
+                                  retain=config.retain, flops_ratio=config.flops_ratio, text_tokens=text_tokens)
+    except ValueError as err:
+        if full > config.first_layers:  # the pruner's own floor, not the knob's
+            raise ValueError(f"method={config.method!r} cuts entering layer {full} at the earliest (it reads the layer "
+                             f"before its cut), whatever first_layers={config.first_layers} says: {err}") from err
+        raise
+    _check_min_tokens(config, shape, schedule, text_tokens)
+    kept = [pruner.realised(k, num_visual) for k in schedule.kept]
+    if kept != schedule.kept:
+        schedule.notes.append(f"method={config.method!r} keeps {kept} visual tokens where the budget plans "
+                              f"{schedule.kept} (its rule's count): realised retain {_realised(schedule, kept):.4f}")
+        schedule.planned, schedule.kept = schedule.kept, kept
     return schedule
 
 
-def sparsevlm_schedule(budget: int, num_visual: int, num_layers: int) -> Schedule:
-    """SparseVLM v1.5's schedule for the official budget `budget`: a cut after each of `sparsevlm.prune_layers`."""
-    kept, recycled = sparsevlm.stage_counts(budget, num_visual)
-    cuts = [l + 1 for l in sparsevlm.prune_layers(num_layers)]
-    return Schedule(num_visual, num_layers, cuts, kept, recycled=recycled, budget=budget)
-
-
-def autoprune_schedule(curve: autoprune.Curve, num_visual: int, num_layers: int) -> Schedule:
-    """AutoPrune's schedule from its `curve`: a cut after every layer, S after layer 0 (nothing recycled there)."""
-    recycled = [0] + [n - k for n, k in zip(curve.counts[1:], curve.keeps)]
-    return Schedule(num_visual, num_layers, list(range(1, num_layers)), [curve.first_keep, *curve.keeps[:-1]],
-                    recycled=recycled[:-1], budget=curve.budget, last_drop=curve.counts[-1])
+def _realised(schedule: Schedule, kept: list[int]) -> float:
+    """The retain of `schedule` with `kept` in place of its counts."""
+    return Schedule(schedule.num_visual, schedule.num_layers, schedule.cuts, kept).retain
 
 
 def official_schedule(method: str, budget: int, num_visual: int, num_layers: int) -> Schedule:
-    """The schedule of `method` ("sparsevlm" or "autoprune") at the official budget `budget`; AutoPrune's before
-    layer 1 sets its curve, at MI_1 = 0 (the steepest curve: the most tokens processed for the budget)."""
-    if method == "sparsevlm":
-        return sparsevlm_schedule(budget, num_visual, num_layers)
-    return autoprune_schedule(autoprune.curve(budget, num_visual, num_layers, mi1=0.0), num_visual, num_layers)
+    """The schedule of an official-schedule `method` (sparsevlm, autoprune) at the official budget `budget`."""
+    return pruner_class(method).official_schedule(budget, num_visual, num_layers)
 
 
 def solve_budget(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: int) -> Schedule:
@@ -283,39 +280,42 @@ def solve_budget(config: HAPConfig, shape: DecoderShape, num_visual: int, text_t
     return schedule
 
 
-def _check_visionzip(config: HAPConfig, shape: DecoderShape, schedule: Schedule, text_tokens: int) -> None:
-    """ValueError naming the budget knob when VisionZip's schedule keeps fewer than VISIONZIP_MIN tokens ([CLS] alone,
-    no image token), with the smallest value of that knob that keeps enough."""
-    if schedule.kept[0] >= VISIONZIP_MIN:
+def _check_min_tokens(config: HAPConfig, shape: DecoderShape, schedule: Schedule, text_tokens: int) -> None:
+    """ValueError naming the budget knob when a cut keeps fewer visual tokens than the method's `min_tokens`
+    (VisionZip: its [CLS] slot alone, no image token), with the smallest value of that knob that keeps enough."""
+    least = pruner_class(config.method).min_tokens
+    if min(schedule.kept) >= least:
         return
     n = schedule.num_visual
     if config.retain is not None:
-        name, target, floor = "retain", config.retain, VISIONZIP_MIN / n
+        name, target, floor = "retain", config.retain, least / n
     else:
         name, target = "flops_ratio", config.flops_ratio
-        floor = (prefill_flops([VISIONZIP_MIN] * shape.layers, text_tokens, shape)
+        floor = (prefill_flops([least] * shape.layers, text_tokens, shape)
                  / prefill_flops([n] * shape.layers, text_tokens, shape))
-    raise ValueError(f"{name}={target:g} keeps {schedule.kept[0]} of {n} visual tokens, which under method='visionzip' "
-                     f"is its [CLS] slot alone, no image token; visionzip needs at least {VISIONZIP_MIN} ([CLS] and "
-                     f"one image token): raise {name} to at least {floor:.4f}")
+    raise ValueError(f"{name}={target:g} keeps {min(schedule.kept)} of {n} visual tokens, which under "
+                     f"method={config.method!r} is too few: it needs at least {least} (`min_tokens`): raise {name} "
+                     f"to at least {floor:.4f}")
 
 
 def smallest_retain(config: HAPConfig, shape: DecoderShape, num_visual: int) -> float:
     """The smallest retain `plan` accepts for `config`'s method on `shape`: its first full layers keep all
-    `num_visual` tokens and every later layer one (VisionZip: VISIONZIP_MIN in every layer; 1.0 for a method that
+    `num_visual` tokens and every later layer one (VisionZip: its `min_tokens` in every layer; 1.0 for a method that
     does not prune)."""
     config = config.resolved(shape.layers)
-    policy = policy_for(config)
-    if not policy.groups:
+    pruner = pruner_for(config)
+    if not pruner.groups:
         return 1.0
-    if config.method in OFFICIAL:
+    if pruner.official:
         return official_schedule(config.method, 1, num_visual, shape.layers).retain
     full = _full_layers(config)
-    group_cuts(shape.layers, full, policy.groups)  # refuses the layouts `plan` refuses, naming the knob
-    least = VISIONZIP_MIN if policy.vision else 1
+    group_cuts(shape.layers, full, pruner.groups)  # refuses the layouts `plan` refuses, naming the knob
+    least = pruner.realised(pruner.min_tokens, num_visual)
     return (full * num_visual + (shape.layers - full) * least) / (shape.layers * num_visual)
 
 
 def _full_layers(config: HAPConfig) -> int:
-    """Decoder layers before the first cut: none for VisionZip (it cuts before the decoder), else first_layers."""
-    return 0 if policy_for(config).vision else config.first_layers
+    """Decoder layers before the first cut: none for a pruner that cuts before the decoder (VisionZip), else
+    first_layers, at least the pruner's `min_full_layers` (DART reads the layer before its cut)."""
+    pruner = pruner_class(config.method)
+    return 0 if pruner.before_decoder else max(config.first_layers, pruner.min_full_layers)

@@ -25,7 +25,7 @@ from functools import wraps
 
 import torch
 
-from .methods import policy_for
+from .pruners import pruner_for
 
 FEATURES = "get_image_features"  # the multimodal model's method that runs the vision tower and the projector
 
@@ -98,7 +98,7 @@ def explicit(config, kwargs: dict) -> dict:
 def needs_tower(model) -> bool:
     """Whether the model's current HAP patch reads the vision tower while it runs (its [CLS] cues)."""
     patch = getattr(model, "_hap", None)
-    return patch is not None and policy_for(patch.config).needs_cls
+    return patch is not None and pruner_for(patch.config).needs_cls
 
 
 @contextmanager

@@ -14,7 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-METHODS = ("hap", "uniform", "fastv", "pdrop", "pdrop_ours", "random", "visionzip", "sparsevlm", "autoprune", "none")
+from .pruners import METHODS  # the registry of methods (hap/pruners/__init__.py)
+
 ROWS = ("prompt", "last", "question")
 HEAD_WEIGHTS = ("paq", "paq_visual")
 SINK_RANKINGS = ("keep", "mask", "mask_keep_one")
@@ -64,6 +65,8 @@ class Knob:
         """What the knob accepts, in words: "a number in (0, 1]", "an integer >= 1", "one of a, b"."""
         if self.choices is not None:
             return "one of " + ", ".join(self.choices)
+        if self.kind is str:
+            return "a non-empty text"
         what = "an integer" if self.kind is int else "a number"
         if self.low is not None and self.high is not None:
             return f"{what} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
@@ -79,6 +82,10 @@ class Knob:
         if self.choices is not None:
             if value not in self.choices:
                 raise ValueError(f"{self.name}={value!r} is not allowed; choose {self.allowed}")
+            return value
+        if self.kind is str:
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{self.name}={value!r} must be {self.allowed}")
             return value
         ok = _is_real(value) and (self.kind is float or float(value).is_integer())
         ok = ok and (self.low is None or (value > self.low if self.low_open else value >= self.low))
@@ -168,6 +175,9 @@ KNOBS: tuple[Knob, ...] = (
          "scores of a cut before layer 0: layer 0's attention (attention), or its q.k without rotary embedding "
          "(prerope: no recency bias), or the vision tower's [CLS] attention (vision; CLIP towers)",
          choices=FIRST_CUTS, paper="attention"),
+    Knob("clip_model", str, "openai/clip-vit-large-patch14-336",
+         "cdpruner: the CLIP checkpoint whose text tower and projections pair with the vision tower (a hub id, or a "
+         "local folder holding a CLIPModel and its tokenizer)"),
 )
 SEED = Knob("seed", int, 0, "seed of the random baseline", low=0)  # a HAPConfig field, not a user-facing knob
 _BY_NAME = {k.name: k for k in (*KNOBS, SEED)}

@@ -40,6 +40,9 @@ out of memory) fails the run instead of silently scoring "", so a pruning bug ca
 `method=sparsevlm` and `method=autoprune` run their official rules (docs/method.md §7) with the budget read as every
 method's, the visual tokens processed per layer (their papers' "64 tokens" of LLaVA-1.5 is their own post-drop
 accounting: retain=0.1428 for SparseVLM's, 0.1423 for AutoPrune's); autoprune needs --batch_size 1.
+`method=cdpruner` loads its CLIP from `clip_model` and reads each request's prompt text as the question (lmms-eval
+hands no raw question, so the task's pre- and post-prompts are included; the official evaluation reads the bare
+question): requests run one at a time, with `--force_simple`.
 Loglikelihood tasks are refused while pruning (the pruned forward returns fewer logits than its labels).
 """
 
@@ -108,7 +111,13 @@ class _HAPMixin:
 
     def generate_until(self, requests):
         self._hap_errors.clear()
-        out = super().generate_until(requests)
+        if self.hap_patch.clip is None:
+            out = super().generate_until(requests)
+        else:  # cdpruner reads each request's question: one request at a time, each asked first
+            out = []
+            for request in requests:
+                self.hap_patch.ask(_question(request))
+                out += super().generate_until([request])
         if self._hap_errors:
             first = self._hap_errors[0]
             raise GenerationFailed(
@@ -124,6 +133,16 @@ class _HAPMixin:
                 f"fewer logits than the labels lmms-eval builds); use generate_until tasks or method=none"
             )
         return super().loglikelihood(requests)
+
+
+def _question(request) -> str:
+    """The question `cdpruner` reads from an lmms-eval request: its prompt text (`doc_to_text`, the task's pre- and
+    post-prompts included: lmms-eval hands no raw question); ValueError where the request holds no text prompt."""
+    context = request.args[0]
+    if not isinstance(context, str):
+        raise ValueError(f"{MODEL_NAME}: method=cdpruner reads the request's prompt text; this task gives "
+                         f"{type(context).__name__}: run with --force_simple")
+    return context
 
 
 def _guard_generate(model, errors: list) -> None:

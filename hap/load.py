@@ -61,7 +61,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
     the model over devices with accelerate's hooks, and replaces the move to `device`; `device="auto"`
     with more than one visible GPU means `device_map="auto"`.
     """
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     from .patch import ADAPTERS
 
@@ -76,13 +76,7 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
         dtype = getattr(torch, dtype)
     local = Path(name_or_path).expanduser()
     where = f"local folder {local}" if local.is_dir() else f"hub id {name_or_path!r}"
-    try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(
-            f"cannot load {where}: it is not a local model folder and the hub copy is unknown or unreachable "
-            f"(offline?). Details: {str(err).splitlines()[0]}"
-        ) from err
+    config = load_config(name_or_path, where)
     arch = (config.architectures or [type(config).__name__])[0]
     if arch not in ADAPTERS:
         raise ModelLoadError(f"{where} is a {arch}; HAP supports {', '.join(ADAPTERS)}")
@@ -96,3 +90,41 @@ def load_model(name_or_path: str, device: str = "auto", dtype: torch.dtype | str
         raise ModelLoadError(f"cannot load {where}: {str(err).splitlines()[0]}") from err
     return (model if device_map is not None else model.to(target)).eval(), processor
 
+
+def load_config(name_or_path: str, where: str):
+    """The checkpoint's config through `AutoConfig` (no remote code); ModelLoadError naming `where` when it is
+    neither a local model folder nor a reachable hub id."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"cannot load {where}: it is not a local model folder and the hub copy is unknown or unreachable "
+            f"(offline?). Details: {str(err).splitlines()[0]}"
+        ) from err
+
+
+def load_clip(clip_model: str, device=None, dtype=None):
+    """`(model, tokenizer)` of a CLIP checkpoint (hub id or local folder) for CDPruner's relevance: the
+    `CLIPModel` (text tower, text projection, visual projection) and its tokenizer. device None: "auto" (as
+    `load_model`); dtype None: float32. Safetensors only, never remote code. ModelLoadError when the folder is
+    missing, the hub copy unknown or unreachable, or the checkpoint is not a CLIP model with its text tower."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    local = Path(clip_model).expanduser()
+    if local.is_absolute() or clip_model.startswith((".", "~")) or clip_model.count("/") > 1:
+        if not local.is_dir():
+            raise ModelLoadError(f"clip_model={clip_model!r}: no such folder ({local})")
+    where = f"clip_model={clip_model!r} ({'local folder' if local.is_dir() else 'hub id'})"
+    config = load_config(clip_model, where)
+    if config.model_type != "clip":
+        raise ModelLoadError(f"{where} is a {config.model_type}, not a CLIP model with its text tower "
+                             "(a CLIPModel checkpoint such as openai/clip-vit-large-patch14-336)")
+    try:
+        model = CLIPModel.from_pretrained(clip_model, dtype=dtype or torch.float32, use_safetensors=True,
+                                          trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(clip_model, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load {where}: {str(err).splitlines()[0]}") from err
+    return model.to(resolve_device(device or "auto")).eval(), tokenizer

@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import autoprune
-from .budget import DecoderShape, Schedule, autoprune_schedule, plan
+from .budget import DecoderShape, Schedule, plan
 from .config import HAPConfig
-from .fusion import select_top
 from .heads import HeadStats, detect_sinks, head_stats
 from .merge import key_bias, merge_dropped
-from .methods import Policy, cut_scores, head_weights, looks_ahead, policy_for, recycles, scoring_layers
+from .pruners import pruner_for
+from .pruners.autoprune import Curve
+from .pruners.base import Cut, Pruner
+from .pruners.sparsevlm import raters
+from .pruners.visionzip import VisionCues
 from .recycle import recycle
-from .sparsevlm import raters
 from .trace import CutTrace, Tracer
-from .visionzip import VisionCues, select
 
 
 @dataclass
@@ -38,7 +38,7 @@ class PruneState:
     """Bookkeeping of one prefill over a batch; built by `PruneState.start`."""
 
     config: HAPConfig
-    policy: Policy
+    pruner: Pruner  # the method: what it captures, where it cuts, how it selects, how positions continue
     schedule: Schedule | None
     num_visual: int
     row_valid: torch.Tensor  # bool [batch, P]
@@ -53,15 +53,16 @@ class PruneState:
     tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
     priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
+    text_embeds: torch.Tensor | None = None  # [M, E] the raw question's CLIP text embeddings (CDPruner)
     vision: VisionCues | None = None  # the vision tower's cues of this prefill (VisionZip, first_cut="vision")
     merged: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions [B, c], embeds [B, c, D]) to write into the
     #                                     hidden states after the cut: VisionZip's block, merge's kept ones
     sizes: torch.Tensor | None = None  # with a merge: [B, N_cur] original tokens each visual token stands for
     key_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> [B, T_group] log-size bias per key
     recycled: torch.Tensor | None = None  # bool [B, N_cur] the visual tokens that are recycled cluster means (their
-    #                                     kept_orig is the cluster centre's); None for a policy that does not recycle
+    #                                     kept_orig is the cluster centre's); None for a pruner that does not recycle
     appended: torch.Tensor | None = None  # [B, c, D] recycled tokens of the cut just made, for the adapter to append
-    curve: autoprune.Curve | None = None  # the schedule AutoPrune chose (MI_0, MI_1, slope, fractions)
+    curve: Curve | None = None  # the schedule AutoPrune chose (MI_0, MI_1, slope, fractions)
     mi0: float = math.nan  # AutoPrune's MI_0, from its layer-0 cut
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
@@ -115,14 +116,14 @@ class PruneState:
         device = visual_mask.device
         positions = torch.arange(T, device=device)
         visual_pos = positions.expand(B, T)[visual_mask].view(B, N)
-        policy = policy_for(config)
+        pruner = pruner_for(config)
         schedule = plan(config, shape, N, T - N)
-        scoring, lookahead = _scoring_sets(policy, schedule)
+        scoring, lookahead = _scoring_sets(pruner, schedule)
         image_end = visual_pos[:, -1] if image_mask is None else _last_image_token(image_mask, visual_pos[:, -1])
-        row_valid, row_gap = _prompt_rows(policy.rows, image_end, _last_tokens(attention_mask, T), T, tail, lead)
+        row_valid, row_gap = _prompt_rows(pruner.rows, image_end, _last_tokens(attention_mask, T), T, tail, lead)
         return cls(
             config=config,
-            policy=policy,
+            pruner=pruner,
             schedule=schedule,
             num_visual=N,
             row_valid=row_valid,
@@ -137,8 +138,8 @@ class PruneState:
             tracer=Tracer(N, config.temperature) if trace else None,
             prompt_len=T,
             priority=None if priority is None else priority.float().to(device),
-            sizes=None if policy.merge == "none" else torch.ones(B, N, device=device),
-            recycled=torch.zeros(B, N, dtype=torch.bool, device=device) if policy.recycle else None,
+            sizes=None if pruner.merge == "none" else torch.ones(B, N, device=device),
+            recycled=torch.zeros(B, N, dtype=torch.bool, device=device) if pruner.recycle else None,
         )
 
     # --- queries the adapter asks at each layer -------------------------------------------------
@@ -166,25 +167,29 @@ class PruneState:
         return torch.arange(start, start + new, device=self.seq_index.device)[None]
 
     def decode_shift(self, layer: int) -> int:
-        """Tokens taken off a decode step's positions in the group from cut `layer`: under a renumbering policy
+        """Tokens taken off a decode step's positions in the group from cut `layer`: under a renumbering pruner
         (`pdrop`, `visionzip`, `sparsevlm`, `autoprune`) the prompt tokens dropped up to that cut (net of recycled ones), so the step follows the group's renumbered
         prompt 0..T_group-1 (the official PyramidDrop lowers its decode positions so; VisionZip's decoder only sees
         the shorter sequence); 0 where kept tokens keep their original positions."""
-        return self.prompt_len - self.segment_index[layer].shape[1] if self.policy.renumber else 0
+        return self.prompt_len - self.segment_index[layer].shape[1] if self.pruner.renumber else 0
 
     def key_origins(self, layer: int, keys: int) -> torch.Tensor:
         """long [batch, keys] the unpruned position of each of the `keys` keys layer `layer` attends over: the
         prompt tokens its group kept (every prompt token before the first cut), then the tokens generated since."""
-        cuts = [c for c in self.segment_index if c <= layer]
-        prompt = self.segment_index[max(cuts)] if cuts else self.seq_index.new_tensor(range(self.prompt_len))[None]
+        cut = self.group_of(layer)
+        prompt = self.seq_index.new_tensor(range(self.prompt_len))[None] if cut is None else self.segment_index[cut]
         new = torch.arange(self.prompt_len, self.prompt_len + keys - prompt.shape[1], device=prompt.device)
         return torch.cat([prompt, new.expand(prompt.shape[0], -1)], 1)
 
     def bias_at(self, layer: int) -> torch.Tensor | None:
         """float [batch, T_group] the proportional-attention bias per key of the group holding `layer` (its latest
         cut at or before `layer`; docs/method.md §10), or None where no merge happened."""
-        cuts = [c for c in self.key_bias if c <= layer]
-        return self.key_bias[max(cuts)] if cuts else None
+        return self.key_bias.get(self.group_of(layer))
+
+    def group_of(self, layer: int) -> int | None:
+        """The cut that opened the group holding `layer`: the latest cut made at or before it, or None before the
+        first cut."""
+        return max((c for c in self.segment_index if c <= layer), default=None)
 
     def key_valid(self) -> torch.Tensor | None:
         """bool [batch, T_cur] padding mask of the current sequence, or None without padding."""
@@ -194,8 +199,8 @@ class PruneState:
 
     # --- capture and cuts -------------------------------------------------------------------------
     def choose_raters(self, embeds: torch.Tensor) -> None:
-        """SparseVLM's raters from the decoder's input embeddings `embeds [batch, T, D]` (`hap.sparsevlm.raters`):
-        from here on only their rows score (the head statistics too)."""
+        """SparseVLM's raters from the decoder's input embeddings `embeds [batch, T, D]`
+        (`hap.pruners.sparsevlm.raters`): from here on only their rows score (the head statistics too)."""
         rows = self.row_positions(embeds.shape[1]).to(embeds.device)
         gather = lambda pos: embeds.gather(1, pos[..., None].expand(-1, -1, embeds.shape[-1]))
         chosen = raters(gather(self.visual_pos.to(embeds.device)), gather(rows), self.row_valid.to(embeds.device))
@@ -222,40 +227,34 @@ class PruneState:
         if self.tracer is not None and not lookahead:
             self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
 
-    def cut(self, layer: int, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. VisionZip
-        (docs/method.md §7) leaves its block of projected tokens in `merged` for the adapter to write into the first
-        k visual slots; a merge (§10) folds the dropped tokens of `visual_embeds` [batch, N_cur, D] (the visual rows
-        of the hidden states) into the kept ones, and merge="proportional" records the group's attention bias."""
+    def cut(self, layer: int, visual_embeds: torch.Tensor | None = None, keys: torch.Tensor | None = None,
+            normed: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. A pruner that
+        builds its tokens (VisionZip, docs/method.md §7) leaves them in `merged` for the adapter to write into the
+        kept visual slots; a merge (§10) folds the dropped tokens of `visual_embeds` [batch, N_cur, D] (the visual rows
+        of the hidden states) into the kept ones, and merge="proportional" records the group's attention bias; a
+        pruner may read `visual_embeds` too (`Pruner.embeds`), and the previous layer's `keys` [batch, T, d] and
+        `normed` output [batch, T, D] (`Pruner.layer_states`)."""
         t0 = time.perf_counter()
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
-        scored = scoring_layers(self.policy, (starts[g], layer))
+        scored = self.pruner.scoring_layers((starts[g], layer))
         attn = paq = weights = sink = None
-        keys = [(l, l == layer) for l in scored]
+        map_keys = [(l, l == layer) for l in scored]
         if scored:
-            maps = [self._maps[key] for key in keys]
+            maps = [self._maps[key] for key in map_keys]
             attn = torch.stack([m[0] for m in maps], 1)  # [B, Lg, H, P, N_cur]
             paq = torch.stack([m[1].paq for m in maps], 1)  # [B, Lg, H]
-            weights = head_weights(self.policy, paq, torch.stack([m[1].visual_share for m in maps], 1))
+            weights = self.pruner.head_weights(paq, torch.stack([m[1].visual_share for m in maps], 1))
             sink = torch.stack([m[2] for m in maps]).any(0)  # [B, N_cur] a sink in any scoring layer
             if self.tracer is not None:
                 self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
-        k = min(self.schedule.kept[g], n_cur)
-        if self.policy.vision:  # the first k visual slots carry VisionZip's block: [CLS], dominant, contextual
-            patches, tokens = select(self._cues(), k)
-            chosen = torch.arange(k, device=self.visual_pos.device).expand(self.visual_pos.shape[0], -1)
-        else:
-            if self.policy.autoprune and g < 2:  # the layer-0 cut's prior; layer 1's MI sets the schedule
-                scores = self._autoprune(g, attn)
-                k = min(self.schedule.kept[g], n_cur)
-            elif scored or self.policy.random:
-                scores = cut_scores(self.policy, attn, weights, self.row_valid, n_cur, self.config.seed, g, sink)
-            else:  # HAP's first cut before layer 0 by the [CLS] attention (first_cut="vision", §10)
-                scores = self._cues().cls_attention
-            priority = None if self.priority is None else self.priority.gather(1, self.kept_orig)
-            chosen = select_top(scores.to(self.visual_pos.device), k, priority)  # [B, k] into the current visual list
+        s = self.schedule
+        budget = (s.planned or s.kept)[g]
+        selection = self.pruner.select(self, Cut(g, budget, attn, weights, sink, visual_embeds, keys, normed))
+        chosen, scores = selection.chosen, selection.scores
+        k = chosen.shape[1]
         B, T = self.seq_index.shape
         keep = torch.ones(B, T, dtype=torch.bool, device=self.seq_index.device)
         keep.scatter_(1, self.visual_pos, False)
@@ -265,46 +264,30 @@ class PruneState:
         orig_before = self.kept_orig
         self.visual_pos = new_pos.gather(1, self.visual_pos.gather(1, chosen))
         self.kept_orig = self.kept_orig.gather(1, chosen)
-        if self.policy.vision:  # the [CLS] slot stays in the sequence but is no patch: out of the visual maps
-            self.merged = (self.visual_pos, tokens)
-            self.visual_pos, self.kept_orig = self.visual_pos[:, 1:], patches.to(self.kept_orig.device)
+        if selection.tokens is not None:  # the pruner's own tokens; slots before its patches (VisionZip's [CLS]) stay
+            self.merged = (self.visual_pos, selection.tokens)  # in the sequence but are no patch: out of the maps
+            lead = k - selection.patches.shape[1]
+            self.visual_pos, self.kept_orig = self.visual_pos[:, lead:], selection.patches.to(self.kept_orig.device)
         elif self.sizes is not None:
             if k < n_cur:  # a cut that keeps every token merges nothing
                 merged, self.sizes = merge_dropped(visual_embeds.to(self.visual_pos.device), self.sizes, chosen)
                 self.merged = (self.visual_pos, merged)
-            if self.policy.merge == "proportional" and (k < n_cur or self.key_bias):  # this cut or one before merged
+            if self.pruner.merge == "proportional" and (k < n_cur or self.key_bias):  # this cut or one before merged
                 self.key_bias[layer] = key_bias(self.sizes, self.visual_pos, kept_positions.shape[1])
         order = source = kept_positions
         if self.recycled is not None:
             self.recycled = self.recycled.gather(1, chosen)
-        if recycles(self.policy, g):
+        if self.pruner.recycles(g):
             order, source = self._recycle(visual_embeds, scores, chosen, kept_positions, T, orig_before)
         self.seq_index = self.seq_index.gather(1, source)
         self.segment_index[layer] = self.seq_index
         self.cuts.append(CutTrace(layer, scored, self.kept_orig.cpu(), None if paq is None else paq.cpu(),
                                   None if weights is None else weights.cpu(),
                                   None if self.recycled is None else self.recycled.cpu()))
-        for key in keys:
+        for key in map_keys:
             del self._maps[key]
         self.scoring_seconds += time.perf_counter() - t0
         return order
-
-    def _autoprune(self, g: int, attn: torch.Tensor) -> torch.Tensor:
-        """AutoPrune's scores at its first two cuts (batch 1; `hap.autoprune`). The layer-0 cut: the [CLS] prior (mean
-        over the tower's heads) plus 0.3 MI_0 times the text rows' head-mean attention. The layer-1 cut: MI_1 sets the
-        curve, which replaces the planned schedule (same budget T), then the plain head-mean row-mean scores."""
-        a = attn[0, 0][:, self.row_valid[0]]  # [H, n, V] the text rows of the scoring layer
-        if g == 0:
-            cues = self._cues()
-            scores, mi0 = autoprune.first_cut_scores(cues.cls_attention[0] / cues.heads, a)
-            self.mi0 = float(mi0)
-            return scores[None]
-        mi1 = float(autoprune.mutual_information(a).sum())
-        s = self.schedule
-        self.curve = autoprune.curve(s.budget, s.num_visual, s.num_layers, mi1, self.mi0)
-        planned = autoprune_schedule(self.curve, s.num_visual, s.num_layers)
-        s.kept, s.recycled, s.last_drop = planned.kept, planned.recycled, planned.last_drop
-        return a.mean(0).mean(0)[None]
 
     def _recycle(self, visual_embeds: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor,
                  kept_positions: torch.Tensor, T: int, orig_before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,14 +314,22 @@ class PruneState:
         self.appended = recycled
         return order, source
 
-    def _cues(self) -> VisionCues:
+    def kept_count(self, cut_index: int) -> int:
+        """Visual tokens cut `cut_index` keeps: the schedule's count, at most those present."""
+        return min(self.schedule.kept[cut_index], self.visual_pos.shape[1])
+
+    def current_priority(self) -> torch.Tensor | None:
+        """[batch, N_cur] the priority (`start`) of the visual tokens present, or None."""
+        return None if self.priority is None else self.priority.gather(1, self.kept_orig)
+
+    def cues(self) -> VisionCues:
         """This prefill's vision cues, their tensors on the pruner's device."""
         cues = self.vision
         if cues is None or cues.cls_attention.shape != self.visual_pos.shape:
             raise ValueError("the vision tower's [CLS] attention of this prefill is missing: pass pixel_values")
         device = self.visual_pos.device
         return VisionCues(cues.cls_attention.to(device), cues.keys.to(device), cues.features.to(device), cues.project,
-                          cues.heads)
+                          cues.heads, None if cues.image_embeds is None else cues.image_embeds.to(device))
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.
@@ -391,12 +382,12 @@ def _prompt_rows(rows: str, last_visual: torch.Tensor, last_token: torch.Tensor 
     return torch.arange(P - 1, -1, -1, device=device)[None, :] < counts[:, None], gap
 
 
-def _scoring_sets(policy: Policy, schedule: Schedule | None) -> tuple[set[int], set[int]]:
+def _scoring_sets(pruner: Pruner, schedule: Schedule | None) -> tuple[set[int], set[int]]:
     """(layers whose maps score a cut after they ran, layers captured before their own cut to score it)."""
     scoring, lookahead = set(), set()
     if schedule is not None:
         starts = [0] + schedule.cuts
         for g, cut in enumerate(schedule.cuts):
             segment = (starts[g], cut)
-            (lookahead if looks_ahead(policy, segment) else scoring).update(scoring_layers(policy, segment))
+            (lookahead if pruner.looks_ahead(segment) else scoring).update(pruner.scoring_layers(segment))
     return scoring, lookahead

@@ -141,6 +141,7 @@ class Prepared:
     tail: int  # `template_tail`
     lead: int  # `question_lead`
     prepare_s: float  # seconds to clean, load and encode
+    question: str = ""  # the cleaned question, no chat template (what `cdpruner` reads)
 
     @property
     def prompt_len(self) -> int:
@@ -158,12 +159,12 @@ def prepare(model, processor, image, prompt: str, max_new_tokens: int, limits: I
     inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     check_context(model, inputs["input_ids"].shape[1], max_new_tokens, bool(history))
     return Prepared(inputs, text, picture, history, notes, template_tail(processor), question_lead(processor, history),
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0, prompt)
 
 
 def generate(model, p: Prepared, config: HAPConfig, trace: bool, max_new_tokens: int, **kwargs):
     """(the patch, `generate`'s output, its seconds): greedy decoding of `p` on the model patched with `config`."""
-    patch = apply(model, config, trace=trace, tail=p.tail, lead=p.lead)
+    patch = apply(model, config, trace=trace, tail=p.tail, lead=p.lead, question=p.question)
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -250,32 +251,51 @@ def prefill(model, p: Prepared, config: HAPConfig, trace: bool = False, **kwargs
     return batch.Prefilled(patch, out.cache, out.sequences, None if deltas is None else deltas.clone()), out, seconds
 
 
+@dataclass
+class Together:
+    """Runs prefilled alone, their answers continued as one batch (`prefill_then_decode`)."""
+
+    runs: list  # [B] each run's `batch.Prefilled`
+    outputs: list  # [B] each prefill's `generate` output
+    seconds: list[float]  # [B] each prefill's seconds
+    tokens: torch.Tensor  # long [B, n] each run's generated tokens, its first one included (up to max_new_tokens)
+    logits: tuple  # the continued steps' logits [B, vocab] each, where the decode was asked for them
+    decode_s: float  # the batched continuation's seconds
+
+
+def prefill_then_decode(model, jobs: Sequence[tuple[Prepared, HAPConfig, bool]], max_new_tokens: int,
+                        prefill_kwargs: dict | None = None, **decode_kwargs) -> Together:
+    """Prefill each `(prepared input, config, trace)` job alone (`prefill`, with `prefill_kwargs`), then continue the
+    answers as one batch (`batch.decode`, with `decode_kwargs`) up to `max_new_tokens` in all, unless every answer
+    ended at its first token or only one token is asked for. The model must allow a batch (`batch.refusal`)."""
+    runs, outputs, seconds = [], [], []
+    for p, config, trace in jobs:
+        done, out, generate_s = prefill(model, p, config, trace, **(prefill_kwargs or {}))
+        runs.append(done)
+        outputs.append(out)
+        seconds.append(generate_s)
+    tokens, logits, ends = torch.cat([done.first[:, -1:] for done in runs]), (), set(eos_ids(model))
+    t0 = time.perf_counter()
+    if max_new_tokens > 1 and not all(int(token) in ends for token in tokens[:, 0]):
+        with torch.inference_mode():
+            out = batch.decode(model, runs, max_new_tokens - 1, return_dict_in_generate=True, **decode_kwargs)
+        tokens, logits = out.sequences[:, max(done.prompt_len for done in runs):], out.logits or ()
+    return Together(runs, outputs, seconds, tokens, logits, time.perf_counter() - t0)
+
+
 def _together(model, processor, jobs: list[tuple[Prepared, HAPConfig, bool]], max_new_tokens: int) -> list[Result]:
     """The results of `(prepared input, config, trace)` jobs: each prefilled alone, the answers decoded as one batch
     where the model allows, else each alone."""
     if len(jobs) < 2 or max_new_tokens < 2 or batch.refusal(model) is not None:
         return [alone(model, processor, p, config, trace, max_new_tokens) for p, config, trace in jobs]
-    prefilled, seconds = [], []
-    for p, config, trace in jobs:
-        done, _, generate_s = prefill(model, p, config, trace)
-        prefilled.append(done)
-        seconds.append(generate_s)
-    ends, T = set(eos_ids(model)), max(done.prompt_len for done in prefilled)
-    t0 = time.perf_counter()
-    if all(int(done.first[0, -1]) in ends for done in prefilled):  # every answer ended at its first token
-        sequences = torch.cat([done.first[:, -1:] for done in prefilled])
-        T = 0
-    else:
-        with torch.inference_mode():
-            sequences = batch.decode(model, prefilled, max_new_tokens - 1)
-    decode_s = time.perf_counter() - t0
-    results = []
-    for i, ((p, config, _), done) in enumerate(zip(jobs, prefilled)):
-        tokens = sequences[i, T:].tolist()
+    done = prefill_then_decode(model, jobs, max_new_tokens)
+    ends, results = set(eos_ids(model)), []
+    for i, ((p, config, _), run, seconds) in enumerate(zip(jobs, done.runs, done.seconds)):
+        tokens = done.tokens[i].tolist()
         stop = next((j + 1 for j, t in enumerate(tokens) if t in ends), len(tokens))  # where this run's answer ended
-        timings = {"prefill_s": done.patch.prefill_seconds, "generate_s": seconds[i] + decode_s,
-                   "decode_s": seconds[i] - done.patch.prefill_seconds + decode_s, "decode_batch": len(jobs)}
-        results.append(finish(model, processor, p, config, done.patch, sequences[i, T:T + stop], timings))
+        timings = {"prefill_s": run.patch.prefill_seconds, "generate_s": seconds + done.decode_s,
+                   "decode_s": seconds - run.patch.prefill_seconds + done.decode_s, "decode_batch": len(jobs)}
+        results.append(finish(model, processor, p, config, run.patch, done.tokens[i, :stop], timings))
     return results
 
 

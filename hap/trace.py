@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from . import autoprune
+from .pruners import autoprune
 from .budget import FLOPS_CONVENTION, DecoderShape, Schedule
 from .config import HAPConfig
 from .fusion import group_map, head_fusion, token_scores
@@ -158,7 +158,7 @@ class Result:
     flops_convention: str = FLOPS_CONVENTION
     official_tokens: float | None = None  # sparsevlm / autoprune: their own accounting (visual tokens after each
     #                                       layer's drop, layer average), beside `retained_tokens` (what ran)
-    curve: dict | None = None  # autoprune: the curve it chose (`hap.autoprune.Curve`: MI_0, MI_1, slope, fractions,
+    curve: dict | None = None  # autoprune: the curve it chose (`hap.pruners.autoprune.Curve`: MI_0, MI_1, slope, fractions,
     #                            counts after each layer's drop)
     layout: dict | None = None  # where each visual token lies on the uploaded image (`hap.layout.Layout.to_dict`,
     #                             computed once by the model's adapter); None: the `visual_grid` over the whole image

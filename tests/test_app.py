@@ -243,7 +243,7 @@ def sweep(client: Client, model: str, image=SCENE, prompt: str = PROMPT, **chang
 def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, model_name, loaded, monkeypatch):
     from app import handler
     from app.handler import SWEPT
-    from hap.budget import OFFICIAL
+    from analysis.sweep import OWN_FLOOR
     from hap.options import OPTIONS
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/sweep"]
@@ -253,11 +253,12 @@ def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, mode
     retain = data["retain"]
     assert len(retain) >= 6 and retain[0] == 1.0 and retain == sorted(retain, reverse=True)
     assert retain[-1] * 144 <= 2  # first_layers=0: down to a token or so per group
-    assert list(data["methods"]) == [m for m in hap.METHODS if m != "none"]
+    assert list(data["methods"]) == [m for m in hap.METHODS if m not in ("none", *data["refused"])]
+    assert set(data["refused"]) == {"cdpruner"}  # the default CLIP pairs with CLIP-L/336 towers
     for method, runs in data["methods"].items():
         assert len(runs["answers"]) == len(runs["answer_prob"]) == len(retain), method
         reached = [p for p in runs["answer_prob"] if p is not None]  # None: below an official schedule's floor
-        assert all(0.0 <= p <= 1.0 for p in reached) and len(reached) >= (2 if method in OFFICIAL else len(retain))
+        assert all(0.0 <= p <= 1.0 for p in reached) and len(reached) >= (2 if method in OWN_FLOOR else len(retain))
     unpruned = hap.run(*loaded, Image.open(SCENE), PROMPT, hap.HAPConfig(**{**SETTINGS, "method": "none"}),
                        trace=False)
     assert data["unpruned"]["answer"] == unpruned.answer

@@ -10,7 +10,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 import hap
-from hap.visionzip import split_budget
+from hap.pruners.visionzip import split_budget
 from hap.budget import DecoderShape, plan
 from tiny_models import llava_case
 
@@ -156,10 +156,10 @@ def test_pdrop_ours_keeps_original_positions_and_differs_from_pdrop(retain):
 
 def test_pdrop_scores_with_the_last_prompt_row_not_the_first():
     """A planted bug read the first prompt row: only the last token's row may score a cut."""
-    from hap.methods import policy_for
+    from hap.pruners import pruner_for
     from hap.pruner import _prompt_rows
 
-    assert policy_for(hap.HAPConfig(method="pdrop", rows="prompt")).rows == "last"
+    assert pruner_for(hap.HAPConfig(method="pdrop", rows="prompt")).rows == "last"
     valid, gap = _prompt_rows("last", torch.tensor([5]), None, 12)
     assert valid.tolist() == [[True]] and gap.tolist() == [0]  # the row ending at position 11, the last token
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import hap
 from analysis.scenes import heldout_items
 from hap.knobs import KNOBS
-from hap.methods import policy_for
+from hap.pruners import pruner_for
 from hap.patch import decoder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +47,9 @@ def test_the_pyramiddrop_comparison_in_the_method_notes_is_the_benchmarks():
 
 
 def test_the_execution_docs_name_the_methods_that_renumber_positions():
-    renumbering = {m for m in METHODS if policy_for(hap.HAPConfig(method=m)).renumber}
-    assert renumbering == {"pdrop", "visionzip", "sparsevlm", "autoprune"}
+    renumbering = {m for m in METHODS if pruner_for(hap.HAPConfig(method=m)).renumber}
+    assert renumbering == {"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune", "vispruner", "cdpruner",
+                           "downsample"}
     for name, text in (("docs/method.md §9", _section(METHOD, "## §9", "## §10")), ("decoder.py", decoder.__doc__)):
         sentences = [s for s in re.split(r"(?<=[.;])\s", " ".join(text.split())) if "renumber" in s]
         assert sentences, f"{name} does not say which methods renumber positions"

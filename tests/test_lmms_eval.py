@@ -21,6 +21,7 @@ from lmms_eval.models.registry_v2 import ModelRegistryV2  # noqa: E402
 
 import hap  # noqa: E402
 import hap.lmms_eval as plugin  # noqa: E402
+from test_frontier_rules import clip_folder as small_clip  # noqa: E402, F401 (a fixture: a tiny CLIP folder)
 from tiny_models import noise_image, tiny_llava  # noqa: E402
 
 TASK, SPLIT = "tiny", "test"
@@ -275,3 +276,16 @@ def test_cli_runs_a_local_task(pretrained, tmp_path):
     pruned = build("llava_hf_hap", pretrained, HAP_ARGS, force_simple=False)
     expected = answers(pruned, chat=True)[:2]
     assert [s["filtered_resps"] for s in sorted(samples, key=lambda s: s["doc_id"])] == expected
+
+
+def test_cdpruner_loads_its_clip_and_reads_each_requests_question(pretrained, small_clip, tmp_path, monkeypatch):
+    from test_frontier_pruners import save_clip
+
+    clip = save_clip(tmp_path / "clip", small_clip)
+    lm = build("llava_hf_hap", pretrained, f"method=cdpruner,retain=0.3,clip_model={clip}")
+    assert lm.hap_patch.clip is not None  # loaded with the model, from the folder
+    asked, ask = [], lm.hap_patch.ask
+    monkeypatch.setattr(lm.hap_patch, "ask", lambda question: asked.append(question) or ask(question))
+    got = answers(lm)
+    assert asked == [doc["question"] for doc in DOCS] and all(isinstance(a, str) for a in got)
+    assert lm.model._hap.state.cuts[0].layer == 0 and lm.model._hap.state.text_embeds is not None

@@ -14,7 +14,8 @@ import torch
 
 import hap
 from analysis.training.tiny_vlm import build_config, build_processor
-from hap import autoprune, recycle, sparsevlm
+from hap import recycle
+from hap.pruners import autoprune, sparsevlm
 from hap.budget import DecoderShape, official_schedule, plan, smallest_retain
 from hap.patch import refusal
 from hap.run import chat_prompt

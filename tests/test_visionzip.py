@@ -3,7 +3,7 @@ tests/test_baselines.py)."""
 import pytest
 import torch
 
-from hap.visionzip import contextual_targets, contextual_tokens, dominant_tokens, split_budget
+from hap.pruners.visionzip import contextual_targets, contextual_tokens, dominant_tokens, split_budget
 
 
 def test_split_budget():
@@ -91,7 +91,7 @@ def test_visionzip_refuses_a_budget_of_one_token_by_name_and_keeps_one_image_tok
     model, processor = tiny_llava(layers=4)
     shape, ask = decoder_shape(model), dict(image=noise_image(), prompt="what color is the circle ?", max_new_tokens=2)
     with pytest.raises(ValueError, match=r"retain=0.00694444 keeps 1 of 144 visual tokens, which under "
-                                         r"method='visionzip' is its \[CLS\] slot alone.*raise retain to at least "
+                                         r"method='visionzip' is too few: it needs at least 2.*raise retain to at least "
                                          r"0\.0139"):
         hap.run(model, processor, config=hap.HAPConfig(method="visionzip", retain=1 / 144), **ask)
     with pytest.raises(ValueError, match=r"flops_ratio=0.05 keeps 1 of 144 .*raise flops_ratio to at least 0\.0529"):

@@ -18,7 +18,8 @@ from tiny_zoo_recent import decode_loop_error, fanned_out_error, qwen3_vl, recom
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # 3 x 5 and 5 x 3 merged tokens: different images, equal counts
-REFUSED = {"pdrop", "visionzip", "sparsevlm", "autoprune"}  # no [CLS] token; M-RoPE ids cannot be renumbered
+REFUSED = {"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune", "vispruner", "cdpruner", "downsample"}  # no
+#   [CLS] token; M-RoPE ids cannot be renumbered; dynamic resolution not resized here
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -12,6 +12,7 @@ import torch
 
 from ..config import HAPConfig
 from ..layout import Layout
+from ..pruners import pruner_for
 from . import gemma3, idefics3, internvl, llava, llava_next, qwen2_vl, qwen3_vl
 
 ADAPTERS = {
@@ -78,7 +79,7 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
 
 
 def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-          tail: int | None = None, lead: int = 0):
+          tail: int | None = None, lead: int = 0, question: str | None = None):
     """Patch `model` in place; a plain `model.generate(**inputs)` then prunes. Returns the patch state.
 
     `priority [batch, visual]` (analysis only, e.g. an oracle): at every cut the visual tokens are ranked by
@@ -86,8 +87,16 @@ def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor 
     input, V > 1 rows run V variants of it, sharing the layers before the first cut (a prefill only, `hap.utility`).
     `tail`: tokens of the chat template after the question (`hap.run.template_tail(processor)`), needed by
     rows="question". `lead`: tokens between the image and the question (`hap.run.question_lead(processor, history)`),
-    the earlier turns of a follow-up, which no prompt row is taken from."""
-    return adapter_for(model).apply_patch(model, config, trace=trace, priority=priority, tail=tail, lead=lead)
+    the earlier turns of a follow-up, which no prompt row is taken from. `question`: the raw question (no chat
+    template), for a pruner that reads it (`cdpruner`; one question for every prompt of a batch). A method the model's family does not take is refused first,
+    naming the method, the model class and the reason."""
+    adapter = adapter_for(model)
+    why = pruner_for(config).refuses(adapter.__name__.rsplit(".", 1)[-1])
+    if why is not None:
+        raise ValueError(f"method={config.method!r} does not run on {type(model).__name__}: {why}")
+    patch = adapter.apply_patch(model, config, trace=trace, priority=priority, tail=tail, lead=lead)
+    patch.ask(question)
+    return patch
 
 
 def remove(model) -> None:
@@ -108,10 +117,10 @@ def refusal(model, config: HAPConfig) -> str | None:
 
 @contextmanager
 def patched(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-            tail: int | None = None, lead: int = 0):
+            tail: int | None = None, lead: int = 0, question: str | None = None):
     """`with hap.patched(model, config) as p:` patches for the block and always unpatches (`priority`, `tail`,
-    `lead`: see `apply`)."""
-    state = apply(model, config, trace=trace, priority=priority, tail=tail, lead=lead)
+    `lead`, `question`: see `apply`)."""
+    state = apply(model, config, trace=trace, priority=priority, tail=tail, lead=lead, question=question)
     try:
         yield state
     finally:

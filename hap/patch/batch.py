@@ -6,7 +6,7 @@ their own lengths (a layer after a cut holds only its group's kept tokens). `mer
 into one batch, layer by layer, each run's keys and values left-padded to the longest run's at that layer
 (layer 0 to the prompt's length, so `generate` counts positions as on an unpruned cache), and `BatchDecode`
 hooks each decoder layer of the continued `generate` with the mask of that layer: the padding masked out, each run's
-own merge bias on its prompt keys, the generated tokens open to all. Where a run's policy renumbers positions
+own merge bias on its prompt keys, the generated tokens open to all. Where a run's pruner renumbers positions
 (`PruneState.decode_shift`), its rows of the layer's positions and rotary tables are lowered as its own decode steps
 would be. Keys carry their rotary embedding from the prefill, so where they sit in the padded cache does not matter.
 
@@ -48,8 +48,8 @@ class Prefilled:
     def shift(self, layer: int) -> int:
         """Positions a decode step at `layer` is lowered by (`PruneState.decode_shift` of its group; 0 before a cut)."""
         state = self.patch.state
-        cuts = [c for c in (state.segment_index if state else {}) if c <= layer]
-        return state.decode_shift(max(cuts)) if cuts else 0
+        cut = None if state is None else state.group_of(layer)
+        return 0 if cut is None else state.decode_shift(cut)
 
     def bias(self, layer: int) -> torch.Tensor | None:
         """float [1, T_group] the merge bias on the prompt keys of `layer`'s group, or None."""

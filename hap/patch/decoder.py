@@ -16,12 +16,15 @@ of one `Patch` object, one per step of a forward:
   own norm, q/k projections and RoPE); at a cut, gathers the kept tokens of the hidden states, the
   RoPE (cos, sin), the position ids and rebuilds the mask for the shorter sequence, then hands those to
   every later layer, so each later layer writes a shorter KV cache. Kept tokens keep their original
-  positions (no RoPE shift), except under a policy that renumbers (`pdrop`, `visionzip`, `sparsevlm`,
-  `autoprune`, as their official code does): positions 0..T'-1 after each cut. SparseVLM and AutoPrune also
-  append their recycled tokens right after the kept visual ones; SparseVLM picks its raters at layer 0's input.
-- `layer_decode`: layers after a cut get a mask sized to their own cache; under `pdrop`, `visionzip`, `sparsevlm` and
-  `autoprune` also the step's positions lowered by the prompt tokens dropped so far (each layer's position is its own
-  cache length), so a generated token follows its group's renumbered prompt (elsewhere the unpruned positions).
+  positions (no RoPE shift), except under a pruner that renumbers (`pdrop`, `visionzip`, `sparsevlm`,
+  `autoprune`, `divprune`, `vispruner`, `cdpruner`, `downsample`, as their official code does): positions 0..T'-1
+  after each cut. SparseVLM and AutoPrune also append their recycled tokens right after the kept visual ones;
+  SparseVLM picks its raters at layer 0's input. A pruner that reads the layer before its cut (DART) gets that
+  layer's keys and its output through the decoder's final norm.
+- `layer_decode`: layers after a cut get a mask sized to their own cache; under `pdrop`, `visionzip`, `sparsevlm`,
+  `autoprune`, `divprune`, `vispruner`, `cdpruner` and `downsample` also the step's positions lowered by the prompt
+  tokens dropped so far (each layer's position is its own cache length), so a generated token follows its group's
+  renumbered prompt (elsewhere the unpruned positions).
 - `query_done`: a captured layer's prompt-row queries, taken from its own q projection (not recomputed).
 - `layer_done`: the capture, once the layer cached its keys, reads them there.
 - `decoder_done`: the prefill's wall time.
@@ -44,8 +47,9 @@ from ..capture import prompt_attention
 from ..config import HAPConfig
 from ..merge import add_key_bias
 from ..planting import PLANTED
-from ..methods import policy_for
 from ..pruner import PruneState
+from ..pruners import pruner_for
+from ..pruners.cdpruner import question_embeddings
 
 
 Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
@@ -160,6 +164,11 @@ class Patch:
         self.rotary: tuple = (None, None)  # (the layers' cos, its rows' (cos, sin)): the same within a segment
         self.cache = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
         self.vision_cues: tuple | None = None  # vision-side cues captured before the next prefill (VisionZip)
+        self.clip = None  # (CLIPModel, tokenizer) of the `clip_model` knob, for a pruner that needs it (`ask`)
+        self.text_embeds: torch.Tensor | None = None  # [M, E] the question's CLIP text embeddings (CDPruner)
+        self.final_norm = decoder_of(model).norm  # the decoder's final norm (DART's states)
+        self.keys_pending: tuple | None = None  # (layer, its input hidden states) whose keys the next cut reads
+        self.layer_keys: torch.Tensor | None = None  # [B, T, kv_heads * head_dim] those keys, once the layer ran
         self.prefill_started = 0.0  # perf_counter when this forward's prefill started; 0.0 in a decode step
         self.prefill_seconds = 0.0
 
@@ -198,6 +207,7 @@ class Patch:
                 self.priority, self.tail, self.lead, image_mask=image,
             )
             self.state.vision, self.vision_cues = self.vision_cues, None
+            self.state.text_embeds = self.text_embeds
             self.mode, self.prompt = "prefill", kwargs
         elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
             self.mode = "decode"
@@ -210,6 +220,11 @@ class Patch:
         else:
             self.mode = None
         return args, kwargs
+
+    def ask(self, question: str | None) -> None:
+        """The raw question of the prompts to come, embedded by CLIP's text tower where the pruner reads it."""
+        if self.clip is not None and question is not None:
+            self.text_embeds = question_embeddings(*self.clip, question)
 
     def layer_pre_hook(self, index: int, layer, args, kwargs):
         """Before decoder layer `index`: the prefill or decode step, with the earlier cuts' overrides."""
@@ -228,16 +243,21 @@ class Patch:
         (deferred to `layer_done` when the layer writes its keys to the cache). Returns the hidden states."""
         st = self.state
         self.cache = kwargs.get("cache")
-        if index == 0 and st.policy.rows == "raters":  # SparseVLM's raters, from the input embeddings
+        if index == 0 and st.pruner.rows == "raters":  # SparseVLM's raters, from the input embeddings
             st.choose_raters(hidden)
         if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
             t0 = time.perf_counter()
-            _lookahead(st, layer, index, hidden, kwargs, rope=st.policy.first_cut != "prerope",
+            _lookahead(st, layer, index, hidden, kwargs, rope=st.pruner.first_cut != "prerope",
                        window=self.shape.window(index))
             st.scoring_seconds += time.perf_counter() - t0
+        if st.pruner.layer_states and st.cut_index(index + 1) is not None:  # the next cut reads this layer's keys
+            self.keys_pending = (index, hidden)
         if st.cut_index(index) is not None:
             length = hidden.shape[1]
-            hidden, keep = _cut(st, index, hidden, kwargs)
+            states = None
+            if st.pruner.layer_states:
+                states, self.layer_keys = (self.layer_keys, self.final_norm(hidden)), None
+            hidden, keep = _cut(st, index, hidden, kwargs, states)
             self.origin = _origin(self.origin, keep, length)
             key_valid = st.key_valid()
             self.kind_overrides(index, hidden, None if key_valid is None else key_valid.long(), kwargs)
@@ -296,8 +316,11 @@ class Patch:
 
     @torch.no_grad()
     def layer_done(self, index: int, layer, args, kwargs, output) -> None:
-        """After decoder layer `index`: the pending capture, with the rows' queries of its q projection (RoPE
-        applied here) and the keys it cached (recomputed without a cache)."""
+        """After decoder layer `index`: the keys a next cut reads (`layer_keys`); the pending capture, with the rows'
+        queries of its q projection (RoPE applied here) and the keys it cached (recomputed without a cache)."""
+        if self.keys_pending is not None and self.keys_pending[0] == index:
+            k = _layer_keys(layer, kwargs, index, self.keys_pending[1])  # [B, kv_heads, T, head_dim]
+            self.layer_keys, self.keys_pending = k.transpose(1, 2).flatten(2), None
         if self.pending is None:
             return
         t0 = time.perf_counter()
@@ -305,9 +328,7 @@ class Patch:
         attn = layer.self_attn
         cos, sin = kwargs["position_embeddings"]
         q = _heads(attn, q, "q_norm", self.row_rotary(cos, sin, rows))
-        k = _cached_keys(kwargs.get("cache"), index)
-        if k is None or k.shape[2] != hidden.shape[1]:  # no cache, or a sliding-window layer's cache kept the last keys
-            k = _heads(attn, attn.k_proj(layer.input_layernorm(hidden)), "k_norm", (cos, sin))
+        k = _layer_keys(layer, kwargs, index, hidden)
         _record(self.state, layer, index, q, k, hidden, rows, window=self.shape.window(index))
         self.state.scoring_seconds += time.perf_counter() - t0
 
@@ -327,11 +348,11 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
     (`TokenMasks`; default: the image token's ids). `kinds`: the layers' attention kinds where they differ
     (`LayerKinds`; default: one)."""
     check_decoder(model, kinds)
-    if tail is None and policy_for(config).rows == "question":
+    if tail is None and pruner_for(config).rows == "question":
         raise ValueError("rows='question' needs the chat template's tail after the question: "
                          "hap.patched(model, config, tail=hap.run.template_tail(processor))")
     attention = getattr(decoder_of(model).config, "_attn_implementation", None) or ""
-    if policy_for(config).merge == "proportional" and "flash" in attention:
+    if pruner_for(config).merge == "proportional" and "flash" in attention:
         raise ValueError(f"merge='proportional' adds a bias to the attention mask, which {attention} does not take: "
                          "load the model with attn_implementation='sdpa' or 'eager', or use merge='none'")
     if hasattr(model, "_hap"):
@@ -390,6 +411,16 @@ def _lookahead(st: PruneState, layer, index: int, hidden: torch.Tensor, kwargs: 
     _record(st, layer, index, q, k, hidden, rows, lookahead=True, window=window)
 
 
+def _layer_keys(layer, kwargs: dict, index: int, hidden: torch.Tensor) -> torch.Tensor:
+    """Layer `index`'s keys [B, kv_heads, T, head_dim] (after k_proj, key norm and RoPE) over its input `hidden`
+    [B, T, D]: those it cached, recomputed where it has no cache or a sliding-window cache kept only the last ones."""
+    k = _cached_keys(kwargs.get("cache"), index)
+    if k is None or k.shape[2] != hidden.shape[1]:
+        attn = layer.self_attn
+        k = _heads(attn, attn.k_proj(layer.input_layernorm(hidden)), "k_norm", kwargs["position_embeddings"])
+    return k
+
+
 def _cached_keys(cache, index: int, what: str = "keys") -> torch.Tensor | None:
     """The keys (`what="values"`: the values) layer `index` just wrote to a dynamic cache, else None."""
     layers = getattr(cache, "layers", None)
@@ -424,12 +455,14 @@ def _origin(origin: torch.Tensor | None, keep: torch.Tensor, length: int) -> tor
 
 
 @torch.no_grad()
-def _cut(st: PruneState, index: int, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _cut(st: PruneState, index: int, hidden: torch.Tensor, kwargs: dict,
+         states: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the cut entering layer `index` to the hidden states and the layer's positions and (cos, sin) in
-    `kwargs` (in place; the masks are the caller's). Returns the hidden states and `keep` long [B, T']: the kept tokens as indices into
-    the ones before the cut, then its recycled ones."""
-    needs = st.sizes is not None or st.recycled is not None
-    keep = st.cut(index, _take(hidden, st.visual_pos) if needs else None)  # [B, T']
+    `kwargs` (in place; the masks are the caller's); `states`: the previous layer's keys and final-normed output, for a
+    pruner that reads them (`PruneState.cut`). Returns the hidden states and `keep` long [B, T']: the kept tokens as
+    indices into the ones before the cut, then its recycled ones."""
+    needs = st.sizes is not None or st.recycled is not None or st.pruner.embeds
+    keep = st.cut(index, _take(hidden, st.visual_pos) if needs else None, *(states or ()))  # [B, T']
     if st.appended is not None:  # SparseVLM's / AutoPrune's recycled tokens: indices T.. in `keep`
         hidden, st.appended = torch.cat([hidden, st.appended.to(hidden)], 1), None
     hidden = _take(hidden, keep)
@@ -439,7 +472,7 @@ def _cut(st: PruneState, index: int, hidden: torch.Tensor, kwargs: dict) -> tupl
         hidden = hidden.scatter(1, where, merged.to(hidden))
         st.merged = None
     at = keep
-    if st.policy.renumber:  # the official PyramidDrop / VisionZip: positions 0..T'-1 (the first T' of 0..T-1)
+    if st.pruner.renumber:  # the official PyramidDrop / VisionZip: positions 0..T'-1 (the first T' of 0..T-1)
         at = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
     cos, sin = kwargs["position_embeddings"]
     kwargs["position_embeddings"] = (_take(cos, at), _take(sin, at))

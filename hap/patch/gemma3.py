@@ -37,7 +37,7 @@ from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_fo
 
 from ..config import HAPConfig
 from ..layout import WHOLE, Layout, seen_share
-from ..methods import policy_for
+from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -132,8 +132,8 @@ def layer_kinds(model) -> decoder.LayerKinds:
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch` with Gemma 3's layer kinds and image tokens; the [CLS] cues are refused."""
-    if policy_for(config).needs_cls:
-        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the "
+    if pruner_for(config).needs_cls:
+        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the "
                          f"{type(model).__name__} vision tower (SigLIP) has no [CLS] token")
     if getattr(model.config.text_config, "use_bidirectional_attention", False):
         raise ValueError(f"{type(model).__name__} with use_bidirectional_attention (every token sees every other) is "

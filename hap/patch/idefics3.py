@@ -26,7 +26,7 @@ import torch
 
 from ..config import HAPConfig
 from ..layout import Layout, seen_share
-from ..methods import policy_for
+from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -89,8 +89,8 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch`; the [CLS] cues are refused."""
-    if policy_for(config).needs_cls:
-        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the "
+    if pruner_for(config).needs_cls:
+        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the "
                          f"{type(model).__name__} vision tower (SigLIP) has none, and each crop and the global view "
                          "is encoded on its own")
     return decoder.apply_patch(model, config, trace, priority, tail, lead=lead)

@@ -24,7 +24,7 @@ from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optim
 
 from ..config import HAPConfig
 from ..layout import Layout, seen_share
-from ..methods import policy_for
+from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -80,8 +80,8 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch`; the [CLS] cues are refused."""
-    if policy_for(config).needs_cls:
-        raise ValueError("visionzip, autoprune (its vision prior) and first_cut='vision' need one [CLS] attention "
+    if pruner_for(config).needs_cls:
+        raise ValueError(f"{cls_user(config)} needs one [CLS] attention "
                          f"over the visual tokens: {type(model).__name__} encodes each tile and the thumbnail on its "
                          "own, drops their [CLS] and pixel-shuffles 2 x 2 patches into one token, so no single [CLS] "
                          "row ranks them")

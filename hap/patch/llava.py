@@ -3,15 +3,16 @@ with a Qwen2 decoder and grouped-query attention).
 
 The visual tokens are the `image_token_id` placeholders the processor expands (576 for CLIP-L/336
 with CLS dropped, 729 for SigLIP-384 with strategy "full"), a square grid in row-major order.
-For `visionzip` (and HAP's first_cut="vision") the adapter also captures the [CLS] row of the vision tower's feature layer's
-attention, that layer's keys and its output features, which VisionZip merges and projects itself (a CLIP tower;
-SigLIP has no [CLS] token).
+For `visionzip`, `autoprune`, `vispruner`, `cdpruner` (and HAP's first_cut="vision") the adapter also captures the [CLS]
+row of the vision tower's feature layer's attention, that layer's keys and its output features, which VisionZip
+merges and projects itself (a CLIP tower; SigLIP has no [CLS] token); for `cdpruner`, CLIP's projection of those
+patches (the `clip_model` knob's checkpoint).
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import lru_cache, partial
 
 import numpy as np
 import torch
@@ -19,9 +20,12 @@ from transformers.image_transforms import get_resize_output_image_size
 from transformers.image_utils import ChannelDimension
 
 from ..config import HAPConfig
+from ..knobs import knob
 from ..layout import WHOLE, Box, Layout, seen_share
-from ..methods import policy_for
-from ..visionzip import VisionCues
+from ..load import ModelLoadError
+from ..load import load_clip as clip_loader
+from ..pruners import cls_user, pruner_for
+from ..pruners.visionzip import VisionCues
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -78,16 +82,16 @@ def input_box(image_processor, image_size: tuple[int, int]) -> Box:
     return left / new_w, top / new_h, (left + crop_w) / new_w, (top + crop_h) / new_h
 
 
-def cls_layer(model) -> torch.nn.Module:
-    """The vision-tower layer whose output is the feature layer LLaVA projects, for VisionZip; ValueError when the
-    tower has no [CLS] token (SigLIP), the features keep it ("full" strategy) or are not one layer's output."""
+def cls_layer(model, config: HAPConfig) -> torch.nn.Module:
+    """The vision-tower layer whose output is the feature layer LLaVA projects, for the [CLS] cues of `config`'s
+    method; ValueError when the tower has no [CLS] token (SigLIP), the features keep it ("full" strategy) or are not
+    one layer's output."""
     tower = model.model.vision_tower
     if not hasattr(getattr(tower, "embeddings", None), "class_embedding"):
-        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the vision tower "
+        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the vision tower "
                          f"{type(tower).__name__} has no [CLS] token")
-    config = model.config
-    feature = config.vision_feature_layer
-    if config.vision_feature_select_strategy != "default" or not isinstance(feature, int):
+    feature = model.config.vision_feature_layer
+    if model.config.vision_feature_select_strategy != "default" or not isinstance(feature, int):
         raise ValueError("the [CLS] cues need LLaVA's 'default' feature strategy ([CLS] dropped) and one feature layer")
     layers = tower.encoder.layers
     index = feature % (len(layers) + 1) - 1  # hidden_states[j] is the output of layer j - 1
@@ -96,13 +100,43 @@ def cls_layer(model) -> torch.nn.Module:
     return layers[index]
 
 
+def clip_projection(model, config: HAPConfig, device) -> tuple:
+    """((CLIPModel, tokenizer) of `config.clip_model`, the map of the tower's feature-layer patches [B, N, Dv] to
+    CLIP image embeddings [B, N, E]: the tower's own post-layernorm, then CLIP's visual projection), for CDPruner;
+    ValueError naming clip_model when the default does not pair with the tower (checked before loading), when it
+    cannot be loaded or when its vision width is not the tower's."""
+    own = model.config.vision_config
+    if config.clip_model == knob("clip_model").default and (own.hidden_size, own.image_size, own.patch_size) != (
+            1024, 336, 14):
+        raise ValueError(f"method='cdpruner': the default clip_model={config.clip_model!r} pairs with CLIP-L/336 "
+                         f"towers; {type(model).__name__}'s tower is {own.hidden_size} wide at {own.image_size} px in "
+                         f"{own.patch_size} px patches: give clip_model the CLIP checkpoint the tower came from")
+    try:
+        clip = load_clip(config.clip_model, device)
+    except ModelLoadError as err:
+        raise ValueError(f"method='cdpruner' cannot load its CLIP: {err}") from err
+    tower = model.model.vision_tower
+    width, own = clip[0].config.vision_config.hidden_size, own.hidden_size
+    if width != own:
+        raise ValueError(f"clip_model={config.clip_model!r} has a vision width of {width}, the vision tower {own}: "
+                         "give the CLIP checkpoint the tower came from")
+    return clip, lambda patches: clip[0].visual_projection(tower.post_layernorm(patches).to(clip[0].dtype))
+
+
+@lru_cache(maxsize=2)
+def load_clip(name: str, device: str):
+    """`hap.load.load_clip`, once per checkpoint and device."""
+    return clip_loader(name, device)
+
+
 @torch.no_grad()
-def capture_cls(patch: decoder.Patch, project, layer, args, kwargs, output) -> None:
+def capture_cls(patch: decoder.Patch, project, clip_embed, layer, args, kwargs, output) -> None:
     """Forward hook on `cls_layer`: recompute the layer's [CLS] attention row from its input (layer_norm1, q/k
     projections; the tower keeps SDPA) and hand the prefill its `VisionCues` ([CLS] attention [B, N] summed over
     heads, keys [B, N, head_dim] averaged over heads, patches only; the layer's output features [B, 1 + N, Dv];
-    `project`, the model's projector): to the running prefill's state, or the next one's (`generate` encodes the
-    image before the first forward)."""
+    `project`, the model's projector; the patches' CLIP image embeddings by `clip_embed` where it is given, for
+    CDPruner): to the running prefill's state, or the next one's (`generate` encodes the image before the first
+    forward)."""
     hidden = args[0] if args else kwargs["hidden_states"]
     attn = layer.self_attn
     x = layer.layer_norm1(hidden)
@@ -111,7 +145,8 @@ def capture_cls(patch: decoder.Patch, project, layer, args, kwargs, output) -> N
     k = attn.k_proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)  # [B, H, T, hd]
     row = (q.float() @ k.float().transpose(-1, -2) * attn.scale).softmax(-1)[:, :, 0]  # [B, H, T]
     features = output[0] if isinstance(output, tuple) else output
-    cues = VisionCues(row[:, :, 1:].sum(1), k[:, :, 1:].float().mean(1), features, project, row.shape[1])
+    cues = VisionCues(row[:, :, 1:].sum(1), k[:, :, 1:].float().mean(1), features, project, row.shape[1],
+                      None if clip_embed is None else clip_embed(features[:, 1:]))
     if patch.mode == "prefill":
         patch.state.vision = cues
     else:
@@ -120,10 +155,16 @@ def capture_cls(patch: decoder.Patch, project, layer, args, kwargs, output) -> N
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch`, plus the [CLS] capture for `visionzip` and `autoprune`."""
-    layer = cls_layer(model) if policy_for(config).needs_cls else None
+    """`decoder.apply_patch`, plus the [CLS] capture for the methods that read it (`visionzip`, `autoprune`,
+    `vispruner`, `cdpruner` with CLIP's projection of the patches)."""
+    pruner = pruner_for(config)
+    layer = cls_layer(model, config) if pruner.needs_cls else None
+    clip, clip_embed = (None, None)
+    if pruner.clip:
+        clip, clip_embed = clip_projection(model, config, str(next(model.parameters()).device))
     patch = decoder.apply_patch(model, config, trace, priority, tail, lead=lead)
+    patch.clip = clip
     if layer is not None:
-        hook = partial(capture_cls, patch, model.model.multi_modal_projector)
+        hook = partial(capture_cls, patch, model.model.multi_modal_projector, clip_embed)
         patch.handles.append(layer.register_forward_hook(hook, with_kwargs=True))
     return patch

@@ -34,7 +34,7 @@ from transformers.models.llava_next.modeling_llava_next import unpad_image
 
 from ..config import HAPConfig
 from ..layout import Layout, Span, TokenView, tile_spans
-from ..methods import policy_for
+from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -162,8 +162,8 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch` with the newline tokens kept out of the pruner; the [CLS] cues are refused."""
-    if policy_for(config).needs_cls:
-        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need one [CLS] attention "
+    if pruner_for(config).needs_cls:
+        raise ValueError(f"{cls_user(config)} needs one [CLS] attention "
                          f"over the visual tokens: {type(model).__name__} packs a base view and a tile canvas, each "
                          "tile encoded on its own, plus newline tokens, so no single [CLS] row ranks them")
     return decoder.apply_patch(model, config, trace, priority, tail, lead=lead,

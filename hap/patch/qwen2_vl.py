@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..config import HAPConfig
-from ..methods import policy_for
+from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -45,10 +45,10 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
 def refuse(model, config: HAPConfig) -> None:
     """ValueError, naming the model class, for what M-RoPE models without a [CLS] token do not take: the [CLS] cues
     (visionzip, autoprune, first_cut="vision") and the methods that renumber positions."""
-    if policy_for(config).needs_cls:
-        raise ValueError(f"visionzip, autoprune (its vision prior) and first_cut='vision' need a [CLS] token: the {type(model).__name__} vision "
+    if pruner_for(config).needs_cls:
+        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the {type(model).__name__} vision "
                          "tower has no [CLS] token")
-    if policy_for(config).renumber:
+    if pruner_for(config).renumber:
         raise ValueError(f"method={config.method!r} renumbers positions 0..T-1 after each drop, as its official LLaVA "
                          f"code does; {type(model).__name__}'s M-RoPE positions cannot be renumbered that way: "
                          "use it on a LLaVA model")

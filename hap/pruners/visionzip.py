@@ -11,7 +11,8 @@ The decoder receives one block in this order, [CLS, dominant patches ascending, 
 order], projected like any image feature, at consecutive positions. The tokens stay in every layer, so the
 layer-averaged retained count is simply dominant + contextual.
 
-Pure tensor functions; the adapter supplies the cues (`VisionCues`) of one prefill.
+Pure tensor functions, then the pruner (`VisionZip`): one cut before the decoder, positions renumbered 0..T'-1 as
+the official decoder only sees the shorter sequence; the adapter supplies the cues (`VisionCues`) of one prefill.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from .base import BeforeDecoder, Selection
 
 DOMINANT_SHARE = 54 / 64  # the published 54 dominant ([CLS] included) + 10 contextual split of 64 tokens
 MIN_TOKENS = 2  # [CLS] and one image token: [CLS] alone would leave the decoder no patch of the image
@@ -34,6 +37,7 @@ class VisionCues:
     features: torch.Tensor  # [batch, 1 + N, Dv] the layer's output, [CLS] first
     project: Callable[[torch.Tensor], torch.Tensor]  # tower features [batch, n, Dv] -> decoder embeddings [batch, n, D]
     heads: int  # the feature layer's attention heads (cls_attention / heads is their mean: AutoPrune's prior)
+    image_embeds: torch.Tensor | None = None  # [batch, N, E] the patches' CLIP image embeddings (CDPruner), or None
 
 
 def split_budget(k: int, dominant_share: float = DOMINANT_SHARE) -> tuple[int, int]:
@@ -100,3 +104,20 @@ def select(cues: VisionCues, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`x [batch, N, d]` at `index` long [batch, n] -> [batch, n, d]."""
     return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+
+
+class VisionZip(BeforeDecoder):
+    name = "visionzip"
+    cls_cues = True
+    min_tokens = MIN_TOKENS
+    writes_tokens = True
+
+    def select(self, state, cut):
+        """The first k visual slots carry VisionZip's block: [CLS], the dominant patches, the contextual tokens."""
+        k = state.kept_count(cut.index)
+        patches, tokens = select(state.cues(), k)
+        chosen = torch.arange(k, device=state.visual_pos.device).expand(state.visual_pos.shape[0], -1)
+        return Selection(chosen, tokens=tokens, patches=patches)
+
+
+PRUNER = VisionZip

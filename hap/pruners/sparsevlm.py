@@ -13,14 +13,17 @@ Carried over to other decoders (ours, docs/method.md §7): the cut layers sit at
 `round(l x L / 32)` (made strictly increasing), and the counts at the same share of the visual tokens: for the budget
 share t = T / N, each stage keeps the share the official lists give at 64/576, 128/576 and 192/576, linearly
 interpolated between them, scaled down proportionally below 64/576 and interpolated up to all tokens at t = 1. On
-LLaVA-1.5 (576 tokens, 32 layers) at T = 64, 128 or 192 this is the official list exactly. Pure functions.
+LLaVA-1.5 (576 tokens, 32 layers) at T = 64, 128 or 192 this is the official list exactly. Pure functions,
+then the pruner (`SparseVLM`) on the shared executor.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .recycle import cluster_count
+from ..budget import Schedule
+from ..recycle import cluster_count
+from .base import Official
 
 REFERENCE_LAYERS = 32  # LLaVA-1.5's decoder, where the official layers are defined
 REFERENCE_TOKENS = 576  # LLaVA-1.5's visual tokens, where the official lists are defined
@@ -76,3 +79,24 @@ def stage_counts(budget: int, num_visual: int) -> tuple[list[int], list[int]]:
         recycled.append(cluster_count(present - k))
         present = k + recycled[-1]
     return kept, recycled
+
+
+def schedule(budget: int, num_visual: int, num_layers: int) -> Schedule:
+    """SparseVLM v1.5's schedule for the official budget `budget`: a cut after each of `prune_layers`."""
+    kept, recycled = stage_counts(budget, num_visual)
+    cuts = [l + 1 for l in prune_layers(num_layers)]
+    return Schedule(num_visual, num_layers, cuts, kept, recycled=recycled, budget=budget)
+
+
+class SparseVLM(Official):
+    """Its cuts scored by the raters' rows."""
+
+    name = "sparsevlm"
+    fixed_rows = "raters"
+
+    @classmethod
+    def official_schedule(cls, budget, num_visual, num_layers):
+        return schedule(budget, num_visual, num_layers)
+
+
+PRUNER = SparseVLM

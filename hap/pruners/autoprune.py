@@ -16,7 +16,8 @@ MI(a) of one head's rows a [n, V] (softmax rows, not renormalised over the visua
 p(x, y) = a / n, p(y) = sum_x p(x, y), MI = sum p(x, y) log2 max(p(x, y) / (p(x) p(y) + 1e-6), 1e-6).
 
 Carried over to other decoders (ours): the logistic is defined on LLaVA's 32 layers, so on L layers layer l is
-evaluated at its relative depth 32 l / L (identical on 32 layers); S, the budget and MI are unchanged. Pure functions.
+evaluated at its relative depth 32 l / L (identical on 32 layers); S, the budget and MI are unchanged. Pure functions,
+then the pruner (`AutoPrune`) on the shared executor.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .recycle import cluster_count
+from ..budget import Schedule
+from ..recycle import cluster_count
+from .base import Official
 
 X0, K0, GAMMA = 14.9, 0.4, 0.2  # the official defaults for every budget, benchmark and model size
 PRIOR_WEIGHT = 0.3  # weight of the MI-scaled text score at the layer-0 cut
@@ -141,3 +144,49 @@ def curve(budget: int, num_visual: int, num_layers: int, mi1: float, mi0: float 
     fractions, scale = keep_fractions(k, first, budget, num_layers, x0)
     keeps, counts = run_counts(fractions, first)
     return Curve(budget, first, mi0, mi1, k, scale, fractions, keeps, counts)
+
+
+def schedule(chosen: Curve, num_visual: int, num_layers: int) -> Schedule:
+    """AutoPrune's schedule from its curve `chosen`: a cut after every layer, S after layer 0 (nothing recycled
+    there)."""
+    recycled = [0] + [n - k for n, k in zip(chosen.counts[1:], chosen.keeps)]
+    return Schedule(num_visual, num_layers, list(range(1, num_layers)), [chosen.first_keep, *chosen.keeps[:-1]],
+                    recycled=recycled[:-1], budget=chosen.budget, last_drop=chosen.counts[-1])
+
+
+class AutoPrune(Official):
+    """A cut after every layer, scored by every text row: the layer-0 one adds the [CLS] prior and MI_0 (and recycles
+    nothing), layer 1's MI_1 sets the schedule. One prompt at a time (batch 1)."""
+
+    name = "autoprune"
+    cls_cues = True
+
+    @classmethod
+    def official_schedule(cls, budget, num_visual, num_layers):
+        """Its schedule before layer 1 sets its curve, at MI_1 = 0 (the steepest curve: the most tokens processed
+        for the budget)."""
+        return schedule(curve(budget, num_visual, num_layers, mi1=0.0), num_visual, num_layers)
+
+    def recycles(self, cut_index):
+        return cut_index != 0
+
+    def scores(self, state, cut):
+        """The first two cuts' scores (batch 1). The layer-0 cut: the [CLS] prior (mean over the tower's heads) plus
+        0.3 MI_0 times the text rows' head-mean attention. The layer-1 cut: MI_1 sets the curve, which replaces the
+        planned schedule (same budget T), then the plain head-mean row-mean scores. Later cuts: those."""
+        if cut.index >= 2:
+            return super().scores(state, cut)
+        a = cut.attn[0, 0][:, state.row_valid[0]]  # [H, n, V] the text rows of the scoring layer
+        if cut.index == 0:
+            cues = state.cues()
+            scores, mi0 = first_cut_scores(cues.cls_attention[0] / cues.heads, a)
+            state.mi0 = float(mi0)
+            return scores[None]
+        s = state.schedule
+        state.curve = curve(s.budget, s.num_visual, s.num_layers, float(mutual_information(a).sum()), state.mi0)
+        planned = schedule(state.curve, s.num_visual, s.num_layers)
+        s.kept, s.recycled, s.last_drop = planned.kept, planned.recycled, planned.last_drop
+        return a.mean(0).mean(0)[None]
+
+
+PRUNER = AutoPrune

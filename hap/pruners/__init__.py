@@ -1,0 +1,93 @@
+"""The pruning methods: one module per method, each a `Pruner` (`hap.pruners.base`) on one executor
+(docs/method.md §7, §9), and the one registry (`METHODS`) that the knobs, the page, the CLI, the sweep, the
+benchmark and the lmms-eval plugin read.
+
+Every method runs through the same cuts, the same FLOPs accounting and the same selection; a pruner says what it
+needs captured, where it cuts, how it selects and how positions continue:
+
+    method     cuts                  scored by (rows; layers)                      heads               positions
+    hap        G after K             config.rows; the previous segment (or its last layer)  softmax(PAQ / T)  original
+    uniform    G after K             config.rows; the whole previous segment       uniform (T = inf)   original
+    pdrop      G after K             last token; the next layer (lookahead)        uniform             renumbered
+    pdrop_ours G after K             last token; the segment's last layer          uniform             original
+    fastv      1 at K                last token; layer K-1                         uniform             original
+    random     G after K             - (a seeded uniform choice)                   -                   original
+    visionzip  1 before layer 0      - (the vision tower's [CLS] attention, merged block)  -           renumbered
+    sparsevlm  3 (official)          raters, mean; the layer that just ran, + recycling    uniform     renumbered
+    autoprune  L-1 (every layer)     all text rows, mean; the layer that just ran, + [CLS] prior at layer 0,
+                                     MI-driven schedule, + recycling               uniform             renumbered
+    divprune   1 before layer 0      - (max-min diversity of the projected tokens)  -                  renumbered
+    dart       1 at K (>= 1)         - (layer K-1's keys: pivots; its final-normed output: least similar)  original
+    vispruner  1 before layer 0      - (the tower's [CLS] attention, then duplicate removal)  -         renumbered
+    cdpruner   1 before layer 0      - (DPP on the projected tokens x CLIP relevance to the raw question)  renumbered
+    downsample 1 before layer 0      - (the grid average-pooled, no scoring)      -                    renumbered
+    none       no cuts
+
+`pdrop` and `visionzip` follow their official code (docs/method.md §7): PyramidDrop scores the cut entering
+layer l with layer l's own norm, q/k projections and RoPE applied to the tokens about to enter it, and both
+renumber positions 0..T'-1 after a drop (RoPE distances between the remaining tokens shrink); HAP and the
+other methods keep each token's original position. `sparsevlm` (v1.5) and `autoprune` follow theirs too
+(`hap.pruners.sparsevlm`, `hap.pruners.autoprune`, `hap.recycle`): each cut is scored by the attention of the layer
+that just ran, averaged over heads and then over the scoring rows (not the L2 norm over rows), its dropped tokens
+are partly recycled into cluster means placed after the kept ones, and positions are renumbered. `pdrop_ours` is
+our earlier PyramidDrop variant, reported as ours: FastV's rule at every cut of the pyramid (the last token's
+attention in the layer that just ran), original positions kept (on the shipped model it scored above the official
+rule, docs/method.md §7).
+
+The 2025 pruners (`divprune`, `dart`, `vispruner`, `cdpruner`, `downsample`) keep what their official code keeps on
+the same inputs (docs/method.md §7); their rules are pure tensor functions in their modules, the executor hands them
+the cues they name (`Pruner.embeds`, `cls_cues`, `clip`, `layer_states`), and a family a rule does not carry over to
+is refused before any work (`Pruner.refuses`, the adapters' [CLS] and M-RoPE refusals).
+
+HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`, `merge`,
+`first_cut`) shape the `hap` pruner only; the baselines score as published (`rows` applies to `uniform` too).
+
+Adding a method: its module here (a `Pruner` subclass named by `PRUNER`), its test, and its name in `METHODS`.
+The registry imports no module until a method is asked for, so `hap.knobs` can read it.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import HAPConfig
+    from .base import Pruner
+
+# the registry: each name is its module's
+METHODS = (
+    "hap",
+    "uniform",
+    "fastv",
+    "pdrop",
+    "pdrop_ours",
+    "random",
+    "visionzip",
+    "sparsevlm",
+    "autoprune",
+    "divprune",
+    "dart",
+    "vispruner",
+    "cdpruner",
+    "downsample",
+    "none",
+)
+
+
+def pruner_class(method: str) -> type[Pruner]:
+    """The `Pruner` subclass of `method` (one of METHODS); ValueError names the known ones."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not allowed; choose one of {', '.join(METHODS)}")
+    return import_module(f"{__name__}.{method}").PRUNER
+
+
+def pruner_for(config: HAPConfig) -> Pruner:
+    """The pruner `config` asks for, its scoring knobs taken from `config`."""
+    return pruner_class(config.method).from_config(config)
+
+
+def cls_user(config: HAPConfig) -> str:
+    """Who asks for the vision tower's [CLS] cues in `config`, for a refusal: `first_cut='vision'` under HAP, else
+    the method."""
+    return "first_cut='vision'" if config.method == "hap" else f"method={config.method!r}"

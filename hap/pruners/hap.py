@@ -1,0 +1,49 @@
+"""HAP (docs/method.md §2-§6): G groups after the first K full layers, each cut scored by the prompt rows' attention
+of the previous segment's layers (or its last, `score_layers`), heads fused by softmax(PAQ / T); original positions
+kept. Its knobs beyond the paper (§10: `head_weight`, `sink_ranking`, `score_layers`, `merge`, `first_cut`) shape
+this pruner only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..fusion import fuse, fusion_weights, token_scores
+from .base import Pruner, rank_sinks
+
+
+@dataclass(frozen=True)
+class Hap(Pruner):
+    visual_weights: bool = False  # head weights x visual share (head_weight="paq_visual")
+    sink_ranking: str = "keep"  # sink tokens at a cut: "keep", "mask" or "mask_keep_one"
+
+    name = "hap"
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.groups, config.rows, config.score_layers == "segment", config.temperature,
+                   merge=config.merge, first_cut=config.first_cut, visual_weights=config.head_weight == "paq_visual",
+                   sink_ranking=config.sink_ranking)
+
+    @property
+    def needs_cls(self) -> bool:
+        """first_cut="vision" scores a cut before layer 0 by the vision tower's [CLS] attention (§10)."""
+        return self.groups > 0 and self.first_cut == "vision"
+
+    def scoring_layers(self, segment):
+        """As every pruner's, but a cut before layer 0 under first_cut="vision" is scored by no decoder layer."""
+        if segment[0] == segment[1] and self.first_cut == "vision":
+            return []
+        return super().scoring_layers(segment)
+
+    def head_weights(self, paq, visual_share):
+        """softmax(PAQ / T), times the visual share under head_weight="paq_visual"."""
+        return fusion_weights(paq, self.temperature, visual_share if self.visual_weights else None)
+
+    def scores(self, state, cut):
+        """The fused scores with the sinks ranked as `sink_ranking` says; the [CLS] attention where no layer scores."""
+        if cut.attn is None:
+            return state.cues().cls_attention
+        return rank_sinks(token_scores(fuse(cut.attn, cut.weights), state.row_valid), cut.sink, self.sink_ranking)
+
+
+PRUNER = Hap
