@@ -699,6 +699,9 @@ def sweep_plotly(sweep: dict, title: str) -> go.Figure:
                      title=label, row=2, col=1)  # columns under the budgets above (log-spaced budgets)
     fig.update_yaxes(range=[-0.03, 1.03], title="p", row=1, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
+    refused = sweep.get("refused") or {}
+    if refused:  # named, not silently missing: the reasons are in the JSON's "refused"
+        title = f"{title}<br><sup>not run on this model: {', '.join(refused)} (the JSON's \"refused\" says why)</sup>"
     fig.update_layout(title=title, height=560 + 34 * len(names), margin=dict(l=90, r=20, t=90, b=50),
                       legend=dict(title="method", y=1.0, yanchor="top"))
     return fig

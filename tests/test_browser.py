@@ -128,7 +128,10 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#plot-sweep .js-plotly-plot .main-svg")))
     plot = driver.find_element(By.ID, "plot-sweep")
     legend = plot.find_element(By.CSS_SELECTOR, ".legend").text
-    assert all(method in legend for method in METHODS), legend
+    title = plot.find_element(By.CSS_SELECTOR, ".gtitle").text
+    refused = {"cdpruner"}  # the shipped model's tower has no paired CLIP text tower: named in the title, not run
+    assert all(method in legend for method in METHODS if method not in refused), legend
+    assert all(method not in legend and method in title for method in refused), (legend, title)
     cells = [t.text for t in plot.find_elements(By.CSS_SELECTOR, ".hm text, .heatmaplayer text")]
     assert cells and all(0 < len(c.split()) <= ANSWER_WORDS for c in cells), cells
     ARTIFACTS.mkdir(exist_ok=True)

@@ -147,11 +147,14 @@ class Server:
 
     def event_payload(self, fn, image) -> list:
         """The positional `data` of a raw call of the event `fn`: `image` for its file input, the prompt and this
-        server's model, every other input at its default (the page's knob values; None for a state)."""
+        server's model, every other input at its default (the page's knob values, text knobs such as clip_model
+        included; None for a state)."""
         def value(c):
             if isinstance(c, FILE_INPUTS):
                 return image
-            return PROMPT if isinstance(c, gr.Textbox) else self.model if isinstance(c, gr.Dropdown) else c.value
+            if isinstance(c, gr.Textbox) and not (c.elem_id or "").startswith("knob-"):
+                return PROMPT
+            return self.model if isinstance(c, gr.Dropdown) else c.value
 
         return [value(c) for c in fn.inputs]
 
