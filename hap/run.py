@@ -208,7 +208,8 @@ def for_config(model, processor, p: Prepared, config: HAPConfig) -> Prepared:
     adapter, pruner = adapter_for(model), pruner_for(config)
     t0 = time.perf_counter()
     N = int(visual_tokens(model, p.inputs)[0].sum())
-    k = plan(config, decoder_shape(model), N, p.prompt_len - N).kept[0]
+    schedule = plan(config, decoder_shape(model), N, p.prompt_len - N)
+    k = (schedule.planned or schedule.kept)[0]  # the budget's count (not the square-grid rule's, `realised`)
     width, height = p.picture.size
     size = pruner.image_size(height, width, k, adapter.image_settings(processor))
     picture = p.picture if size == (height, width) else p.picture.resize(size[::-1], Image.Resampling.BICUBIC)

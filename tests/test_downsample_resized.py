@@ -23,7 +23,8 @@ from hap.run import chat_prompt
 
 PROMPT = "what is in the picture ?"
 IMAGE = noise_image(3, (200, 150))  # width x height
-LOW = {"min_pixels": 28 * 28}  # the folder's processor pins min = max pixels; the run lowers the floor
+TALL = noise_image(4, (112, 252))  # 9 x 4 = 36 tokens: a square count that is no square grid
+LOW = {"min_pixels": 28 * 28, "max_pixels": 336 * 336}  # the folder pins min = max pixels: the run frees them
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +34,14 @@ def qwen(tmp_path_factory):
     return hap.load_model(str(folder), device="cpu")
 
 
-def expected(model, processor, options: dict, retain: float, settings: tuple[int, int, int, int]):
+def expected(model, processor, options: dict, retain: float, settings: tuple[int, int, int, int], image=IMAGE):
     """(the unpruned result, the budget's count, the resized image, its stock processor output) by hand."""
-    full = hap.run(model, processor, IMAGE, PROMPT, hap.HAPConfig(method="none"), 3, options=options)
+    full = hap.run(model, processor, image, PROMPT, hap.HAPConfig(method="none"), 3, options=options)
     shape = decoder_shape(model)
-    k = plan(hap.HAPConfig(method="downsample", retain=retain), shape, full.num_visual, full.text_tokens).kept[0]
-    height, width = resized_size(IMAGE.height, IMAGE.width, k, *settings)
-    small = IMAGE.resize((width, height), Image.Resampling.BICUBIC)
+    schedule = plan(hap.HAPConfig(method="downsample", retain=retain), shape, full.num_visual, full.text_tokens)
+    k = (schedule.planned or schedule.kept)[0]
+    height, width = resized_size(image.height, image.width, k, *settings)
+    small = image.resize((width, height), Image.Resampling.BICUBIC)
     with processor_options(model, processor, options):
         inputs = processor(images=small, text=chat_prompt(processor, PROMPT), return_tensors="pt")
     return full, k, small, inputs
@@ -68,13 +70,14 @@ def check_counts_and_indices(model, result, full, k, inputs, merge: int):
     assert present.nonzero().flatten().tolist() == sorted(corner)
 
 
-def test_qwen2_vl_resizes_the_image_to_the_budget_and_answers_as_the_stock_model_on_it(qwen):
+@pytest.mark.parametrize("image", [IMAGE, TALL], ids=["7x5", "9x4"])
+def test_qwen2_vl_resizes_the_image_to_the_budget_and_answers_as_the_stock_model_on_it(qwen, image):
     model, processor = qwen
     config = hap.HAPConfig(method="downsample", retain=0.3)
-    result = hap.run(model, processor, IMAGE, PROMPT, config, 3, options=LOW)
-    full, k, small, inputs = expected(model, processor, LOW, 0.3, (14, 2, 28 * 28, 112 * 112))
+    result = hap.run(model, processor, image, PROMPT, config, 3, options=LOW)
+    full, k, small, inputs = expected(model, processor, LOW, 0.3, (14, 2, 28 * 28, 336 * 336), image)
     check_counts_and_indices(model, result, full, k, inputs, 2)
-    assert any("resized the image from 150x200" in note for note in result.notes)
+    assert any(f"resized the image from {image.width}x{image.height}" in note for note in result.notes)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=3, do_sample=False, num_beams=1)
     assert result.answer == processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
