@@ -216,9 +216,10 @@ def for_config(model, processor, p: Prepared, config: HAPConfig) -> Prepared:
     inputs = on_device(model, encode(processor, picture, p.question, p.history)[0])
     n = int(visual_tokens(model, inputs)[0].sum())
     kept = window_starts(*adapter.visual_grid(model, p.inputs, N), *adapter.visual_grid(model, inputs, n)).tolist()
-    note = (f"method={config.method!r} resized the image from {width}x{height} to {size[1]}x{size[0]} px: the "
-            f"processor emits {n} of its {N} visual tokens (the budget plans {k})")
-    return replace(p, inputs=inputs, notes=[*p.notes, note], resized=Resized(p.inputs, N, p.prompt_len, k, kept),
+    notes = [] if picture is p.picture else [
+        f"method={config.method!r} resized the image from {width}x{height} to {size[1]}x{size[0]} px: the processor "
+        f"emits {n} of its {N} visual tokens (the budget plans {k})"]
+    return replace(p, inputs=inputs, notes=[*p.notes, *notes], resized=Resized(p.inputs, N, p.prompt_len, k, kept),
                    prepare_s=p.prepare_s + time.perf_counter() - t0)
 
 
