@@ -35,7 +35,7 @@ from hap.budget import plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits
 from hap.keeps import pruning, refusal
-from hap.patch import batch, visual_tokens
+from hap.patch import batch, resizes_image, visual_tokens
 from hap.pruners import pruner_class, pruner_for
 from hap.patch.decoder import decoder_shape
 from hap.run import Prepared, eos_ids, prefill_then_decode, prepare, template_tail
@@ -46,6 +46,8 @@ OWN_FLOOR = [m for m in METHODS if pruner_class(m).official or pruner_class(m).m
 #   rules set (the official schedules; DART's cut after layer 0 at the earliest, 4 pivots at least): off the grid
 GRID = [m for m in METHODS if m not in OWN_FLOOR]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
+RESIZED = ("method={!r} resizes the image of {} before the processor (a run of its own, hap.run); the sweep reads "
+           "every method's probabilities on one image's inputs: not built for a resized image")
 
 
 def short_answer(text: str, words: int = ANSWER_WORDS) -> str:
@@ -73,8 +75,11 @@ def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, poi
 
 def refused(model, config: hap.HAPConfig) -> dict[str, str]:
     """{method: why} for the METHODS `model` does not take (`hap.keeps.refusal`: visionzip without a [CLS] token,
-    pdrop on Qwen2-VL's M-RoPE, a file a method needs that does not load)."""
-    why = {m: refusal(model, replace(config, method=m, retain=None, flops_ratio=None)) for m in METHODS}
+    pdrop on Qwen2-VL's M-RoPE, a file a method needs that does not load), and those that resize the image on it
+    (downsample on dynamic resolution, `hap.patch.resizes_image`): the sweep scores every run on one image's inputs."""
+    configs = {m: replace(config, method=m, retain=None, flops_ratio=None) for m in METHODS}
+    why = {m: refusal(model, c) or (RESIZED.format(m, type(model).__name__) if resizes_image(model, c) else None)
+           for m, c in configs.items()}
     return {m: w for m, w in why.items() if w is not None}
 
 

@@ -36,7 +36,7 @@ from .budget import plan
 from .patch import refusal as patch_refusal
 from .patch import visual_tokens
 from .patch.decoder import decoder_shape
-from .run import prepare, run_together
+from .run import prepare, resize_refusal, run_together
 from .trace import Result
 from .views import PNG_DPI, Panels, ViewData, panels_draw, panels_plotly
 
@@ -120,14 +120,16 @@ def keeps(model, processor, image, prompt: str, config: HAPConfig, max_new_token
     """Every method of `methods` (default `pruning()`) at `config`'s budget (its other knobs unchanged) on one input,
     untraced, prepared once and decoded as one batch where the model allows; `done`: results of some of them already
     run on this input at this budget (reused). A method the model refuses, or whose budget it cannot reach
-    (`refusal`), is listed in `refused` with the reason, before any run; the others run."""
+    (`refusal`; downsample on dynamic resolution: an image the processor's pixel bounds cannot shrink to it,
+    `hap.run.resize_refusal`), is listed in `refused` with the reason, before any run; the others run."""
     methods = pruning() if methods is None else list(methods)
     done = dict(done)
     configs = {m: replace(config, method=m) for m in methods}
     p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
     num_visual = int(visual_tokens(model, p.inputs)[0].sum())  # the image's own count (no newline tokens)
     refused = {m: why for m in methods if m not in done
-               and (why := refusal(model, configs[m], num_visual, p.prompt_len - num_visual)) is not None}
+               and (why := refusal(model, configs[m], num_visual, p.prompt_len - num_visual)
+                    or resize_refusal(model, processor, p, configs[m])) is not None}
     todo = [m for m in methods if m not in done and m not in refused]
     if todo:
         done.update(zip(todo, run_together(model, processor, image, prompt, [(configs[m], False) for m in todo],

@@ -5,19 +5,22 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from PIL import Image
 
+from .budget import Schedule, plan
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
 from .options import ProcessorOptions
-from .patch import apply, batch, layout, remove
+from .patch import adapter_for, apply, batch, layout, remove, resizes_image, visual_tokens
 from .patch.decoder import decoder_shape
 from .patch.planted import PLANTS
 from .patch.processors import processor_options
-from .trace import Outcome, Result, to_result
+from .pruners import pruner_for
+from .pruners.downsample import window_starts
+from .trace import CutTrace, Outcome, Result, to_result
 
 
 def chat_messages(question: str, history: Sequence[tuple[str, str]] = ()) -> list[dict]:
@@ -113,8 +116,8 @@ def run(
     _check_new_tokens(max_new_tokens)
     try:
         with processor_options(model, processor, options):
-            return alone(model, processor, prepare(model, processor, image, prompt, max_new_tokens, limits, history),
-                         config, trace, max_new_tokens)
+            p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
+            return alone(model, processor, for_config(model, processor, p, config), config, trace, max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err
 
@@ -130,6 +133,29 @@ def check_context(model, tokens: int, max_new_tokens: int, history: bool = False
 
 
 @dataclass
+class Resized:
+    """How a run whose method resizes the image (`Pruner.resizes_image`: downsample on dynamic resolution) stands to
+    the original image's unpruned run, which its counts, FLOPs and maps are reported against (`outcome`)."""
+
+    original: dict  # the processor's output on the original image (its layout is the one drawn)
+    num_visual: int  # N: the original image's visual tokens
+    prompt_len: int  # T: the original image's prompt tokens
+    planned: int  # the budget's count of the N (`hap.budget.plan`)
+    kept: list[int]  # [N'] per visual token of the resized image (raster order), the original one under its top-left
+    #                  corner (`hap.pruners.downsample.window_starts`)
+
+    def outcome(self, facts: Outcome) -> Outcome:
+        """`facts` of the run on the resized image as a run on the original one: one cut before layer 0 keeping the
+        N' tokens (at their original indices `kept`) of the N, the traced maps on the original grid."""
+        kept, n = torch.tensor(self.kept)[None], len(self.kept)
+        schedule = Schedule(self.num_visual, facts.shape.layers, [0], [n], facts.config.retain,
+                            planned=[] if n == self.planned else [self.planned])
+        return replace(facts, num_visual=self.num_visual, prompt_len=self.prompt_len, schedule=schedule,
+                       cuts=[CutTrace(0, [], kept)],
+                       tracer=None if facts.tracer is None else facts.tracer.regrid(kept, self.num_visual))
+
+
+@dataclass
 class Prepared:
     """One request's inputs, cleaned and encoded once for every run of it."""
 
@@ -142,6 +168,7 @@ class Prepared:
     lead: int  # `question_lead`
     prepare_s: float  # seconds to clean, load and encode
     question: str = ""  # the cleaned question, no chat template (what `cdpruner` reads)
+    resized: Resized | None = None  # `inputs` are of the image resized for the method (`for_config`); None: as given
 
     @property
     def prompt_len(self) -> int:
@@ -155,16 +182,60 @@ def prepare(model, processor, image, prompt: str, max_new_tokens: int, limits: I
     prompt, history, notes = conversation(processor, prompt, history, limits)
     picture = load_image(image, limits)
     inputs, text = encode(processor, picture, prompt, history)
-    inputs = inputs.to(next(model.parameters()).device)
-    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    inputs = on_device(model, inputs)
     check_context(model, inputs["input_ids"].shape[1], max_new_tokens, bool(history))
     return Prepared(inputs, text, picture, history, notes, template_tail(processor), question_lead(processor, history),
                     time.perf_counter() - t0, prompt)
 
 
+def on_device(model, inputs: dict) -> dict:
+    """The processor's output on the model's device, the pixels in the model's dtype."""
+    inputs = inputs.to(next(model.parameters()).device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    return inputs
+
+
+def for_config(model, processor, p: Prepared, config: HAPConfig) -> Prepared:
+    """`p` as `config` runs it: `p` itself, except for a method that resizes the image on this model
+    (`Pruner.resizes_image`: downsample on dynamic resolution), whose processor is given the image resized so that it
+    emits the budget's count of visual tokens (`hap.budget.plan`'s count on the original image, within one token
+    row: `Pruner.image_size` at the processor's settings in effect, `image_settings` of the adapter). The decoder
+    then runs every token of the smaller image; each is reported at the original token under its top-left corner
+    (`Resized`). Needs the processor options of the run in effect; ValueError where the processor's pixel bounds
+    (min_pixels) do not let the image shrink to the budget."""
+    if p.resized is not None or not resizes_image(model, config):
+        return p
+    adapter, pruner = adapter_for(model), pruner_for(config)
+    t0 = time.perf_counter()
+    N = int(visual_tokens(model, p.inputs)[0].sum())
+    schedule = plan(config, decoder_shape(model), N, p.prompt_len - N)
+    k = (schedule.planned or schedule.kept)[0]  # the budget's count (not the square-grid rule's, `realised`)
+    width, height = p.picture.size
+    size = pruner.image_size(height, width, k, adapter.image_settings(processor))
+    picture = p.picture if size == (height, width) else p.picture.resize(size[::-1], Image.Resampling.BICUBIC)
+    inputs = on_device(model, encode(processor, picture, p.question, p.history)[0])
+    n = int(visual_tokens(model, inputs)[0].sum())
+    kept = window_starts(*adapter.visual_grid(model, p.inputs, N), *adapter.visual_grid(model, inputs, n)).tolist()
+    notes = [] if picture is p.picture else [
+        f"method={config.method!r} resized the image from {width}x{height} to {size[1]}x{size[0]} px: the processor "
+        f"emits {n} of its {N} visual tokens (the budget plans {k})"]
+    return replace(p, inputs=inputs, notes=[*p.notes, *notes], resized=Resized(p.inputs, N, p.prompt_len, k, kept),
+                   prepare_s=p.prepare_s + time.perf_counter() - t0)
+
+
+def resize_refusal(model, processor, p: Prepared, config: HAPConfig) -> str | None:
+    """Why `for_config` cannot resize `p`'s image for `config` (the processor's pixel bounds, the budget), or None."""
+    try:
+        for_config(model, processor, p, config)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def generate(model, p: Prepared, config: HAPConfig, trace: bool, max_new_tokens: int, **kwargs):
     """(the patch, `generate`'s output, its seconds): greedy decoding of `p` on the model patched with `config`."""
-    patch = apply(model, config, trace=trace, tail=p.tail, lead=p.lead, question=p.question)
+    patch = apply(model, config, trace=trace, tail=p.tail, lead=p.lead, question=p.question,
+                  resized=p.resized is not None)
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -184,12 +255,14 @@ def alone(model, processor, p: Prepared, config: HAPConfig, trace: bool, max_new
 
 def finish(model, processor, p: Prepared, config: HAPConfig, patch, answer: torch.Tensor, timings: dict) -> Result:
     """The `Result` of one run: `answer` long [new] its generated tokens, `timings` its seconds after `prepare`."""
-    where = layout(model, p.inputs, p.picture.size, processor)
-    N, grid = where.num_visual, where.views[0].grid
+    where = layout(model, p.inputs if p.resized is None else p.resized.original, p.picture.size, processor)
     shape, st = decoder_shape(model), patch.state
+    N, grid = where.num_visual, where.views[0].grid
     facts = Outcome(config.resolved(shape.layers), shape, model.config.text_config.num_attention_heads, N,
                     p.prompt_len, st.schedule if st else None, st.cuts if st else [], st.tracer if st else None,
                     st.curve if st else None)
+    if p.resized is not None:
+        facts = p.resized.outcome(facts)
     result = to_result(facts, processor.decode(answer, skip_special_tokens=True).strip(), p.text, grid, p.notes)
     result.history = [list(turn) for turn in p.history]
     result.layout = where.to_dict()
@@ -214,7 +287,8 @@ def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPC
     try:
         with processor_options(model, processor, options):
             p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
-            return _together(model, processor, [(p, config, trace) for config, trace in runs], max_new_tokens)
+            return _together(model, processor, [(for_config(model, processor, p, config), config, trace)
+                                                for config, trace in runs], max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err
 
@@ -235,8 +309,8 @@ def run_batch(model, processor, images: Sequence, prompts: Sequence[str], config
                          f"{'a string' if isinstance(prompts, str) else len(prompts)} prompts")
     try:
         with processor_options(model, processor, options):
-            jobs = [(prepare(model, processor, image, prompt, max_new_tokens, limits, ()), config, trace)
-                    for image, prompt in zip(images, prompts)]
+            jobs = [(for_config(model, processor, prepare(model, processor, image, prompt, max_new_tokens, limits, ()),
+                                config), config, trace) for image, prompt in zip(images, prompts)]
             return _together(model, processor, jobs, max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err

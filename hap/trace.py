@@ -8,7 +8,7 @@ grid `[..., N]` (N visual tokens in row-major order), NaN where a token was alre
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from .fusion import group_map, head_fusion, token_scores
 from .heads import HeadStats, classify, visual_distribution
 
 STATS = ("sink_share", "dispersion", "visual_share", "paq")
+GRIDDED = ("head_maps", "head_attention", "fused_map", "uniform_map")  # the `LayerTrace` fields [batch, ..., N]
 
 
 @dataclass
@@ -86,6 +87,16 @@ class Tracer:
             sink_count=sink.sum(-1).cpu(),
             tokens_present=attn.shape[-1],
         )
+
+    def regrid(self, kept: torch.Tensor, num_visual: int) -> Tracer:
+        """This tracer's maps, recorded on visual tokens 0..N'-1, put on a grid of `num_visual` tokens at the original
+        indices `kept` long [1, N'] (a resized image's tokens on the original image's grid), NaN elsewhere."""
+        out = Tracer(num_visual, self.temperature)
+        moved = lambda values: on_grid(values, kept.expand(values.shape[0], -1), num_visual)
+        out.layers = {l: replace(tr, **{name: moved(getattr(tr, name)) for name in GRIDDED})
+                      for l, tr in self.layers.items()}
+        out.cut_maps = {l: tuple(moved(m) for m in maps) for l, maps in self.cut_maps.items()}
+        return out
 
     def cut(self, layer: int, attn: torch.Tensor, paq: torch.Tensor, row_valid: torch.Tensor,
             kept: torch.Tensor) -> None:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -37,6 +38,18 @@ def adapter_for(model):
             f"supported: {', '.join(ADAPTERS)}"
         )
     return ADAPTERS[name]
+
+
+def family_of(model) -> str:
+    """The adapter module's name of `model` ("llava", "llava_next", "qwen2_vl", ...): the family a pruner's
+    `refuses` and `resizes_image` are asked about."""
+    return adapter_for(model).__name__.rsplit(".", 1)[-1]
+
+
+def resizes_image(model, config: HAPConfig) -> bool:
+    """Whether `config`'s method shrinks the image itself on `model` before the processor (`Pruner.resizes_image`:
+    downsample on dynamic resolution; `hap.run.for_config`)."""
+    return pruner_for(config).resizes_image(family_of(model))
 
 
 def decoder_of(model) -> torch.nn.Module:
@@ -79,7 +92,7 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
 
 
 def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
-          tail: int | None = None, lead: int = 0, question: str | None = None):
+          tail: int | None = None, lead: int = 0, question: str | None = None, resized: bool = False):
     """Patch `model` in place; a plain `model.generate(**inputs)` then prunes. Returns the patch state.
 
     `priority [batch, visual]` (analysis only, e.g. an oracle): at every cut the visual tokens are ranked by
@@ -89,11 +102,18 @@ def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor 
     rows="question". `lead`: tokens between the image and the question (`hap.run.question_lead(processor, history)`),
     the earlier turns of a follow-up, which no prompt row is taken from. `question`: the raw question (no chat
     template), for a pruner that reads it (`cdpruner`; one question for every prompt of a batch). A method the model's family does not take is refused first,
-    naming the method, the model class and the reason."""
+    naming the method, the model class and the reason. A method that resizes the image on this family
+    (`Pruner.resizes_image`: downsample on dynamic resolution) runs only on inputs `hap.run` resized for it
+    (`resized=True`), with no cut: the decoder runs every token of the smaller image."""
     adapter = adapter_for(model)
-    why = pruner_for(config).refuses(adapter.__name__.rsplit(".", 1)[-1])
+    why = pruner_for(config).refuses(family_of(model))
     if why is not None:
         raise ValueError(f"method={config.method!r} does not run on {type(model).__name__}: {why}")
+    if resizes_image(model, config):
+        if not resized:
+            raise ValueError(f"method={config.method!r} on {type(model).__name__} resizes the image before the "
+                             "processor: run it through hap.run / hap.run_together, not a patch alone")
+        config = replace(config, method="none")
     patch = adapter.apply_patch(model, config, trace=trace, priority=priority, tail=tail, lead=lead)
     patch.ask(question)
     return patch
@@ -106,9 +126,10 @@ def remove(model) -> None:
 
 def refusal(model, config: HAPConfig) -> str | None:
     """Why `model` does not take `config` (its adapter's message: visionzip without a [CLS] token, pdrop's
-    renumbered positions on M-RoPE, ...), or None when it does; the model is left unpatched."""
+    renumbered positions on M-RoPE, ...), or None when it does (a method that resizes the image: as `hap.run` runs
+    it); the model is left unpatched."""
     try:
-        apply(model, config)
+        apply(model, config, resized=True)
     except ValueError as err:
         return str(err)
     remove(model)

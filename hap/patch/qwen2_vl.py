@@ -17,8 +17,9 @@ from ..config import HAPConfig
 from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
+from .processors import current
 
-__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "visual_grid"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "image_settings", "remove_patch", "visual_grid"]
 
 
 def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
@@ -27,6 +28,14 @@ def visual_grid(model, inputs, num_visual: int) -> tuple[int, int]:
     t, h, w = (int(v) for v in inputs["image_grid_thw"][0])
     rows, cols = h // merge, w // merge
     return (rows, cols) if t * rows * cols == num_visual else (1, num_visual)
+
+
+def image_settings(processor) -> tuple[int, int, int, int]:
+    """(patch, merge, min_pixels, max_pixels) the processor resizes an image with now (the processor options in
+    effect included, `hap.patch.processors.processor_options`): what `hap.pruners.downsample.resized_size` reads."""
+    size = current(processor, "size")
+    return (current(processor, "patch_size"), current(processor, "merge_size"), size["shortest_edge"],
+            size["longest_edge"])
 
 
 def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,10 @@ import torch
 from ..config import HAPConfig
 from . import decoder, qwen2_vl
 from .decoder import attention_outputs, decoder_of
-from .qwen2_vl import visual_grid
+from .qwen2_vl import image_settings, visual_grid
 
-__all__ = ["apply_patch", "attention_outputs", "decoder_of", "remove_patch", "repeat_decoder_kwargs", "visual_grid"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "image_settings", "remove_patch", "repeat_decoder_kwargs",
+           "visual_grid"]
 
 
 def mrope_positions(model, positions: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ needs captured, where it cuts, how it selects and how positions continue:
     vispruner  1 before layer 0      - (the tower's [CLS] attention, then duplicate removal)  -         renumbered
     cdpruner   1 before layer 0      - (DPP on the projected tokens x CLIP relevance to the raw question)  renumbered
     downsample 1 before layer 0      - (the grid average-pooled, no scoring)      -                    renumbered
+               (Qwen2-VL family: the image resized before the processor, no cut)
     none       no cuts
 
 `pdrop` and `visionzip` follow their official code (docs/method.md §7): PyramidDrop scores the cut entering

@@ -116,6 +116,17 @@ class Pruner:
         "llava_next", "qwen2_vl", ...), or None; asked before any work with the model."""
         return None
 
+    def resizes_image(self, family: str) -> bool:
+        """Whether, on the models of adapter `family`, the method shrinks the image itself before the processor rather
+        than cutting tokens (downsample on dynamic resolution): `hap.run` then gives the processor the image resized
+        to the budget (`hap.run.for_config`) and the decoder runs every token of it, no cut."""
+        return False
+
+    def image_size(self, height: int, width: int, budget: int, settings: tuple) -> tuple[int, int]:
+        """(height, width) in pixels to resize an `height` x `width` image to, so that the processor (its adapter's
+        `image_settings`, `settings`) emits about `budget` visual tokens (`resizes_image` pruners only)."""
+        raise NotImplementedError(f"{self.name} does not resize the image")
+
     def realised(self, k: int, num_visual: int) -> int:
         """Visual tokens a cut planned to keep `k` of `num_visual` really keeps (its rule's count; default k)."""
         return k

@@ -10,7 +10,9 @@ The grid rule (`grid`), shared by both: h' x w' <= budget tokens, short of it by
 w' <= w and the aspect ratio h'/w' closest (in log ratio) to h/w; ties go to the larger count, then to more rows.
 A budget of at least h * w keeps the grid as it is.
 
-The pruner (`Downsample`) runs the fixed-grid rule on the shared executor (LLaVA-1.5's one square grid).
+The pruner (`Downsample`) runs the fixed-grid rule on the shared executor (LLaVA-1.5's one square grid); on the
+Qwen2-VL family it resizes the image before the processor (`resizes_image`, done once by `hap.run`) and the decoder
+runs every token of the smaller image, each reported at the original token under its top-left corner (`window_starts`).
 """
 
 from __future__ import annotations
@@ -51,10 +53,16 @@ def pool(grid_tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     h, w, _ = grid_tokens.shape
     rows, cols = grid(h, w, k)
     pooled = F.adaptive_avg_pool2d(grid_tokens.permute(2, 0, 1).float(), (rows, cols))  # [D, rows, cols]
-    top = torch.arange(rows, device=grid_tokens.device) * h // rows  # floor(i h / rows): the windows' starts
-    left = torch.arange(cols, device=grid_tokens.device) * w // cols
-    first = (top[:, None] * w + left[None, :]).flatten()
-    return pooled.flatten(1).T.to(grid_tokens.dtype), first
+    return pooled.flatten(1).T.to(grid_tokens.dtype), window_starts(h, w, rows, cols).to(grid_tokens.device)
+
+
+def window_starts(height: int, width: int, rows: int, cols: int) -> torch.Tensor:
+    """long [rows * cols]: for each cell (i, j) of a `rows` x `cols` grid laid over the same picture as an `height` x
+    `width` grid (raster order), the flat index into height * width of the cell of the finer grid under its top-left
+    corner: floor(i height / rows) * width + floor(j width / cols), the first patch of its pooling window."""
+    top = torch.arange(rows) * height // rows
+    left = torch.arange(cols) * width // cols
+    return (top[:, None] * width + left[None, :]).flatten()
 
 
 def resized_size(height: int, width: int, budget: int, patch: int, merge: int, min_pixels: int,
@@ -90,20 +98,30 @@ def processor_size(height: int, width: int, factor: int, min_pixels: int, max_pi
         raise ValueError(f"image of {height}x{width} px: {err}") from err
 
 
+DYNAMIC = ("qwen2_vl", "qwen3_vl")  # the adapters of dynamic-resolution models: the image itself is resized
+
+
 class Downsample(BeforeDecoder):
-    """No scoring: before the first decoder layer, the image's square grid of projected tokens is average-pooled to
-    the budget (`pool`); the pooled tokens take the first slots, each reported at the first patch of its window.
-    Runs where the decoder receives one square grid (LLaVA-1.5); tiles, blocks and dynamic resolution are refused."""
+    """No scoring. LLaVA-1.5: before the first decoder layer, the image's square grid of projected tokens is
+    average-pooled to the budget (`pool`); the pooled tokens take the first slots, each reported at the first patch
+    of its window. Dynamic resolution (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the image is resized before the processor
+    (`resizes_image`; `resized_size`) and no cut is made. Tiles, blocks and crops are refused."""
 
     name = "downsample"
     embeds = True
     writes_tokens = True
 
     def refuses(self, family: str) -> str | None:
-        if family != "llava":
-            return ("downsample pools one square grid of projected tokens (LLaVA-1.5); this family's tiles, blocks or "
-                    "dynamic resolution (the image resized, `resized_size`) are not built here")
+        if family != "llava" and family not in DYNAMIC:
+            return ("downsample pools one square grid of projected tokens (LLaVA-1.5) or resizes a dynamic-resolution "
+                    "image (Qwen2-VL, Qwen2.5-VL, Qwen3-VL); this family's tiles, blocks or crops are not built here")
         return None
+
+    def resizes_image(self, family):
+        return family in DYNAMIC
+
+    def image_size(self, height, width, budget, settings):
+        return resized_size(height, width, budget, *settings)  # settings: (patch, merge, min_pixels, max_pixels)
 
     def realised(self, k, num_visual):
         side = math.isqrt(num_visual)
