@@ -477,11 +477,13 @@ def markdown(r: dict) -> str:
     lines = [f"Held-out questions: {r['n_questions']} (seeds {r['seeds']}), unpruned accuracy "
              f"{r['unpruned_accuracy']:.3f}; cells: accuracy (relative to unpruned) / recall of the "
              "queried object's patches among the tokens present, averaged over decoder layers", "", head, rule]
+    refused = r.get("refused", {})
     for m, row in r["accuracy"].items():
-        cells = ["out of reach" if math.isnan(v) else f"{v:.3f} ({r['relative'][m][k]:.3f}) / {r['kept_recall'][m][k]:.2f}"
+        missing = "refused" if m in refused else "out of reach"
+        cells = [missing if math.isnan(v) else f"{v:.3f} ({r['relative'][m][k]:.3f}) / {r['kept_recall'][m][k]:.2f}"
                  for k, v in row.items()]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += [f"\n{m}: refused by the model, not run ({why})." for m, why in r.get("refused", {}).items()]
+    lines += [f"\n{m}: refused by the model, not run ({why})." for m, why in refused.items()]
     if "head_paq" in r:
         lines += extras_markdown(r)
     return "\n".join(lines) + "\n" + by_kind_markdown(r)
