@@ -567,17 +567,23 @@ def plots(r: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
     xs = list(r["retained_tokens"].values())
-    for m, row in r["accuracy"].items():
-        ax.plot(xs, list(row.values()), marker="o", label=m)
+    drawn = {m: row for m, row in r["accuracy"].items() if not all(math.isnan(v) for v in row.values())}
+    colors, markers, dashes = plt.get_cmap("tab20").colors, "os^Dvx<>P*", ("-", "--", "-.", ":")
+    for i, (m, row) in enumerate(drawn.items()):  # 15 methods: colour, marker and dash each cycle
+        ax.plot(xs, list(row.values()), marker=markers[i % len(markers)], ls=dashes[i % len(dashes)],
+                color=colors[(2 * i + i // 10) % len(colors)], label=m)
     ax.axhline(r["unpruned_accuracy"], color="gray", ls="--", lw=1, label="unpruned")
     ax.set_xscale("log")
     ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
+    ax.minorticks_off()
     ax.set_xlabel(f"retained visual tokens (average over decoder layers, of {r['num_visual']})")
     ax.set_ylabel("held-out accuracy")
-    ax.set_title(f"{Path(r['model']).name}: accuracy vs budget ({r['n_questions']} questions)")
-    ax.legend()
+    not_run = [m for m in r["accuracy"] if m not in drawn]
+    ax.set_title(f"{Path(r['model']).name}: accuracy vs budget ({r['n_questions']} questions)"
+                 + (f"\nnot run here: {', '.join(not_run)} (refused or out of reach)" if not_run else ""), fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "accuracy.png", dpi=120)
     plt.close(fig)
