@@ -2,9 +2,10 @@
 
 `keeps(model, processor, image, prompt, config)` runs every method that prunes (`PRUNING`: the method knob's choices
 but `none`) at `config`'s budget, its other knobs unchanged, prepared once and the answers decoded as one batch
-(`hap.run.run_together`; the image encoded once where the caller holds a `hap.features` cache). A method the model
-refuses (`hap.patch.refusal`: VisionZip without a [CLS] token, PyramidDrop on M-RoPE, ...) is listed with the reason,
-never run. Runs the caller already has (the page's chosen method and uniform averaging) are reused, not repeated.
+(`hap.run.run_prepared`, as `hap.run.run_together` runs them; the image encoded once where the caller holds a
+`hap.features` cache). A method the model refuses (`hap.patch.refusal`: VisionZip without a [CLS] token,
+PyramidDrop on M-RoPE, ...) is listed with the reason, never run. Runs the caller already has (the page's chosen
+method and uniform averaging) are reused, not repeated.
 
 What a method keeps (`Kept`): the visual tokens its first cut keeps (`Result.groups[0].kept`, the set its later cuts,
 if any, choose from), the decoder layer the cut enters, its answer, the layer-averaged retained tokens and prefill
@@ -36,7 +37,7 @@ from .budget import plan
 from .patch import refusal as patch_refusal
 from .patch import visual_tokens
 from .patch.decoder import decoder_shape
-from .run import prepare, resize_refusal, run_together
+from .run import for_config, prepare, run_prepared
 from .trace import Result
 from .views import PNG_DPI, Panels, ViewData, panels_draw, panels_plotly
 
@@ -121,19 +122,25 @@ def keeps(model, processor, image, prompt: str, config: HAPConfig, max_new_token
     untraced, prepared once and decoded as one batch where the model allows; `done`: results of some of them already
     run on this input at this budget (reused). A method the model refuses, or whose budget it cannot reach
     (`refusal`; downsample on dynamic resolution: an image the processor's pixel bounds cannot shrink to it,
-    `hap.run.resize_refusal`), is listed in `refused` with the reason, before any run; the others run."""
+    `hap.run.for_config`), is listed in `refused` with the reason, before any run; the others run, the input
+    prepared once (the resized image once for a method that resizes it)."""
     methods = pruning() if methods is None else list(methods)
     done = dict(done)
-    configs = {m: replace(config, method=m) for m in methods}
     p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
     num_visual = int(visual_tokens(model, p.inputs)[0].sum())  # the image's own count (no newline tokens)
-    refused = {m: why for m in methods if m not in done
-               and (why := refusal(model, configs[m], num_visual, p.prompt_len - num_visual)
-                    or resize_refusal(model, processor, p, configs[m])) is not None}
-    todo = [m for m in methods if m not in done and m not in refused]
-    if todo:
-        done.update(zip(todo, run_together(model, processor, image, prompt, [(configs[m], False) for m in todo],
-                                           max_new_tokens, limits, history)))
+    jobs, refused = {}, {}
+    for m in (m for m in methods if m not in done):
+        cfg = replace(config, method=m)
+        why = refusal(model, cfg, num_visual, p.prompt_len - num_visual)
+        if why is None:
+            try:
+                jobs[m] = (for_config(model, processor, p, cfg), cfg, False)
+            except ValueError as err:  # the processor's pixel bounds cannot shrink the image to the budget
+                why = str(err)
+        if why is not None:
+            refused[m] = why
+    if jobs:
+        done.update(zip(jobs, run_prepared(model, processor, list(jobs.values()), max_new_tokens)))
     found = {m: Kept.of(done[m]) for m in methods if m in done}
     if REFERENCE in found:
         for kept in found.values():

@@ -223,13 +223,6 @@ def for_config(model, processor, p: Prepared, config: HAPConfig) -> Prepared:
                    prepare_s=p.prepare_s + time.perf_counter() - t0)
 
 
-def resize_refusal(model, processor, p: Prepared, config: HAPConfig) -> str | None:
-    """Why `for_config` cannot resize `p`'s image for `config` (the processor's pixel bounds, the budget), or None."""
-    try:
-        for_config(model, processor, p, config)
-    except ValueError as err:
-        return str(err)
-    return None
 
 
 def generate(model, p: Prepared, config: HAPConfig, trace: bool, max_new_tokens: int, **kwargs):
@@ -289,6 +282,20 @@ def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPC
             p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
             return _together(model, processor, [(for_config(model, processor, p, config), config, trace)
                                                 for config, trace in runs], max_new_tokens)
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        raise _out_of_memory(model, err) from err
+
+
+def run_prepared(model, processor, jobs: Sequence[tuple[Prepared, HAPConfig, bool]],
+                 max_new_tokens: int = 32) -> list[Result]:
+    """`run` of each `(prepared input, config, trace)` job, the inputs already prepared (`prepare`, then `for_config`
+    for its config, under the run's processor options): each prefilled alone, the answers decoded as one batch where
+    the model allows, as `run_together` does; for a caller that needed the prepared input first (`hap.keeps`)."""
+    for _, config, _ in jobs:
+        config.validate()
+    _check_new_tokens(max_new_tokens)
+    try:
+        return _together(model, processor, list(jobs), max_new_tokens)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err
 
