@@ -25,6 +25,7 @@ the unpruned ones. The image's features come from the caller's `hap.features` ca
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 
 import numpy as np
@@ -38,6 +39,7 @@ from hap.keeps import pruning, refusal
 from hap.patch import batch, resizes_image, visual_tokens
 from hap.pruners import pruner_class, pruner_for
 from hap.patch.decoder import decoder_shape
+from hap.prefix import sharing_layers
 from hap.run import Prepared, eos_ids, prefill_then_decode, prepare, template_tail
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
@@ -46,6 +48,7 @@ OWN_FLOOR = [m for m in METHODS if pruner_class(m).official or pruner_class(m).m
 #   rules set (the official schedules; DART's cut after layer 0 at the earliest, 4 pivots at least): off the grid
 GRID = [m for m in METHODS if m not in OWN_FLOOR]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
+DECODE_BYTES = 2 * 2**30  # the KV caches of one batch of the sweep's runs, each padded to the unpruned one (`batch_rows`)
 RESIZED = ("method={!r} resizes the image of {} before the processor (a run of its own, hap.run); the sweep reads "
            "every method's probabilities on one image's inputs: not built for a resized image")
 
@@ -111,13 +114,14 @@ def answer_length(tokenizer, ids: list[int], ends: set[int], words: int = ANSWER
 
 def keeps_everything(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, text_tokens: int) -> bool:
     """Whether `config` runs as the stock model on this input: a schedule that keeps every visual token in every
-    layer, of a method that only drops tokens at its cuts (not VisionZip's tokens built before the decoder, nor the
-    official schedules' recycled cluster means)."""
+    layer, the model's own tokens (`Pruner.rewrites`: not VisionZip's tokens built before the decoder; downsample at a
+    budget of every token pools windows of one patch), not an official schedule (its recycled cluster means)."""
     pruner = pruner_for(config)
-    if pruner.official or pruner.writes_tokens:
+    if pruner.official:
         return False
     schedule = plan(config, shape, num_visual, text_tokens)
-    return schedule is None or all(n == num_visual for n in schedule.visual_per_layer)
+    return schedule is None or (all(n == num_visual for n in schedule.visual_per_layer)
+                                and not any(pruner.rewrites(k, num_visual) for k in schedule.kept))
 
 
 def answer_probability(model, inputs, config: hap.HAPConfig, answer_ids: list[int], tail: int = 0) -> float | None:
@@ -152,13 +156,15 @@ def generated_answer(model, processor, inputs, config: hap.HAPConfig, max_new_to
     return short_answer(processor.decode(ids, skip_special_tokens=True)), ids, out.logits
 
 
-def generated_together(model, processor, p: Prepared, configs: list[hap.HAPConfig], max_new_tokens: int
+def generated_together(model, processor, p: Prepared, configs: list[hap.HAPConfig], max_new_tokens: int,
+                       on_prefill: Callable[[int], None] | None = None
                        ) -> tuple[list[tuple[str, list[int], list]], list[batch.Prefilled], list[torch.Tensor]]:
-    """`generated_answer` of each config (the same answers and logits): one prefill each, the greedy answers
-    continued as one batch (`hap.patch.batch`) until each is complete, each row cut where it would have stopped
-    alone. Also returns the prefills and their first logits `[1, vocab]`, for `forced_together`."""
+    """`generated_answer` of each config (the same answers and logits): one prefill each (`on_prefill(i)` called
+    before config i's), the greedy answers continued as one batch (`hap.patch.batch`) until each is complete, each row
+    cut where it would have stopped alone. Also returns the prefills and their first logits `[1, vocab]`, for
+    `forced_together`."""
     done = prefill_then_decode(model, [(p, config, False) for config in configs], max_new_tokens,
-                               {"output_logits": True}, output_logits=True,
+                               {"output_logits": True}, on_prefill, output_logits=True,
                                stopping_criteria=[AnswerEnd(processor.tokenizer, p.prompt_len)])
     first_logits = [out.logits[0] for out in done.outputs]
     rows, ends = [], set(eos_ids(model))
@@ -207,70 +213,91 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     (its method and budget are replaced); None for both where a budget is below a method's floor (out of reach).
     `shared`: the same figures for less work (module docstring)."""
     step = on_step or (lambda fraction, description: None)
-    p = prepare(model, processor, image, prompt, max_new_tokens, limits, ())
-    inputs, image = p.inputs, p.picture
-    num_visual = int(visual_tokens(model, inputs)[0].sum())  # the image's own count (no newline tokens)
-    text_tokens = p.prompt_len - num_visual
-    together = shared and batch.refusal(model) is None
+    with sharing_layers(model) if shared else nullcontext():
+        p = prepare(model, processor, image, prompt, max_new_tokens, limits, ())
+        inputs, image = p.inputs, p.picture
+        num_visual = int(visual_tokens(model, inputs)[0].sum())  # the image's own count (no newline tokens)
+        text_tokens = p.prompt_len - num_visual
+        together = shared and batch.refusal(model) is None
 
-    def answer(cfg: hap.HAPConfig) -> str:
-        """The answer cut at its end, from `hap.run` (untraced) as the page's runs give it."""
-        return short_answer(hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
-                                    limits=limits).answer)
+        def answer(cfg: hap.HAPConfig) -> str:
+            """The answer cut at its end, from `hap.run` (untraced) as the page's runs give it."""
+            return short_answer(hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
+                                        limits=limits).answer)
 
-    how = (" · image encoded once, answers stop at their end" if shared else "") + (
-        ", one batch per method" if together else "")
-    step(0.0, "unpruned reference answer" + how)
-    if shared:
-        reference, ids, logits = generated_answer(model, processor, inputs, reference_config(config), max_new_tokens)
-    else:
-        reference = answer(reference_config(config))
-    answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
-    refusals = refused(model, config)
-    methods = [m for m in METHODS if m not in refusals]
+        how = (" · image encoded once, layers before the cuts shared, answers stop at their end" if shared else "") + (
+            ", decoded in batches" if together else "")
+        step(0.0, "unpruned reference answer" + how)
+        if shared:
+            reference, ids, logits = generated_answer(model, processor, inputs, reference_config(config), max_new_tokens)
+        else:
+            reference = answer(reference_config(config))
+        answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
+        refusals = refused(model, config)
+        methods = [m for m in METHODS if m not in refusals]
+        shape = decoder_shape(model)
+        retains = budgets(config, shape, num_visual, methods=[m for m in methods if m in GRID] or methods)
+
+        def probability(cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
+            """Read from a generation's own logits where it allows, else teacher-forced."""
+            read = read_probability(list(ids), logits, answer_ids)
+            return read if read is not None else answer_probability(model, inputs, cfg, answer_ids, p.tail)
+
+        stock = probability(reference_config(config), *((ids, logits) if shared else ()))
+        out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
+               "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals}
+        found: dict[tuple[str, float], tuple] = {}
+        todo = []  # (method, retain, config): the runs that need a pruned generation of their own
+        for method in methods:
+            floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
+            for retain in retains:
+                cfg = replace(config, method=method, retain=retain, flops_ratio=None)
+                if retain < floor - 1e-12:  # out of reach (an official schedule below its floor)
+                    found[method, retain] = (None, None)
+                elif shared and keeps_everything(cfg, shape, num_visual, text_tokens):
+                    found[method, retain] = (reference, stock)
+                else:
+                    todo.append((method, retain, cfg))
+        if together:
+            rows = batch_rows(model, p.prompt_len)
+            for start in range(0, len(todo), rows):
+                chunk = todo[start:start + rows]
+
+                def prefilling(j: int, chunk=chunk, start=start) -> None:
+                    method, retain, _ = chunk[j]
+                    step((start + j) / len(todo), f"{method} at retain {retain:.3f} ({start + j + 1} of {len(todo)} "
+                         f"runs){how}")
+
+                found.update(zip(((m, r) for m, r, _ in chunk), answered(
+                    model, processor, p, [c for _, _, c in chunk], max_new_tokens, answer_ids, prefilling)))
+        else:
+            for j, (method, retain, cfg) in enumerate(todo):
+                step(j / len(todo), f"{method} at retain {retain:.3f} ({j + 1} of {len(todo)} runs){how}")
+                if shared:
+                    text, ids, logits = generated_answer(model, processor, inputs, cfg, max_new_tokens)
+                    found[method, retain] = (text, probability(cfg, ids, logits))
+                else:
+                    found[method, retain] = (answer(cfg), probability(cfg))
+        for method in methods:
+            out["methods"][method]["answers"] = [found[method, r][0] for r in retains]
+            out["methods"][method]["answer_prob"] = [found[method, r][1] for r in retains]
+        return out
+
+
+def batch_rows(model, prompt_len: int, limit: int = DECODE_BYTES) -> int:
+    """How many of the sweep's runs to prefill and continue as one batch: as many as keep the batch's KV caches, each
+    padded to the unpruned cache of `prompt_len` tokens (`batch.merge_caches`), within `limit` bytes; at least one."""
     shape = decoder_shape(model)
-    retains = budgets(config, shape, num_visual, methods=[m for m in methods if m in GRID] or methods)
-
-    def probability(cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
-        """Read from a generation's own logits where it allows, else teacher-forced."""
-        read = read_probability(list(ids), logits, answer_ids)
-        return read if read is not None else answer_probability(model, inputs, cfg, answer_ids, p.tail)
-
-    stock = probability(reference_config(config), *((ids, logits) if shared else ()))
-    out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
-           "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals}
-    for i, method in enumerate(methods):
-        step(i / len(methods), f"{method}: {len(retains)} budgets{how}")
-        floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
-        found: dict[float, tuple] = {}
-        todo = []  # the budgets that need a pruned generation of their own
-        for retain in retains:
-            cfg = replace(config, method=method, retain=retain, flops_ratio=None)
-            if retain < floor - 1e-12:  # out of reach (an official schedule below its floor)
-                found[retain] = (None, None)
-            elif not shared:
-                found[retain] = (answer(cfg), probability(cfg))
-            elif keeps_everything(cfg, shape, num_visual, text_tokens):
-                found[retain] = (reference, stock)
-            elif not together:
-                text, ids, logits = generated_answer(model, processor, inputs, cfg, max_new_tokens)
-                found[retain] = (text, probability(cfg, ids, logits))
-            else:
-                todo.append((retain, cfg))
-        if todo:
-            found.update(zip((r for r, _ in todo), answered(model, processor, p, [c for _, c in todo],
-                                                            max_new_tokens, answer_ids)))
-        out["methods"][method]["answers"] = [found[r][0] for r in retains]
-        out["methods"][method]["answer_prob"] = [found[r][1] for r in retains]
-    return out
+    per_run = shape.layers * 2 * shape.kv_dim * prompt_len * next(model.parameters()).element_size()
+    return max(1, limit // per_run)
 
 
 def answered(model, processor, p: Prepared, configs: list[hap.HAPConfig], max_new_tokens: int,
-             answer_ids: list[int]) -> list[tuple[str, float | None]]:
+             answer_ids: list[int], on_prefill: Callable[[int], None] | None = None) -> list[tuple[str, float | None]]:
     """(cut answer, probability of `answer_ids`) of each config, its answers generated together
     (`generated_together`), the probabilities read from their own logits where they allow, else forced together on
-    the same prefills (`forced_together`)."""
-    rows, runs, first_logits = generated_together(model, processor, p, configs, max_new_tokens)
+    the same prefills (`forced_together`). `on_prefill(i)`: called before config i's prefill."""
+    rows, runs, first_logits = generated_together(model, processor, p, configs, max_new_tokens, on_prefill)
     read = [read_probability(ids, logits, answer_ids) if answer_ids else None for _, ids, logits in rows]
     unread = [i for i, r in enumerate(read) if r is None and answer_ids]
     if unread:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -345,12 +345,16 @@ class Together:
 
 
 def prefill_then_decode(model, jobs: Sequence[tuple[Prepared, HAPConfig, bool]], max_new_tokens: int,
-                        prefill_kwargs: dict | None = None, **decode_kwargs) -> Together:
-    """Prefill each `(prepared input, config, trace)` job alone (`prefill`, with `prefill_kwargs`), then continue the
-    answers as one batch (`batch.decode`, with `decode_kwargs`) up to `max_new_tokens` in all, unless every answer
-    ended at its first token or only one token is asked for. The model must allow a batch (`batch.refusal`)."""
+                        prefill_kwargs: dict | None = None, on_prefill: Callable[[int], None] | None = None,
+                        **decode_kwargs) -> Together:
+    """Prefill each `(prepared input, config, trace)` job alone (`prefill`, with `prefill_kwargs`; `on_prefill(i)`
+    called before job i's), then continue the answers as one batch (`batch.decode`, with `decode_kwargs`) up to
+    `max_new_tokens` in all, unless every answer ended at its first token or only one token is asked for. The model
+    must allow a batch (`batch.refusal`)."""
     runs, outputs, seconds = [], [], []
-    for p, config, trace in jobs:
+    for i, (p, config, trace) in enumerate(jobs):
+        if on_prefill is not None:
+            on_prefill(i)
         done, out, generate_s = prefill(model, p, config, trace, **(prefill_kwargs or {}))
         runs.append(done)
         outputs.append(out)

@@ -150,6 +150,9 @@ def test_the_full_budget_is_the_stock_model_only_where_nothing_is_dropped():
         assert not keeps_everything(hap.HAPConfig(method=method, retain=0.9), shape, 144, 12), method
     for method in ("visionzip", "sparsevlm", "autoprune"):
         assert not keeps_everything(hap.HAPConfig(method=method, retain=1.0), shape, 144, 12), method
+    # downsample writes its pooled tokens, which at a budget of every token are the tokens themselves
+    assert keeps_everything(hap.HAPConfig(method="downsample", retain=1.0), shape, 144, 12)
+    assert not keeps_everything(hap.HAPConfig(method="downsample", retain=0.9), shape, 144, 12)
     assert keeps_everything(hap.HAPConfig(method="none"), shape, 144, 12)
 
 

@@ -127,6 +127,11 @@ class Pruner:
         `image_settings`, `settings`) emits about `budget` visual tokens (`resizes_image` pruners only)."""
         raise NotImplementedError(f"{self.name} does not resize the image")
 
+    def rewrites(self, k: int, num_visual: int) -> bool:
+        """Whether a cut keeping `k` of `num_visual` visual tokens hands the decoder tokens other than the model's own
+        (`writes_tokens`, unless the pruner's rule gives back its inputs there)."""
+        return self.writes_tokens
+
     def realised(self, k: int, num_visual: int) -> int:
         """Visual tokens a cut planned to keep `k` of `num_visual` really keeps (its rule's count; default k)."""
         return k

@@ -123,6 +123,9 @@ class Downsample(BeforeDecoder):
     def image_size(self, height, width, budget, settings):
         return resized_size(height, width, budget, *settings)  # settings: (patch, merge, min_pixels, max_pixels)
 
+    def rewrites(self, k, num_visual):
+        return k < num_visual  # a budget of every token pools windows of one patch: the tokens as they are
+
     def realised(self, k, num_visual):
         side = math.isqrt(num_visual)
         return math.prod(grid(side, side, k)) if side * side == num_visual else k
