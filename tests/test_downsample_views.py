@@ -8,6 +8,7 @@ stock run's."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def pan_and_scan(model, processor):
 def shares(budget: int, sizes: list[int]) -> list[int]:
     """The documented split: floor(b n_v / N) each, the rest one by one by largest remainder, ties to the earlier."""
     total = sum(sizes)
-    exact = [budget * n / total for n in sizes]
+    exact = [Fraction(budget * n, total) for n in sizes]
     out = [math.floor(e) for e in exact]
     for v in sorted(range(len(sizes)), key=lambda v: (out[v] - exact[v], v))[:budget - sum(out)]:
         out[v] += 1
@@ -147,3 +148,31 @@ def test_retain_and_flops_are_the_pooled_count(case):
     assert result.retain == pytest.approx(count / N)
     assert result.flops_ratio == pytest.approx(prefill_flops([count] * L, result.text_tokens, shape)
                                                / prefill_flops([N] * L, result.text_tokens, shape))
+
+
+def test_the_split_and_the_pooled_views_follow_the_rule_on_random_geometries():
+    """`pool_views` against the rule written here, on random view grids and budgets, down to budgets below the number
+    of views (a view whose share is 0 keeps no token)."""
+    from hap.pruners.downsample import pool_views
+
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        views = [tuple(torch.randint(1, 7, (2,), generator=rng).tolist()) for _ in range(int(torch.randint(1, 5, (1,),
+                                                                                                   generator=rng)))]
+        N = sum(h * w for h, w in views)
+        budget = int(torch.randint(1, N + 2, (1,), generator=rng))
+        tokens = torch.randn(N, 3, generator=rng)
+        pooled, first, slots = pool_views(tokens, tuple(views), budget)
+        want_pooled, want_first, want_slots, start = [], [], [], 0
+        for (h, w), k in zip(views, shares(min(budget, N), [h * w for h, w in views])):
+            if k:
+                r, c = pooled_grid(h, w, k)
+                grid = tokens[start:start + h * w].view(h, w, 3)
+                want_pooled += [grid[i * h // r:-(-(i + 1) * h // r), j * w // c:-(-(j + 1) * w // c)].mean((0, 1))
+                                for i in range(r) for j in range(c)]
+                want_first += [start + (i * h // r) * w + j * w // c for i in range(r) for j in range(c)]
+                want_slots += [start + i * w + j for i in range(r) for j in range(c)]
+            start += h * w
+        assert first.tolist() == want_first and slots.tolist() == want_slots
+        torch.testing.assert_close(pooled, torch.stack(want_pooled))
+        assert 0 < len(want_first) <= min(budget, N)
