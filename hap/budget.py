@@ -214,13 +214,15 @@ def solve_schedule(
     return schedule
 
 
-def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: int = 0) -> Schedule | None:
+def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: int = 0,
+         grids: tuple[tuple[int, int], ...] = ()) -> Schedule | None:
     """The schedule `config` asks for on a decoder of `shape` and a sequence of `num_visual` visual and
     `text_tokens` text tokens; None when the method does not prune. The one planner of the pruner, the
     lmms-eval plugin and the speed script: model-dependent defaults resolve here (`HAPConfig.resolved`),
     FastV gets its single cut at K, a pruner that cuts before the decoder (VisionZip) its single cut before layer 0
     (k = floor(retain x N) in every layer, at least its `min_tokens`), an official schedule (SparseVLM, AutoPrune)
-    its budget (`solve_budget`), and an unreachable budget raises ValueError naming the knobs."""
+    its budget (`solve_budget`), and an unreachable budget raises ValueError naming the knobs. `grids`: the (rows,
+    cols) of each view's token grid, for a rule whose count depends on them (`Pruner.realised`; downsample)."""
     config = config.resolved(shape.layers)
     pruner = pruner_for(config)
     if not pruner.groups:
@@ -237,7 +239,7 @@ def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: i
                              f"before its cut), whatever first_layers={config.first_layers} says: {err}") from err
         raise
     _check_min_tokens(config, shape, schedule, text_tokens)
-    kept = [pruner.realised(k, num_visual) for k in schedule.kept]
+    kept = [pruner.realised(k, num_visual, grids) for k in schedule.kept]
     if kept != schedule.kept:
         schedule.notes.append(f"method={config.method!r} keeps {kept} visual tokens where the budget plans "
                               f"{schedule.kept} (its rule's count): realised retain {_realised(schedule, kept):.4f}")

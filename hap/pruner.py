@@ -54,6 +54,8 @@ class PruneState:
     prompt_len: int
     priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
     text_embeds: torch.Tensor | None = None  # [M, E] the raw question's CLIP text embeddings (CDPruner)
+    grids: tuple[tuple[int, int], ...] = ()  # the (rows, cols) of each view's token grid in token order, from the
+    #                                     adapter where the pruner reads them (`Pruner.views`, downsample); () elsewhere
     vision: VisionCues | None = None  # the vision tower's cues of this prefill (VisionZip, first_cut="vision")
     merged: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions [B, c], embeds [B, c, D]) to write into the
     #                                     hidden states after the cut: VisionZip's block, merge's kept ones
@@ -83,6 +85,7 @@ class PruneState:
         tail: int = 0,
         lead: int = 0,
         image_mask: torch.Tensor | None = None,
+        grids: tuple[tuple[int, int], ...] = (),
     ) -> "PruneState":
         """Plan one prefill. visual_mask bool [batch, T]; attention_mask [batch, T] (1 = token) or None;
         priority [batch, N] or None: an analysis hook, values that rank the visual tokens (by original
@@ -93,7 +96,9 @@ class PruneState:
         tail: tokens of the chat template after the question (e.g. " ASSISTANT:"), left out by rows="question";
         lead: tokens between the image and the question (a follow-up's earlier turns), left out by every rows choice;
         image_mask bool [batch, T]: every token of the image, the visual ones and those the pruner keeps whole
-        (LLaVA-NeXT's newline tokens): the prompt rows start after its last one (default: `visual_mask`).
+        (LLaVA-NeXT's newline tokens): the prompt rows start after its last one (default: `visual_mask`);
+        grids: the (rows, cols) of each view's token grid in token order (every sample's), for a pruner that reads them
+        (`Pruner.views`): they plan its count (`hap.budget.plan`) and its cut pools them.
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
         config = config.resolved(shape.layers)
@@ -117,7 +122,7 @@ class PruneState:
         positions = torch.arange(T, device=device)
         visual_pos = positions.expand(B, T)[visual_mask].view(B, N)
         pruner = pruner_for(config)
-        schedule = plan(config, shape, N, T - N)
+        schedule = plan(config, shape, N, T - N, grids)
         scoring, lookahead = _scoring_sets(pruner, schedule)
         image_end = visual_pos[:, -1] if image_mask is None else _last_image_token(image_mask, visual_pos[:, -1])
         row_valid, row_gap = _prompt_rows(pruner.rows, image_end, _last_tokens(attention_mask, T), T, tail, lead)
@@ -140,6 +145,7 @@ class PruneState:
             priority=None if priority is None else priority.float().to(device),
             sizes=None if pruner.merge == "none" else torch.ones(B, N, device=device),
             recycled=torch.zeros(B, N, dtype=torch.bool, device=device) if pruner.recycle else None,
+            grids=grids,
         )
 
     # --- queries the adapter asks at each layer -------------------------------------------------

@@ -22,9 +22,9 @@ from tiny_zoo_recent import gemma3, qwen3_vl
 QUESTION = "what color is the circle ?"
 FAMILIES = list(ZOO)
 REFUSED = {  # family -> methods refused before any work, each message naming the model class
-    "llava-next": {"visionzip", "autoprune", "vispruner", "cdpruner", "downsample"},  # no one [CLS]; tiles not pooled
-    "llava-next-mistral": {"visionzip", "autoprune", "vispruner", "cdpruner", "downsample"},
-    "llava-onevision": {"visionzip", "autoprune", "vispruner", "cdpruner", "downsample"},
+    "llava-next": {"visionzip", "autoprune", "vispruner", "cdpruner"},  # no one [CLS] (downsample pools each view)
+    "llava-next-mistral": {"visionzip", "autoprune", "vispruner", "cdpruner"},
+    "llava-onevision": {"visionzip", "autoprune", "vispruner", "cdpruner"},
 }
 
 

@@ -21,7 +21,7 @@ from tiny_zoo_recent import decode_loop_error, fanned_out_error, gemma3, recompu
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # squashed to 112 x 112: 16 tokens each
-REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner", "downsample"}  # SigLIP has no [CLS]; blocks not pooled
+REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner"}  # SigLIP has no [CLS] (downsample pools each block)
 
 
 def inputs(processor, questions: list[str], sizes: list[tuple[int, int]], seeds: list[int] | None = None) -> dict:

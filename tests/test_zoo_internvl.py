@@ -20,7 +20,6 @@ from tiny_zoo_more import ZOO
 FAMILIES = ["internvl", "internvl-llama"]
 REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner"}  # the [CLS] cues: each tile encoded on its own, its
 #                                                                [CLS] dropped
-UNPOOLED = {"downsample"}  # tiles are not pooled here
 WIDE, WIDER = (100, 170), (120, 200)  # (height, width): both 2 x 1 tiles + thumbnail = 48 tokens
 
 
@@ -34,7 +33,7 @@ def test_nothing_pruned_reproduces_the_stock_model(family, attn):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_runs_or_is_refused_by_name(method):
     model, processor = ZOO["internvl"]()
-    check_method(model, processor, WIDE, method, method in REFUSED | UNPOOLED)
+    check_method(model, processor, WIDE, method, method in REFUSED)
     if method in REFUSED:
         assert "[CLS]" in refusal(model, hap.HAPConfig(method=method))
 

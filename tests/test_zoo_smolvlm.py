@@ -19,7 +19,6 @@ from tiny_zoo_more import ZOO
 
 FAMILIES = ["idefics3", "smolvlm"]
 REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner"}  # the [CLS] cues: SigLIP has no [CLS] token
-UNPOOLED = {"downsample"}  # crops are not pooled here
 WIDE, WIDER, TALL = (100, 170), (120, 200), (300, 100)  # (height, width): 2 x 2, 2 x 2 and 2 x 1 crops + global
 
 
@@ -35,7 +34,7 @@ def test_nothing_pruned_reproduces_the_stock_model(family, attn):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_method_runs_or_is_refused_by_name(family, method):
     model, processor = ZOO[family]()
-    check_method(model, processor, TALL, method, method in REFUSED | UNPOOLED)
+    check_method(model, processor, TALL, method, method in REFUSED)
     if method in REFUSED:
         assert "[CLS]" in refusal(model, hap.HAPConfig(method=method))
 

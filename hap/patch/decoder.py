@@ -56,6 +56,9 @@ Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
 # (input_ids [batch, T], the multimodal model's kwargs) -> (visual, image) bool [batch, T]: the tokens the pruner may
 # drop, and every token of the image (where the prompt rows start after); default: both are the image token's ids
 TokenMasks = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]] | None
+# (input_ids [batch, T], the multimodal model's kwargs) -> per sample, the (rows, cols) of each view's grid of visual
+# tokens in token order (`Pruner.views`; default: none given, one square grid where the pruner needs one)
+ViewGrids = Callable[[torch.Tensor, dict], list[tuple[tuple[int, int], ...]]] | None
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,15 @@ def decoder_shape(model) -> DecoderShape:
                         None if q_dim == tc.hidden_size else q_dim)
 
 
+def square_blocks(model, side: int) -> ViewGrids:
+    """The view grids of an image whose visual tokens (`image_token_id`) come in blocks of `side` x `side`, one per
+    tile, crop or view, each row-major (InternVL, SmolVLM / Idefics3, Gemma 3)."""
+    def grids(input_ids: torch.Tensor, kwargs: dict) -> list[tuple[tuple[int, int], ...]]:
+        counts = (input_ids == model.config.image_token_id).sum(1).tolist()
+        return [((side, side),) * (n // (side * side)) for n in counts]
+    return grids
+
+
 def has_pixels(kwargs: dict) -> bool:
     """Whether a forward of the multimodal model carries an image: its pixels, or (inside `generate`, which encodes
     the image before the prefill) its encoded features."""
@@ -143,8 +155,9 @@ class Patch:
 
     def __init__(self, model, config: HAPConfig, trace: bool, decode_positions: Positions = None,
                  priority: torch.Tensor | None = None, tail: int = 0, lead: int = 0,
-                 token_masks: TokenMasks = None, kinds: LayerKinds | None = None) -> None:
+                 token_masks: TokenMasks = None, kinds: LayerKinds | None = None, view_grids: ViewGrids = None) -> None:
         self.config, self.trace, self.priority, self.tail, self.lead = config, trace, priority, tail, lead
+        self.view_grids = view_grids
         self.decode_positions = decode_positions or (lambda model, positions: positions)
         self.token_masks = token_masks or (lambda ids, kwargs: (ids == self.image_token,) * 2)
         self.shape = decoder_shape(model)
@@ -204,7 +217,7 @@ class Patch:
             visual, image = self.token_masks(input_ids, kwargs)
             self.state = PruneState.start(
                 self.config, visual, kwargs.get("attention_mask"), self.shape, self.trace,
-                self.priority, self.tail, self.lead, image_mask=image,
+                self.priority, self.tail, self.lead, image_mask=image, grids=self.grids(input_ids, kwargs),
             )
             self.state.vision, self.vision_cues = self.vision_cues, None
             self.state.text_embeds = self.text_embeds
@@ -220,6 +233,17 @@ class Patch:
         else:
             self.mode = None
         return args, kwargs
+
+    def grids(self, input_ids: torch.Tensor, kwargs: dict) -> tuple[tuple[int, int], ...]:
+        """The view grids of the prompt (`ViewGrids`) where the pruner reads them (`Pruner.views`), else ().
+        ValueError where the samples of a batch differ in them."""
+        if self.view_grids is None or not pruner_for(self.config).views:
+            return ()
+        grids = self.view_grids(input_ids, kwargs)
+        if any(g != grids[0] for g in grids):
+            raise ValueError(f"method={self.config.method!r} pools each view's token grid: every sample of a batch "
+                             f"needs the same view grids; got {grids}")
+        return grids[0]
 
     def ask(self, question: str | None) -> None:
         """The raw question of the prompts to come, embedded by CLIP's text tower where the pruner reads it."""
@@ -340,13 +364,13 @@ class Patch:
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, decode_positions: Positions = None, lead: int = 0,
-                token_masks: TokenMasks = None, kinds: LayerKinds | None = None) -> Patch:
+                token_masks: TokenMasks = None, kinds: LayerKinds | None = None, view_grids: ViewGrids = None) -> Patch:
     """Patch `model` in place so that its forward and `generate` prune as `config` says. `priority`
     [batch, visual], `tail` (needed by rows="question") and `lead`: see `PruneState.start`. `decode_positions` (the
     multimodal model, long [1, new] text positions) -> the `position_ids` its decoder takes, for decode steps
     given none (default: as they are). `token_masks`: which tokens are visual and where the image ends
     (`TokenMasks`; default: the image token's ids). `kinds`: the layers' attention kinds where they differ
-    (`LayerKinds`; default: one)."""
+    (`LayerKinds`; default: one). `view_grids`: each view's grid of visual tokens (`ViewGrids`; default: none)."""
     check_decoder(model, kinds)
     if tail is None and pruner_for(config).rows == "question":
         raise ValueError("rows='question' needs the chat template's tail after the question: "
@@ -357,7 +381,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
                          "load the model with attn_implementation='sdpa' or 'eager', or use merge='none'")
     if hasattr(model, "_hap"):
         remove_patch(model)
-    patch = Patch(model, config, trace, decode_positions, priority, tail or 0, lead, token_masks, kinds)
+    patch = Patch(model, config, trace, decode_positions, priority, tail or 0, lead, token_masks, kinds, view_grids)
     patch.attach(model)
     model._hap = patch
     return patch

@@ -131,7 +131,8 @@ def layer_kinds(model) -> decoder.LayerKinds:
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch` with Gemma 3's layer kinds and image tokens; the [CLS] cues are refused."""
+    """`decoder.apply_patch` with Gemma 3's layer kinds and image tokens, each block (the image, each pan-and-scan crop)
+    a view of its own (`decoder.square_blocks`); the [CLS] cues are refused."""
     if pruner_for(config).needs_cls:
         raise ValueError(f"{cls_user(config)} needs a [CLS] token: the "
                          f"{type(model).__name__} vision tower (SigLIP) has no [CLS] token")
@@ -140,4 +141,5 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
                          "not a causal decoder; HAP supports the causal Gemma 3 only")
     return decoder.apply_patch(model, config, trace, priority, tail, lead=lead,
                                token_masks=lambda ids, kwargs: token_masks(model, ids, kwargs),
-                               kinds=layer_kinds(model))
+                               kinds=layer_kinds(model),
+                               view_grids=decoder.square_blocks(model, math.isqrt(model.config.mm_tokens_per_image)))

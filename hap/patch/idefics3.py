@@ -88,9 +88,11 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch`; the [CLS] cues are refused."""
+    """`decoder.apply_patch`, each crop (and the global view) a view of its own (`decoder.square_blocks`); the [CLS]
+    cues are refused."""
     if pruner_for(config).needs_cls:
         raise ValueError(f"{cls_user(config)} needs a [CLS] token: the "
                          f"{type(model).__name__} vision tower (SigLIP) has none, and each crop and the global view "
                          "is encoded on its own")
-    return decoder.apply_patch(model, config, trace, priority, tail, lead=lead)
+    return decoder.apply_patch(model, config, trace, priority, tail, lead=lead,
+                               view_grids=decoder.square_blocks(model, crop_side(model)))

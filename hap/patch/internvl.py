@@ -79,10 +79,12 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch`; the [CLS] cues are refused."""
+    """`decoder.apply_patch`, each tile (and the thumbnail) a view of its own (`decoder.square_blocks`); the [CLS] cues
+    are refused."""
     if pruner_for(config).needs_cls:
         raise ValueError(f"{cls_user(config)} needs one [CLS] attention "
                          f"over the visual tokens: {type(model).__name__} encodes each tile and the thumbnail on its "
                          "own, drops their [CLS] and pixel-shuffles 2 x 2 patches into one token, so no single [CLS] "
                          "row ranks them")
-    return decoder.apply_patch(model, config, trace, priority, tail, lead=lead)
+    return decoder.apply_patch(model, config, trace, priority, tail, lead=lead,
+                               view_grids=decoder.square_blocks(model, tile_side(model)))

@@ -11,6 +11,9 @@ The processor expands one `<image>` into the tokens `pack_image_features` packs 
 Pruning policy (ours): the newline tokens are not visual tokens of the pruner; they are always kept, never scored and
 not counted in the budget, which is stated over the patch tokens of this image (base view and tiles; the same pixels
 appear in both, and both compete). The prompt rows start after the image's last token, the last newline.
+`downsample` pools each of the two views (`view_grids`) into its own first slots: pooled row i of the tile grid takes
+the first slots of the grid's row i, so the newline after that row follows it, and the newlines of the rows below the
+pooled grid stay, one after another, after its last row (the executor drops visual tokens only).
 The layout (`hap.layout`) has two views, the base view over the whole image and the tile grid over the unpadded
 canvas, each token's cell the pixels of the upload its patch sees (`tiling`), so the maps draw each on the uploaded
 image. Visual-token counts depend on the image: a batch needs equal
@@ -38,7 +41,7 @@ from ..pruners import cls_user, pruner_for
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
-__all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "token_masks"]
+__all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "token_masks", "view_grids"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,17 @@ def token_masks(model, input_ids: torch.Tensor, kwargs: dict) -> tuple[torch.Ten
     return visual, image
 
 
+def view_grids(model, input_ids: torch.Tensor, kwargs: dict) -> list[tuple[tuple[int, int], ...]]:
+    """Per sample, the (rows, cols) of its two views' grids of patch tokens (`decoder.ViewGrids`): the base view's
+    s x s, then the unpadded tile grid's, one row per newline token (`newlines`) and its patch tokens shared among
+    them."""
+    vision = model.config.vision_config
+    side = vision.image_size // vision.patch_size
+    counts = (input_ids == model.config.image_token_id).sum(1).tolist()
+    return [((side, side), (len(lines), (n - len(lines) - side * side) // len(lines)))
+            for lines, n in zip(newlines(model, kwargs), counts)]
+
+
 def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=None) -> Layout:
     """The first sample's tokens on its image, each cell the pixels its patch sees (`tiling`): the base view over the
     whole image, the tile grid over the unpadded canvas (reaching past the image by the canvas cells that hold some
@@ -161,10 +175,12 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch` with the newline tokens kept out of the pruner; the [CLS] cues are refused."""
+    """`decoder.apply_patch` with the newline tokens kept out of the pruner and the two views' grids (`view_grids`);
+    the [CLS] cues are refused."""
     if pruner_for(config).needs_cls:
         raise ValueError(f"{cls_user(config)} needs one [CLS] attention "
                          f"over the visual tokens: {type(model).__name__} packs a base view and a tile canvas, each "
                          "tile encoded on its own, plus newline tokens, so no single [CLS] row ranks them")
     return decoder.apply_patch(model, config, trace, priority, tail, lead=lead,
-                               token_masks=lambda ids, kwargs: token_masks(model, ids, kwargs))
+                               token_masks=lambda ids, kwargs: token_masks(model, ids, kwargs),
+                               view_grids=lambda ids, kwargs: view_grids(model, ids, kwargs))

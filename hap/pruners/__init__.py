@@ -20,7 +20,7 @@ needs captured, where it cuts, how it selects and how positions continue:
     dart       1 at K (>= 1)         - (layer K-1's keys: pivots; its final-normed output: least similar)  original
     vispruner  1 before layer 0      - (the tower's [CLS] attention, then duplicate removal)  -         renumbered
     cdpruner   1 before layer 0      - (DPP on the projected tokens x CLIP relevance to the raw question)  renumbered
-    downsample 1 before layer 0      - (the grid average-pooled, no scoring)      -                    renumbered
+    downsample 1 before layer 0      - (each view's grid average-pooled, no scoring)  -                renumbered
                (Qwen2-VL family: the image resized before the processor, no cut)
     none       no cuts
 

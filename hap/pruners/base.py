@@ -78,6 +78,7 @@ class Pruner:
     clip: ClassVar[bool] = False  # CLIP's projections of those cues and of the raw question (`clip_model`, CDPruner)
     embeds: ClassVar[bool] = False  # the visual rows of the hidden states entering the cut (`Cut.embeds`)
     layer_states: ClassVar[bool] = False  # the previous layer's keys and final-normed output (`Cut.keys`, DART)
+    views: ClassVar[bool] = False  # the (rows, cols) of each view's token grid, from the adapter (`PruneState.grids`)
     # where it cuts
     fixed_cuts: ClassVar[int | None] = None  # how many cuts it always makes (None: the `groups` knob)
     lookahead: ClassVar[bool] = False  # score every cut with the next layer's attention on the tokens about to enter it
@@ -132,8 +133,9 @@ class Pruner:
         (`writes_tokens`, unless the pruner's rule gives back its inputs there)."""
         return self.writes_tokens
 
-    def realised(self, k: int, num_visual: int) -> int:
-        """Visual tokens a cut planned to keep `k` of `num_visual` really keeps (its rule's count; default k)."""
+    def realised(self, k: int, num_visual: int, grids: tuple[tuple[int, int], ...] = ()) -> int:
+        """Visual tokens a cut planned to keep `k` of `num_visual` really keeps (its rule's count; default k); `grids`:
+        the (rows, cols) of each view's token grid in token order where the planner knows them (`Pruner.views`)."""
         return k
 
     def scoring_layers(self, segment: tuple[int, int]) -> list[int]:

@@ -119,7 +119,7 @@ class Dart(Pruner):
     layer_states = True
     min_full_layers = 1
 
-    def realised(self, k, num_visual):
+    def realised(self, k, num_visual, grids=()):
         return kept_count(num_visual, per_pivot(k))
 
     def select(self, state, cut):

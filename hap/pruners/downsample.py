@@ -10,9 +10,16 @@ The grid rule (`grid`), shared by both: h' x w' <= budget tokens, short of it by
 w' <= w and the aspect ratio h'/w' closest (in log ratio) to h/w; ties go to the larger count, then to more rows.
 A budget of at least h * w keeps the grid as it is.
 
-The pruner (`Downsample`) runs the fixed-grid rule on the shared executor (LLaVA-1.5's one square grid); on the
-Qwen2-VL family it resizes the image before the processor (`resizes_image`, done once by `hap.run`) and the decoder
-runs every token of the smaller image, each reported at the original token under its top-left corner (`window_starts`).
+Several views (LLaVA-NeXT's base view and tile grid, InternVL's tiles and thumbnail, SmolVLM's crops and global view,
+Gemma 3's blocks; their grids from the adapter, `PruneState.grids`): the budget is split across the views in
+proportion to their token counts (`shares`, largest remainder) and each view is pooled to its share by the grid rule
+(`pool_views`); a view whose share is 0 keeps no token. Each view's pooled tokens take its own first slots, pooled
+cell (i, j) the slot of the view's patch (i, j) (the top-left h' x w' corner of its grid, `corner`), so a view's pooled
+tokens stay between its own markers, and each pooled row of LLaVA-NeXT's tile grid is followed by a newline token.
+
+The pruner (`Downsample`) runs the fixed-grid rule on the shared executor; on the Qwen2-VL family it resizes the image
+before the processor (`resizes_image`, done once by `hap.run`) and the decoder runs every token of the smaller image,
+each reported at the original token under its top-left corner (`window_starts`).
 """
 
 from __future__ import annotations
@@ -65,6 +72,61 @@ def window_starts(height: int, width: int, rows: int, cols: int) -> torch.Tensor
     return (top[:, None] * width + left[None, :]).flatten()
 
 
+def shares(budget: int, sizes: list[int]) -> list[int]:
+    """The `budget` split across views of `sizes` tokens in proportion to them, at most each view's size: view v gets
+    floor(b n_v / N) (b = min(budget, N), N = the sum of sizes), and the b - sum of those tokens left over go one each
+    to the views with the largest remainders (b n_v mod N), ties to the earlier view."""
+    total = sum(sizes)
+    budget = min(budget, total)
+    out = [budget * n // total for n in sizes]
+    by_remainder = sorted(range(len(sizes)), key=lambda v: (-(budget * sizes[v] % total), v))
+    for v in by_remainder[:budget - sum(out)]:
+        out[v] += 1
+    return out
+
+
+def views_of(grids: tuple[tuple[int, int], ...], num_visual: int) -> tuple[tuple[int, int], ...]:
+    """The (rows, cols) of each view of `num_visual` visual tokens in token order: the adapter's `grids`, else one
+    square grid (LLaVA-1.5). ValueError where neither fits."""
+    if grids:
+        if sum(h * w for h, w in grids) != num_visual:
+            raise ValueError(f"the view grids {list(grids)} do not hold the {num_visual} visual tokens")
+        return grids
+    side = math.isqrt(num_visual)
+    if side * side != num_visual:
+        raise ValueError(f"method='downsample' pools one square grid of tokens where the model gives no view grids; "
+                         f"this image gives {num_visual}")
+    return ((side, side),)
+
+
+def counts(grids: tuple[tuple[int, int], ...], budget: int) -> list[int]:
+    """Tokens each view of `grids` keeps for `budget`: its share (`shares`) pooled by `grid` (0 for a share of 0)."""
+    return [math.prod(grid(h, w, k)) if k else 0 for (h, w), k in zip(grids, shares(budget, [h * w for h, w in grids]))]
+
+
+def corner(height: int, width: int, rows: int, cols: int) -> torch.Tensor:
+    """long [rows * cols]: the flat index into an `height` x `width` grid of cell (i, j), for each cell of the
+    `rows` x `cols` grid in raster order: i * width + j, its top-left corner."""
+    return (torch.arange(rows)[:, None] * width + torch.arange(cols)[None, :]).flatten()
+
+
+def pool_views(tokens: torch.Tensor, grids: tuple[tuple[int, int], ...],
+               budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Average-pool each view of `tokens [N, D]` (views of `grids` in token order) to its share of `budget`.
+
+    -> (pooled [k', D], first long [k'], slots long [k']), view after view, each in raster order: the pooled tokens,
+    the index into N of the first patch of each one's window, and the slot each takes (`corner` of its view);
+    k' = sum of `counts(grids, budget)`."""
+    parts, start = [], 0
+    for (h, w), k in zip(grids, shares(budget, [h * w for h, w in grids])):
+        if k:
+            pooled, first = pool(tokens[start:start + h * w].view(h, w, -1), k)
+            slots = corner(h, w, *grid(h, w, k)).to(first.device)
+            parts.append((pooled, first + start, slots + start))
+        start += h * w
+    return tuple(torch.cat(part) for part in zip(*parts))
+
+
 def resized_size(height: int, width: int, budget: int, patch: int, merge: int, min_pixels: int,
                  max_pixels: int) -> tuple[int, int]:
     """The (height, width) in pixels to resize an `height` x `width` image to, so that a Qwen2-VL-family processor
@@ -102,20 +164,16 @@ DYNAMIC = ("qwen2_vl", "qwen3_vl")  # the adapters of dynamic-resolution models:
 
 
 class Downsample(BeforeDecoder):
-    """No scoring. LLaVA-1.5: before the first decoder layer, the image's square grid of projected tokens is
-    average-pooled to the budget (`pool`); the pooled tokens take the first slots, each reported at the first patch
-    of its window. Dynamic resolution (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the image is resized before the processor
-    (`resizes_image`; `resized_size`) and no cut is made. Tiles, blocks and crops are refused."""
+    """No scoring. Before the first decoder layer, each view's grid of projected tokens (the adapter's `grids`; one
+    square grid on LLaVA-1.5) is average-pooled to its share of the budget (`pool_views`); the pooled tokens take
+    their view's first slots, each reported at the first patch of its window. Dynamic resolution (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL): the image is resized before the processor (`resizes_image`; `resized_size`) and no cut is
+    made."""
 
     name = "downsample"
     embeds = True
+    views = True
     writes_tokens = True
-
-    def refuses(self, family: str) -> str | None:
-        if family != "llava" and family not in DYNAMIC:
-            return ("downsample pools one square grid of projected tokens (LLaVA-1.5) or resizes a dynamic-resolution "
-                    "image (Qwen2-VL, Qwen2.5-VL, Qwen3-VL); this family's tiles, blocks or crops are not built here")
-        return None
 
     def resizes_image(self, family):
         return family in DYNAMIC
@@ -126,19 +184,16 @@ class Downsample(BeforeDecoder):
     def rewrites(self, k, num_visual):
         return k < num_visual  # a budget of every token pools windows of one patch: the tokens as they are
 
-    def realised(self, k, num_visual):
-        side = math.isqrt(num_visual)
-        return math.prod(grid(side, side, k)) if side * side == num_visual else k
+    def realised(self, k, num_visual, grids=()):
+        if not grids and math.isqrt(num_visual) ** 2 != num_visual:
+            return k  # a planner not given the adapter's view grids: the budget's count
+        return sum(counts(views_of(grids, num_visual), k))
 
     def select(self, state, cut):
-        B, N, D = cut.embeds.shape
-        side = math.isqrt(N)
-        if side * side != N:
-            raise ValueError(f"method='downsample' pools one square grid of tokens; this image gives {N}")
-        pooled = [pool(tokens.view(side, side, D), cut.budget) for tokens in cut.embeds]
-        tokens, first = torch.stack([p for p, _ in pooled]), torch.stack([f for _, f in pooled])
-        chosen = torch.arange(tokens.shape[1], device=state.visual_pos.device).expand(B, -1)
-        return Selection(chosen, tokens=tokens, patches=first)
+        grids = views_of(state.grids, cut.embeds.shape[1])
+        pooled = [pool_views(tokens, grids, cut.budget) for tokens in cut.embeds]
+        tokens, first, slots = (torch.stack(part) for part in zip(*pooled))
+        return Selection(slots.to(state.visual_pos.device), tokens=tokens, patches=first)
 
 
 PRUNER = Downsample
