@@ -8,7 +8,9 @@ given. The smallest budget is the one every method can honour on this decoder: t
 token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). SparseVLM and
 AutoPrune run their official schedules and DART reads the layer before its cut (`OWN_FLOOR`): their first cut comes
 after layer 0, so their floor is at least 1 / layers: they do not set the grid, and at a budget below their floor
-they have no answer (None, "out of reach"). The answer comes from
+they have no answer (None, "out of reach"). Downsample on dynamic resolution (the Qwen2-VL family) runs on the image
+resized for each budget (`hap.run.for_config`); a budget the processor's pixel bounds cannot shrink the image to is
+out of reach too. The answer comes from
 `hap.run` (untraced), cut at its end (`short_answer`: end of sequence, end of line, or `ANSWER_WORDS` words), the
 unpruned one included, since a pruned run may ramble on until the token limit. The probability of the
 unpruned answer is teacher-forced: the product of the pruned model's next-token probabilities of that (cut)
@@ -19,7 +21,11 @@ test_sweep.py` compares the two): each generation stops once its cut answer is c
 greedy answer begins with the unpruned answer's tokens, their probability is read from the same generation's logits
 (the forced pass would compute exactly those logits again); and at a budget where a method's schedule keeps every
 visual token in every layer (`keeps_everything`), its run is the stock model's, whose answer and probability are
-the unpruned ones. The image's features come from the caller's `hap.features` cache where there is one.
+the unpruned ones. The image's features come from the caller's `hap.features` cache where there is one, and the
+layers before each run's first cut are computed once (`hap.prefix.sharing_layers`). Where the model allows a batch
+(`hap.patch.batch.refusal`), every method's budgets are prefilled one by one and their answers continued as batches
+of as many runs as `DECODE_BYTES` of padded KV cache holds (`batch_rows`), not one batch per method: a decode step
+streams the weights once for every run in it.
 """
 
 from __future__ import annotations
@@ -36,11 +42,11 @@ from hap.budget import plan
 from hap.budget import smallest_retain as floor_retain
 from hap.inputs import InputLimits
 from hap.keeps import pruning, refusal
-from hap.patch import batch, resizes_image, visual_tokens
+from hap.patch import batch, visual_tokens
 from hap.pruners import pruner_class, pruner_for
 from hap.patch.decoder import decoder_shape
 from hap.prefix import sharing_layers
-from hap.run import Prepared, eos_ids, prefill_then_decode, prepare, template_tail
+from hap.run import Prepared, eos_ids, for_config, generate, prefill_then_decode, prepare
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 METHODS = pruning()  # every method of the registry that prunes (the method knob's choices but none)
@@ -49,8 +55,6 @@ OWN_FLOOR = [m for m in METHODS if pruner_class(m).official or pruner_class(m).m
 GRID = [m for m in METHODS if m not in OWN_FLOOR]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
 DECODE_BYTES = 2 * 2**30  # the KV caches of one batch of the sweep's runs, each padded to the unpruned one (`batch_rows`)
-RESIZED = ("method={!r} resizes the image of {} before the processor (a run of its own, hap.run); the sweep reads "
-           "every method's probabilities on one image's inputs: not built for a resized image")
 
 
 def short_answer(text: str, words: int = ANSWER_WORDS) -> str:
@@ -78,11 +82,9 @@ def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, poi
 
 def refused(model, config: hap.HAPConfig) -> dict[str, str]:
     """{method: why} for the METHODS `model` does not take (`hap.keeps.refusal`: visionzip without a [CLS] token,
-    pdrop on Qwen2-VL's M-RoPE, a file a method needs that does not load), and those that resize the image on it
-    (downsample on dynamic resolution, `hap.patch.resizes_image`): the sweep scores every run on one image's inputs."""
+    pdrop on Qwen2-VL's M-RoPE, a file a method needs that does not load)."""
     configs = {m: replace(config, method=m, retain=None, flops_ratio=None) for m in METHODS}
-    why = {m: refusal(model, c) or (RESIZED.format(m, type(model).__name__) if resizes_image(model, c) else None)
-           for m, c in configs.items()}
+    why = {m: refusal(model, c) for m, c in configs.items()}
     return {m: w for m, w in why.items() if w is not None}
 
 
@@ -124,16 +126,15 @@ def keeps_everything(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual:
                                 and not any(pruner.rewrites(k, num_visual) for k in schedule.kept))
 
 
-def answer_probability(model, inputs, config: hap.HAPConfig, answer_ids: list[int], tail: int = 0) -> float | None:
-    """Probability the model pruned by `config` gives the tokens `answer_ids` after the prompt of `inputs`
-    (each token forced in turn on the pruned cache); None for an empty answer. `tail`: `hap.run.template_tail`."""
+def answer_probability(model, p: Prepared, config: hap.HAPConfig, answer_ids: list[int]) -> float | None:
+    """Probability the model pruned by `config` gives the tokens `answer_ids` after the prompt of `p` (as
+    `hap.run.for_config` prepares it for `config`), each token forced in turn on the pruned cache; None for an empty
+    answer."""
     if not answer_ids:
         return None
-    start = inputs["input_ids"].shape[1]
-    with hap.patched(model, config, tail=tail), torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=len(answer_ids), do_sample=False, num_beams=1,
-                             output_logits=True, return_dict_in_generate=True,
-                             prefix_allowed_tokens_fn=lambda _, ids: [answer_ids[ids.shape[-1] - start]])
+    start = p.prompt_len
+    _, out, _ = generate(model, p, config, False, len(answer_ids), output_logits=True, return_dict_in_generate=True,
+                         prefix_allowed_tokens_fn=lambda _, ids: [answer_ids[ids.shape[-1] - start]])
     return forced_probability(out.logits, answer_ids)
 
 
@@ -143,32 +144,31 @@ def forced_probability(logits, answer_ids: list[int]) -> float:
     return float(np.exp(logp))
 
 
-def generated_answer(model, processor, inputs, config: hap.HAPConfig, max_new_tokens: int
+def generated_answer(model, processor, p: Prepared, config: hap.HAPConfig, max_new_tokens: int
                      ) -> tuple[str, list[int], tuple]:
-    """One generation of `config` stopped at its answer's end (`AnswerEnd`): (the cut answer, the generated token
-    ids, the logits of each step, `[1, vocab]` each)."""
-    start = inputs["input_ids"].shape[1]
-    with hap.patched(model, config, tail=template_tail(processor)), torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                             output_logits=True, return_dict_in_generate=True,
-                             stopping_criteria=[AnswerEnd(processor.tokenizer, start)])
+    """One generation of `config` on `p` (as `hap.run.for_config` prepares it) stopped at its answer's end
+    (`AnswerEnd`): (the cut answer, the generated token ids, the logits of each step, `[1, vocab]` each)."""
+    start = p.prompt_len
+    _, out, _ = generate(model, p, config, False, max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                         stopping_criteria=[AnswerEnd(processor.tokenizer, start)])
     ids = out.sequences[0, start:].tolist()
     return short_answer(processor.decode(ids, skip_special_tokens=True)), ids, out.logits
 
 
-def generated_together(model, processor, p: Prepared, configs: list[hap.HAPConfig], max_new_tokens: int,
+def generated_together(model, processor, jobs: list[tuple[Prepared, hap.HAPConfig]], max_new_tokens: int,
                        on_prefill: Callable[[int], None] | None = None
                        ) -> tuple[list[tuple[str, list[int], list]], list[batch.Prefilled], list[torch.Tensor]]:
-    """`generated_answer` of each config (the same answers and logits): one prefill each (`on_prefill(i)` called
-    before config i's), the greedy answers continued as one batch (`hap.patch.batch`) until each is complete, each row
-    cut where it would have stopped alone. Also returns the prefills and their first logits `[1, vocab]`, for
-    `forced_together`."""
-    done = prefill_then_decode(model, [(p, config, False) for config in configs], max_new_tokens,
+    """`generated_answer` of each `(prepared input, config)` job (the same answers and logits): one prefill each
+    (`on_prefill(i)` called before job i's), the greedy answers continued as one batch (`hap.patch.batch`, prompts of
+    different lengths left-padded to the longest) until each is complete, each row cut where it would have stopped
+    alone. Also returns the prefills and their first logits `[1, vocab]`, for `forced_together`."""
+    start = max(q.prompt_len for q, _ in jobs)
+    done = prefill_then_decode(model, [(q, config, False) for q, config in jobs], max_new_tokens,
                                {"output_logits": True}, on_prefill, output_logits=True,
-                               stopping_criteria=[AnswerEnd(processor.tokenizer, p.prompt_len)])
+                               stopping_criteria=[AnswerEnd(processor.tokenizer, start)])
     first_logits = [out.logits[0] for out in done.outputs]
     rows, ends = [], set(eos_ids(model))
-    for i in range(len(configs)):
+    for i in range(len(jobs)):
         ids = done.tokens[i].tolist()
         ids = ids[:answer_length(processor.tokenizer, ids, ends)]
         logits = [first_logits[i], *(step[i:i + 1] for step in done.logits)][:len(ids)]
@@ -176,17 +176,16 @@ def generated_together(model, processor, p: Prepared, configs: list[hap.HAPConfi
     return rows, done.runs, first_logits
 
 
-def forced_together(model, p: Prepared, runs: list[batch.Prefilled], first_logits: list[torch.Tensor],
-                    answer_ids: list[int]) -> list[float]:
+def forced_together(model, runs: list[batch.Prefilled], first_logits: list[torch.Tensor], answer_ids: list[int]
+                    ) -> list[float]:
     """`answer_probability` of `answer_ids` on each prefilled run (`generated_together`), forced on its own cache, the
     runs as one batch."""
     steps = ()
     if len(answer_ids) > 1:
-        forced = torch.tensor([answer_ids[:1]], device=p.inputs["input_ids"].device)
-        first = torch.cat([p.inputs["input_ids"], forced], 1)
-        T = p.prompt_len
+        firsts = [torch.cat([run.first[:, :-1], run.first.new_tensor([answer_ids[:1]])], 1) for run in runs]
+        T = max(run.prompt_len for run in runs)
         with torch.inference_mode():
-            steps = batch.decode(model, runs, len(answer_ids) - 1, [first] * len(runs), output_logits=True,
+            steps = batch.decode(model, runs, len(answer_ids) - 1, firsts, output_logits=True,
                                  return_dict_in_generate=True,
                                  prefix_allowed_tokens_fn=lambda _, ids: [answer_ids[ids.shape[-1] - T]]).logits
     return [forced_probability([first, *(step[i:i + 1] for step in steps)], answer_ids)
@@ -229,7 +228,7 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
             ", decoded in batches" if together else "")
         step(0.0, "unpruned reference answer" + how)
         if shared:
-            reference, ids, logits = generated_answer(model, processor, inputs, reference_config(config), max_new_tokens)
+            reference, ids, logits = generated_answer(model, processor, p, reference_config(config), max_new_tokens)
         else:
             reference = answer(reference_config(config))
         answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
@@ -238,16 +237,16 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
         shape = decoder_shape(model)
         retains = budgets(config, shape, num_visual, methods=[m for m in methods if m in GRID] or methods)
 
-        def probability(cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
-            """Read from a generation's own logits where it allows, else teacher-forced."""
+        def probability(q: Prepared, cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
+            """Read from a generation's own logits where it allows, else teacher-forced on `q`."""
             read = read_probability(list(ids), logits, answer_ids)
-            return read if read is not None else answer_probability(model, inputs, cfg, answer_ids, p.tail)
+            return read if read is not None else answer_probability(model, q, cfg, answer_ids)
 
-        stock = probability(reference_config(config), *((ids, logits) if shared else ()))
+        stock = probability(p, reference_config(config), *((ids, logits) if shared else ()))
         out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
                "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals}
         found: dict[tuple[str, float], tuple] = {}
-        todo = []  # (method, retain, config): the runs that need a pruned generation of their own
+        todo = []  # (method, retain, config, its prepared input): the runs that need a pruned generation of their own
         for method in methods:
             floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
             for retain in retains:
@@ -257,27 +256,30 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
                 elif shared and keeps_everything(cfg, shape, num_visual, text_tokens):
                     found[method, retain] = (reference, stock)
                 else:
-                    todo.append((method, retain, cfg))
+                    try:
+                        todo.append((method, retain, cfg, for_config(model, processor, p, cfg)))
+                    except ValueError:  # the processor's pixel bounds cannot shrink the image to this budget
+                        found[method, retain] = (None, None)
         if together:
             rows = batch_rows(model, p.prompt_len)
             for start in range(0, len(todo), rows):
                 chunk = todo[start:start + rows]
 
                 def prefilling(j: int, chunk=chunk, start=start) -> None:
-                    method, retain, _ = chunk[j]
+                    method, retain, _, _ = chunk[j]
                     step((start + j) / len(todo), f"{method} at retain {retain:.3f} ({start + j + 1} of {len(todo)} "
                          f"runs){how}")
 
-                found.update(zip(((m, r) for m, r, _ in chunk), answered(
-                    model, processor, p, [c for _, _, c in chunk], max_new_tokens, answer_ids, prefilling)))
+                found.update(zip(((m, r) for m, r, _, _ in chunk), answered(
+                    model, processor, [(q, c) for _, _, c, q in chunk], max_new_tokens, answer_ids, prefilling)))
         else:
-            for j, (method, retain, cfg) in enumerate(todo):
+            for j, (method, retain, cfg, q) in enumerate(todo):
                 step(j / len(todo), f"{method} at retain {retain:.3f} ({j + 1} of {len(todo)} runs){how}")
                 if shared:
-                    text, ids, logits = generated_answer(model, processor, inputs, cfg, max_new_tokens)
-                    found[method, retain] = (text, probability(cfg, ids, logits))
+                    text, ids, logits = generated_answer(model, processor, q, cfg, max_new_tokens)
+                    found[method, retain] = (text, probability(q, cfg, ids, logits))
                 else:
-                    found[method, retain] = (answer(cfg), probability(cfg))
+                    found[method, retain] = (answer(cfg), probability(q, cfg))
         for method in methods:
             out["methods"][method]["answers"] = [found[method, r][0] for r in retains]
             out["methods"][method]["answer_prob"] = [found[method, r][1] for r in retains]
@@ -292,16 +294,16 @@ def batch_rows(model, prompt_len: int, limit: int = DECODE_BYTES) -> int:
     return max(1, limit // per_run)
 
 
-def answered(model, processor, p: Prepared, configs: list[hap.HAPConfig], max_new_tokens: int,
+def answered(model, processor, jobs: list[tuple[Prepared, hap.HAPConfig]], max_new_tokens: int,
              answer_ids: list[int], on_prefill: Callable[[int], None] | None = None) -> list[tuple[str, float | None]]:
-    """(cut answer, probability of `answer_ids`) of each config, its answers generated together
-    (`generated_together`), the probabilities read from their own logits where they allow, else forced together on
-    the same prefills (`forced_together`). `on_prefill(i)`: called before config i's prefill."""
-    rows, runs, first_logits = generated_together(model, processor, p, configs, max_new_tokens, on_prefill)
+    """(cut answer, probability of `answer_ids`) of each `(prepared input, config)` job, its answers generated
+    together (`generated_together`), the probabilities read from their own logits where they allow, else forced
+    together on the same prefills (`forced_together`). `on_prefill(i)`: called before job i's prefill."""
+    rows, runs, first_logits = generated_together(model, processor, jobs, max_new_tokens, on_prefill)
     read = [read_probability(ids, logits, answer_ids) if answer_ids else None for _, ids, logits in rows]
     unread = [i for i, r in enumerate(read) if r is None and answer_ids]
     if unread:
-        forced = forced_together(model, p, [runs[i] for i in unread], [first_logits[i] for i in unread], answer_ids)
+        forced = forced_together(model, [runs[i] for i in unread], [first_logits[i] for i in unread], answer_ids)
         for i, value in zip(unread, forced):
             read[i] = value
     return [(text, value) for (text, _, _), value in zip(rows, read)]

@@ -15,6 +15,7 @@ from tiny_zoo_recent import qwen3_vl
 
 import hap
 from hap.budget import plan, prefill_flops
+from hap.inputs import DEFAULT_LIMITS
 from hap.features import FeatureCache, reusing_features
 from hap.patch.decoder import decoder_shape
 from hap.patch.processors import processor_options
@@ -99,8 +100,8 @@ def test_run_together_and_the_feature_cache_take_the_resized_image_apart(qwen):
 
 def test_what_cannot_resize_is_refused_by_name(qwen):
     """The checkpoint's pixel floor (min = max pixels) leaves nothing to shrink: a ValueError naming min_pixels, and
-    the keeps view lists it refused; a patch alone cannot resize an image; the sweep refuses it by name."""
-    from analysis.sweep import refused
+    the keeps view lists it refused; a patch alone cannot resize an image; the sweep has it out of reach below 1.0."""
+    from analysis.sweep import sweep
 
     from hap.keeps import keeps
 
@@ -113,7 +114,37 @@ def test_what_cannot_resize_is_refused_by_name(qwen):
     with pytest.raises(ValueError, match="resizes the image before the processor: run it through hap.run"):
         with hap.patched(model, config):
             pass
-    assert "resizes the image" in refused(model, config)["downsample"]
+    out = sweep(model, processor, IMAGE, PROMPT, hap.HAPConfig(first_layers=0, groups=1), 2, DEFAULT_LIMITS,
+                shared=True)
+    row = out["methods"]["downsample"]
+    assert "downsample" not in out["refused"] and out["retain"][0] == 1.0
+    assert row["answers"][0] == out["unpruned"]["answer"] and row["answers"][1:] == [None] * (len(out["retain"]) - 1)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
+def test_the_sweep_runs_downsample_on_the_image_resized_for_each_budget(qwen, shared):
+    """In the sweep, downsample's runs take the image resized for their budget, batched beside the runs of the
+    original image (shorter prompts): each answer is `hap.run`'s, each probability the unpruned answer's forced on
+    the resized image's own prefill."""
+    from analysis.sweep import answer_probability, short_answer, sweep
+
+    from hap.run import for_config, prepare
+
+    model, processor = qwen
+    config = hap.HAPConfig(first_layers=0, groups=1)
+    with processor_options(model, processor, LOW), reusing_features(model, FeatureCache() if shared else None):
+        out = sweep(model, processor, IMAGE, PROMPT, config, 3, DEFAULT_LIMITS, shared=shared)
+        assert "downsample" not in out["refused"]
+        reference = processor.tokenizer(out["unpruned"]["answer"], add_special_tokens=False).input_ids
+        p = prepare(model, processor, IMAGE, PROMPT, 3, DEFAULT_LIMITS, ())
+        for i in (1, 3):
+            cfg = hap.HAPConfig(method="downsample", first_layers=0, groups=1, retain=out["retain"][i])
+            q = for_config(model, processor, p, cfg)
+            assert q.prompt_len < p.prompt_len  # the smaller image's prompt
+            alone = hap.run(model, processor, IMAGE, PROMPT, cfg, 3, trace=False)
+            assert out["methods"]["downsample"]["answers"][i] == short_answer(alone.answer)
+            assert out["methods"]["downsample"]["answer_prob"][i] == pytest.approx(
+                answer_probability(model, q, cfg, reference), rel=1e-4)
 
 
 def test_qwen3_vl_resizes_to_the_budget_too():

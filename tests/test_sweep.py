@@ -14,7 +14,7 @@ from analysis.sweep import (GRID, METHODS, AnswerEnd, answer_probability, budget
                             short_answer, smallest_retain, sweep)
 from hap.features import FeatureCache, reusing_features
 from hap.inputs import DEFAULT_LIMITS
-from hap.run import build_inputs
+from hap.run import prepare
 
 LLAVA = hap.DecoderShape.mha(32, 4096, 11008)
 
@@ -37,7 +37,7 @@ def test_methods_a_model_refuses_are_named_and_leave_the_floor():
     leaves them out with the adapter's reason, and its smallest budget is that of the methods it runs."""
     qwen, _ = CASES["qwen2-vl"]()
     assert set(refused(qwen, hap.HAPConfig())) == {"visionzip", "pdrop", "sparsevlm", "autoprune", "divprune",
-                                                   "vispruner", "cdpruner", "downsample"}
+                                                   "vispruner", "cdpruner"}
     assert not hasattr(qwen, "_hap")
     assert "[CLS]" in refused(qwen, hap.HAPConfig())["visionzip"]
     assert set(refused(tiny_llava()[0], hap.HAPConfig())) == {"cdpruner"}  # the default CLIP pairs with CLIP-L/336
@@ -85,7 +85,7 @@ def test_sweep_on_a_tiny_model_matches_direct_runs():
     reference = hap.run(model, processor, image, "what color ?", hap.HAPConfig(method="none"), 3, trace=False)
     assert out["unpruned"]["answer"] == short_answer(reference.answer)
     ids = processor.tokenizer(short_answer(reference.answer), add_special_tokens=False).input_ids
-    inputs, _, _ = build_inputs(processor, image, "what color ?", DEFAULT_LIMITS)
+    inputs = prepare(model, processor, image, "what color ?", 3, DEFAULT_LIMITS, ())
     for method in ("hap", "fastv"):
         cfg = hap.HAPConfig(method=method, first_layers=0, groups=2, retain=out["retain"][3])
         assert out["methods"][method]["answers"][3] == short_answer(hap.run(model, processor, image, "what color ?",
@@ -109,7 +109,7 @@ def test_every_probability_is_of_the_unpruned_answer(monkeypatch):
 
     monkeypatch.setattr(hap, "run", run)
     monkeypatch.setattr(sweep_module, "answer_probability",
-                        lambda model, inputs, config, answer_ids, tail=0: forced.append(answer_ids) or 0.5)
+                        lambda model, p, config, answer_ids: forced.append(answer_ids) or 0.5)
     monkeypatch.setattr(sweep_module, "POINTS", 2)
     out = sweep(model, processor, Image.new("RGB", (64, 48), "teal"), "what color ?",
                 hap.HAPConfig(first_layers=0, groups=2), 2, DEFAULT_LIMITS)
