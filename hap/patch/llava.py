@@ -88,15 +88,18 @@ def cls_layer(model, config: HAPConfig) -> torch.nn.Module:
     one layer's output."""
     tower = model.model.vision_tower
     if not hasattr(getattr(tower, "embeddings", None), "class_embedding"):
-        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the vision tower "
-                         f"{type(tower).__name__} has no [CLS] token")
+        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the vision tower of {type(model).__name__}, "
+                         f"{type(tower).__name__}, has no [CLS] token")
     feature = model.config.vision_feature_layer
     if model.config.vision_feature_select_strategy != "default" or not isinstance(feature, int):
-        raise ValueError("the [CLS] cues need LLaVA's 'default' feature strategy ([CLS] dropped) and one feature layer")
+        raise ValueError(f"{cls_user(config)}: the [CLS] cues need LLaVA's 'default' feature strategy ([CLS] dropped) "
+                         f"and one feature layer; {type(model).__name__} has {model.config.vision_feature_select_strategy!r}"
+                         f" and {feature!r}")
     layers = tower.encoder.layers
     index = feature % (len(layers) + 1) - 1  # hidden_states[j] is the output of layer j - 1
     if index < 0:
-        raise ValueError("the [CLS] cues need the features of a vision-tower layer, not its embeddings")
+        raise ValueError(f"{cls_user(config)}: the [CLS] cues need the features of a vision-tower layer; "
+                         f"{type(model).__name__}'s feature layer {feature} is the tower's embeddings")
     return layers[index]
 
 
