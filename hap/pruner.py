@@ -336,6 +336,8 @@ class PruneState:
         if kept != s.kept[cut_index]:
             s.planned = s.planned or list(s.kept)
             s.kept[cut_index] = kept
+            s.notes.append(f"method={self.config.method!r} kept {kept} visual tokens at cut {cut_index} where the "
+                           f"budget plans {s.planned[cut_index]} (its rule's count on this image)")
 
     def kept_count(self, cut_index: int) -> int:
         """Visual tokens cut `cut_index` keeps: the schedule's count, at most those present."""

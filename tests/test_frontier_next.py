@@ -146,3 +146,26 @@ def test_cdpruner_selects_per_crop_with_the_relevance_normalised_over_all_crops(
     picks = [ref_cdpruner(x, rel, t) for x, rel in zip(case["projected"], relevance)]
     assert r.groups[0].kept == official_per_crop(case, picks)
     assert r.retained_tokens == len(r.groups[0].kept)
+
+
+def test_divprune_on_onevision_selects_over_the_newlines_too():
+    """Carried over to LLaVA-OneVision (SigLIP, no official code): the same one selection over every token of the
+    image, newlines included, at the same count."""
+    from tiny_zoo import llava_onevision
+
+    m, processor = llava_onevision("eager")
+    image = picture((336, 280))
+    inputs = processor(images=image, text=chat_prompt(processor, QUESTION), return_tensors="pt")
+    cfg = m.config
+    with torch.no_grad():
+        packed = m.model.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"],
+                                            vision_feature_layer=cfg.vision_feature_layer,
+                                            vision_feature_select_strategy=cfg.vision_feature_select_strategy
+                                            ).pooler_output[0]
+    newline = (packed == m.model.image_newline).all(-1)
+    N, R = int((~newline).sum()), int(newline.sum())
+    k = int(0.25 * N)
+    r = hap.run(m, processor, image, QUESTION, hap.HAPConfig(method="divprune", retain=k / N), max_new_tokens=2,
+                trace=False)
+    picks = ref_divprune(packed, int(round(k / N * (N + R))))
+    assert r.groups[0].kept == visual_indices({"newline": newline}, picks)
