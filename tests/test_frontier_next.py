@@ -169,3 +169,21 @@ def test_divprune_on_onevision_selects_over_the_newlines_too():
                 trace=False)
     picks = ref_divprune(packed, int(round(k / N * (N + R))))
     assert r.groups[0].kept == visual_indices({"newline": newline}, picks)
+
+
+@pytest.mark.parametrize("method", ["divprune", "vispruner"])
+def test_a_batch_keeps_what_each_image_keeps_alone(model, method):
+    """Two images of different sizes (equal visual counts) in one `generate`: each sample's crops found among the
+    tower's (the tile canvases recovered from the packed features) and selected as alone."""
+    from tiny_zoo import inputs
+
+    m, processor = model
+    questions, sizes = [QUESTION, "is there a red square ?"], [(112, 112), (140, 140)]
+    config = hap.HAPConfig(method=method, retain=0.3)
+    with hap.patched(m, config) as patch, torch.no_grad():
+        m.generate(**inputs(processor, questions, sizes, [0, 1]), max_new_tokens=2, do_sample=False)
+    together = patch.state.cuts[0].kept
+    for b in range(2):
+        with hap.patched(m, config) as patch, torch.no_grad():
+            m.generate(**inputs(processor, questions[b:b + 1], sizes[b:b + 1], [b]), max_new_tokens=2, do_sample=False)
+        assert torch.equal(together[b], patch.state.cuts[0].kept[0])
