@@ -187,3 +187,14 @@ def test_a_batch_keeps_what_each_image_keeps_alone(model, method):
         with hap.patched(m, config) as patch, torch.no_grad():
             m.generate(**inputs(processor, questions[b:b + 1], sizes[b:b + 1], [b]), max_new_tokens=2, do_sample=False)
         assert torch.equal(together[b], patch.state.cuts[0].kept[0])
+
+
+def test_the_other_cls_methods_and_an_unpaired_clip_are_refused_by_name(model):
+    from hap.patch import refusal
+
+    m, _ = model
+    for method in ("visionzip", "autoprune"):  # one [CLS] row would rank every visual token: none exists here
+        assert "no single [CLS] row ranks them" in refusal(m, hap.HAPConfig(method=method, retain=0.3))
+    why = refusal(m, hap.HAPConfig(method="cdpruner"))  # the default CLIP-L/336 against a 32-wide tower
+    assert "LlavaNextForConditionalGeneration" in why and "CLIP-L/336" in why
+    assert refusal(m, hap.HAPConfig(method="vispruner", retain=0.3)) is None

@@ -180,7 +180,7 @@ def crop_places(side: int, tiles: tuple[int, int], grid: tuple[int, int]) -> tor
     return torch.cat([torch.arange(side * side)[None], tile])
 
 
-def tile_shapes(model, kwargs: dict, lines: list[torch.Tensor], cues: VisionCues | None) -> list[tuple[int, int]]:
+def tile_shapes(model, kwargs: dict, lines: list[torch.Tensor], cues: VisionCues) -> list[tuple[int, int]]:
     """(rows, cols) of tiles each sample's image was cut into: from the images' sizes (`tiling`), or inside
     `generate` (sizes dropped) the canvas among `image_grid_pinpoints` whose unpadding leaves the sample's tile grid
     (its `lines`, the newline indices) and whose first tile-grid token, projected from the captured crop `cues`,
@@ -194,7 +194,7 @@ def tile_shapes(model, kwargs: dict, lines: list[torch.Tensor], cues: VisionCues
         grid = (len(rows), int(rows[0]) - side * side)
         fits = [(h // vision.image_size, w // vision.image_size) for h, w in model.config.image_grid_pinpoints]
         fits = [t for t in dict.fromkeys(fits) if _unpads_to(t, side, grid)]
-        if not fits or cues is None:
+        if not fits:
             raise ValueError(f"{type(model).__name__}: no canvas of image_grid_pinpoints leaves a {grid[0]} x "
                              f"{grid[1]} tile grid")
 
@@ -238,7 +238,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
     """`decoder.apply_patch` with the newline tokens kept out of the pruner (but DivPrune's); the [CLS] cues per crop
     for VisPruner and CDPruner (`crop_cues`), refused for the other methods that read [CLS] cues."""
     pruner = pruner_for(config)
-    if pruner.needs_cls and pruner.name not in ("vispruner", "cdpruner"):
+    if pruner.needs_cls and not pruner.crops:
         raise ValueError(f"{cls_user(config)} needs one [CLS] attention "
                          f"over the visual tokens: {type(model).__name__} packs a base view and a tile canvas, each "
                          "tile encoded on its own, plus newline tokens, so no single [CLS] row ranks them")
@@ -250,7 +250,8 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
 
     def masks(ids, kwargs):
         visual, image = token_masks(model, ids, kwargs)
-        if layer is not None and patch.vision_cues is not None:  # `generate` encoded the crops before the prefill
+        if layer is not None and patch.vision_cues is not None and kwargs.get("pixel_values") is None:
+            # `generate` encoded the crops before the prefill (with pixels, the tower runs again in it: `crop_cues`)
             patch.vision_cues = with_places(model, patch.vision_cues, kwargs)
         return visual, image
 

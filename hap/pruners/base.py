@@ -78,6 +78,8 @@ class Pruner:
     maps: ClassVar[bool] = True  # decoder attention maps of the scoring layers
     cls_cues: ClassVar[bool] = False  # the vision tower's [CLS] cues (`hap.pruners.visionzip.VisionCues`)
     clip: ClassVar[bool] = False  # CLIP's projections of those cues and of the raw question (`clip_model`, CDPruner)
+    crops: ClassVar[bool] = False  # those cues per crop where the tower encodes the image's crops apart (LLaVA-NeXT's
+    #                                base view and tiles, `VisionCues.places`): one selection per crop
     embeds: ClassVar[bool] = False  # the visual rows of the hidden states entering the cut (`Cut.embeds`)
     layer_states: ClassVar[bool] = False  # the previous layer's keys and final-normed output (`Cut.keys`, DART)
     whole_tokens: ClassVar[bool] = False  # the image's tokens beyond the visual ones too (`Cut.whole_embeds`: the

@@ -119,6 +119,7 @@ class CDPruner(BeforeDecoder):
 
     name = "cdpruner"
     cls_cues = True
+    crops = True
     clip = True
     embeds = True
 

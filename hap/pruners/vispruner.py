@@ -101,6 +101,7 @@ class VisPruner(BeforeDecoder):
 
     name = "vispruner"
     cls_cues = True
+    crops = True
 
     def select(self, state, cut):
         cues, k = state.cues(), state.kept_count(cut.index)
