@@ -271,7 +271,7 @@ class PruneState:
             whole = selection.whole.to(keep.device)
             keep.scatter_(1, self.whole_pos, whole)
             dropped = int((~whole[0]).sum())
-        self._record_count(g, k - dropped)
+        self._record_count(g, k, dropped)
         kept_positions = keep.nonzero()[:, 1].view(B, -1)  # rows keep the same count: equal budgets
         new_pos = keep.long().cumsum(1) - 1
         orig_before = self.kept_orig
@@ -329,15 +329,18 @@ class PruneState:
         self.appended = recycled
         return order, source
 
-    def _record_count(self, cut_index: int, kept: int) -> None:
-        """The schedule's count of cut `cut_index` set to `kept`, what it really kept where that differs from its
-        plan (the plan's count moves to `planned`; `Pruner.realised` gives the counts known before the data)."""
+    def _record_count(self, cut_index: int, kept: int, dropped: int) -> None:
+        """The schedule's count of cut `cut_index` set to what it really kept, `kept` visual tokens less the `dropped`
+        tokens of the image beyond them (`whole_pos`), where that differs from its plan (the plan's count moves to
+        `planned`; `Pruner.realised` gives the counts known before the data)."""
         s = self.schedule
-        if kept != s.kept[cut_index]:
+        if kept - dropped != s.kept[cut_index]:
             s.planned = s.planned or list(s.kept)
-            s.kept[cut_index] = kept
-            s.notes.append(f"method={self.config.method!r} kept {kept} visual tokens at cut {cut_index} where the "
-                           f"budget plans {s.planned[cut_index]} (its rule's count on this image)")
+            s.kept[cut_index] = kept - dropped
+            newlines = f" and dropped {dropped} of the image's newline tokens" if dropped else ""
+            s.notes.append(f"method={self.config.method!r} kept {kept} visual tokens{newlines} at cut {cut_index} "
+                           f"where the budget plans {s.planned[cut_index]} (its rule's count on this image): the "
+                           f"accounting counts {kept - dropped}")
 
     def kept_count(self, cut_index: int) -> int:
         """Visual tokens cut `cut_index` keeps: the schedule's count, at most those present."""

@@ -107,6 +107,11 @@ def test_divprune_selects_over_the_newline_tokens_at_the_official_ratio(model, c
     assert r.groups[0].kept == visual_indices(case, picks) and len(r.groups[0].kept) == total - lines
     assert lines <= 1  # the newlines are one learned vector: the max-min rule keeps at most one of them
     assert r.retained_tokens == total - lines - (R - lines)  # the accounting: visual kept less newlines dropped
+    m, _ = model
+    with hap.patched(m, hap.HAPConfig(method="divprune", retain=0.25)) as patch, torch.no_grad():
+        m.generate(**case["inputs"], max_new_tokens=1, do_sample=False)
+    T = case["inputs"]["input_ids"].shape[1]  # the prefill's cache holds the text, newlines included, and that count
+    assert patch.cache.layers[0].keys.shape[2] == T - N + patch.state.schedule.kept[0] == T - n_all + total
 
 
 def test_vispruner_selects_per_crop_before_the_unpadding(model, case):
