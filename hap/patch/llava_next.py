@@ -11,7 +11,7 @@ The processor expands one `<image>` into the tokens `pack_image_features` packs 
 Pruning policy (ours): the newline tokens are not visual tokens of the pruner; they are always kept, never scored and
 not counted in the budget, which is stated over the patch tokens of this image (base view and tiles; the same pixels
 appear in both, and both compete). The prompt rows start after the image's last token, the last newline. DivPrune
-alone selects over them too, as its official LLaVA-1.6 code does (`hap.pruners.divprune`).
+alone selects over them too, as its official LLaVA-1.6 code does (`hap.pruners.divprune`; carried over to OneVision).
 The layout (`hap.layout`) has two views, the base view over the whole image and the tile grid over the unpadded
 canvas, each token's cell the pixels of the upload its patch sees (`tiling`), so the maps draw each on the uploaded
 image. Visual-token counts depend on the image: a batch needs equal
