@@ -203,3 +203,31 @@ def test_the_other_cls_methods_and_an_unpaired_clip_are_refused_by_name(model):
     why = refusal(m, hap.HAPConfig(method="cdpruner"))  # the default CLIP-L/336 against a 32-wide tower
     assert "LlavaNextForConditionalGeneration" in why and "CLIP-L/336" in why
     assert refusal(m, hap.HAPConfig(method="vispruner", retain=0.3)) is None
+
+
+@pytest.mark.parametrize("size", [(375, 500), (500, 375), (200, 200), (1000, 300), (336, 1100), (700, 700)])
+def test_crop_places_follow_the_packing_at_the_real_llava_v16_geometry(size):
+    """336-px tiles of 24 x 24 patches on llava-v1.6's canvases: each crop's patch lands where transformers'
+    `pack_image_features` puts it (features numbered crop * 1000 + patch; newlines -1), or nowhere when unpadded."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextModel
+
+    from hap.patch.llava_next import crop_places
+
+    pinpoints = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    config = LlavaNextConfig(vision_config=CLIPVisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                                            num_attention_heads=1, image_size=336, patch_size=14),
+                             text_config=LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
+                                                     num_hidden_layers=1, num_attention_heads=1),
+                             image_grid_pinpoints=pinpoints)
+    model = LlavaNextModel(config)
+    tiles = get_anyres_image_grid_shape(list(size), pinpoints, 336)
+    crops = 1 + tiles[0] * tiles[1]
+    ids = (torch.arange(crops)[:, None] * 1000 + torch.arange(576)[None]).float()[..., None]  # [crops, 576, 1]
+    packed = model.pack_image_features([ids], torch.tensor([size]), "default", torch.tensor([-1.0]))[0][0][:, 0]
+    visual = packed[packed >= 0].long().tolist()  # the crop * 1000 + patch of each visual token, in order
+    rows = int((packed < 0).sum())
+    places = crop_places(24, tiles, (rows, (len(visual) - 576) // rows))
+    expected = torch.full((crops, 576), -1)
+    for index, code in enumerate(visual):
+        expected[code // 1000, code % 1000] = index
+    assert torch.equal(places, expected)
