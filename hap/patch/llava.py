@@ -92,9 +92,9 @@ def cls_layer(model, config: HAPConfig) -> torch.nn.Module:
                          f"{type(tower).__name__}, has no [CLS] token")
     feature = model.config.vision_feature_layer
     if model.config.vision_feature_select_strategy != "default" or not isinstance(feature, int):
+        strategy = model.config.vision_feature_select_strategy
         raise ValueError(f"{cls_user(config)}: the [CLS] cues need LLaVA's 'default' feature strategy ([CLS] dropped) "
-                         f"and one feature layer; {type(model).__name__} has {model.config.vision_feature_select_strategy!r}"
-                         f" and {feature!r}")
+                         f"and one feature layer; {type(model).__name__} has {strategy!r} and {feature!r}")
     layers = tower.encoder.layers
     index = feature % (len(layers) + 1) - 1  # hidden_states[j] is the output of layer j - 1
     if index < 0:

@@ -89,8 +89,8 @@ def per_crop(places: list[torch.Tensor], k: int, pick: Callable[[slice, int], to
         chosen.append(visual[visual >= 0].sort().values)
         first += crops
     if len({len(c) for c in chosen}) > 1:
-        raise ValueError(f"the samples keep {[len(c) for c in chosen]} visual tokens (picks the unpadding cuts differ): "
-                         "run them one at a time")
+        raise ValueError(f"the samples keep {[len(c) for c in chosen]} visual tokens (the picks the unpadding cuts "
+                         "differ): run them one at a time")
     return torch.stack(chosen)
 
 
