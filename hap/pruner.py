@@ -57,6 +57,8 @@ class PruneState:
     grids: tuple[tuple[int, int], ...] = ()  # the (rows, cols) of each view's token grid in token order, from the
     #                                     adapter where the pruner reads them (`Pruner.views`, downsample); () elsewhere
     vision: VisionCues | None = None  # the vision tower's cues of this prefill (VisionZip, first_cut="vision")
+    whole_pos: torch.Tensor | None = None  # long [batch, R] current positions of the image's tokens outside the
+    #                                     visual ones (LLaVA-NeXT's newlines), for a pruner that selects over them too
     merged: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions [B, c], embeds [B, c, D]) to write into the
     #                                     hidden states after the cut: VisionZip's block, merge's kept ones
     sizes: torch.Tensor | None = None  # with a merge: [B, N_cur] original tokens each visual token stands for
@@ -146,6 +148,7 @@ class PruneState:
             sizes=None if pruner.merge == "none" else torch.ones(B, N, device=device),
             recycled=torch.zeros(B, N, dtype=torch.bool, device=device) if pruner.recycle else None,
             grids=grids,
+            whole_pos=_whole_positions(image_mask, visual_mask) if pruner.whole_tokens else None,
         )
 
     # --- queries the adapter asks at each layer -------------------------------------------------
@@ -234,13 +237,16 @@ class PruneState:
             self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
 
     def cut(self, layer: int, visual_embeds: torch.Tensor | None = None, keys: torch.Tensor | None = None,
-            normed: torch.Tensor | None = None) -> torch.Tensor:
+            normed: torch.Tensor | None = None, whole_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the cut entering `layer`; returns long [batch, T_new], the current positions kept. A pruner that
         builds its tokens (VisionZip, docs/method.md §7) leaves them in `merged` for the adapter to write into the
         kept visual slots; a merge (§10) folds the dropped tokens of `visual_embeds` [batch, N_cur, D] (the visual rows
         of the hidden states) into the kept ones, and merge="proportional" records the group's attention bias; a
-        pruner may read `visual_embeds` too (`Pruner.embeds`), and the previous layer's `keys` [batch, T, d] and
-        `normed` output [batch, T, D] (`Pruner.layer_states`)."""
+        pruner may read `visual_embeds` too (`Pruner.embeds`), the previous layer's `keys` [batch, T, d] and
+        `normed` output [batch, T, D] (`Pruner.layer_states`), and the rows `whole_embeds` [batch, R, D] of the image's
+        tokens at `whole_pos` (`Pruner.whole_tokens`: it may drop those too). Where the rule's count depends on the
+        data (per crop on LLaVA-NeXT, newlines dropped), the schedule takes the count the cut really kept (its
+        visual tokens less the whole tokens it dropped: what the sequence holds), the budget's count in `planned`."""
         t0 = time.perf_counter()
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
@@ -258,16 +264,25 @@ class PruneState:
         n_cur = self.visual_pos.shape[1]
         s = self.schedule
         budget = (s.planned or s.kept)[g]
-        selection = self.pruner.select(self, Cut(g, budget, attn, weights, sink, visual_embeds, keys, normed))
+        selection = self.pruner.select(self, Cut(g, budget, attn, weights, sink, visual_embeds, keys, normed,
+                                                 whole_embeds))
         chosen, scores = selection.chosen, selection.scores
         k = chosen.shape[1]
         B, T = self.seq_index.shape
         keep = torch.ones(B, T, dtype=torch.bool, device=self.seq_index.device)
         keep.scatter_(1, self.visual_pos, False)
         keep.scatter_(1, self.visual_pos.gather(1, chosen), True)
+        dropped = 0
+        if selection.whole is not None:  # the image's other tokens the rule keeps (DivPrune's newlines)
+            whole = selection.whole.to(keep.device)
+            keep.scatter_(1, self.whole_pos, whole)
+            dropped = int((~whole[0]).sum())
+        self._record_count(g, k, dropped)
         kept_positions = keep.nonzero()[:, 1].view(B, -1)  # rows keep the same count: equal budgets
         new_pos = keep.long().cumsum(1) - 1
         orig_before = self.kept_orig
+        if self.whole_pos is not None:
+            self.whole_pos = new_pos.gather(1, self.whole_pos[keep.gather(1, self.whole_pos)].view(B, -1))
         self.visual_pos = new_pos.gather(1, self.visual_pos.gather(1, chosen))
         self.kept_orig = self.kept_orig.gather(1, chosen)
         if selection.tokens is not None:  # the pruner's own tokens; slots before its patches (VisionZip's [CLS]) stay
@@ -320,6 +335,19 @@ class PruneState:
         self.appended = recycled
         return order, source
 
+    def _record_count(self, cut_index: int, kept: int, dropped: int) -> None:
+        """The schedule's count of cut `cut_index` set to what it really kept, `kept` visual tokens less the `dropped`
+        tokens of the image beyond them (`whole_pos`), where that differs from its plan (the plan's count moves to
+        `planned`; `Pruner.realised` gives the counts known before the data)."""
+        s = self.schedule
+        if kept - dropped != s.kept[cut_index]:
+            s.planned = s.planned or list(s.kept)
+            s.kept[cut_index] = kept - dropped
+            newlines = f" and dropped {dropped} of the image's newline tokens" if dropped else ""
+            s.notes.append(f"method={self.config.method!r} kept {kept} visual tokens{newlines} at cut {cut_index} "
+                           f"where the budget plans {s.planned[cut_index]} (its rule's count on this image): the "
+                           f"accounting counts {kept - dropped}")
+
     def kept_count(self, cut_index: int) -> int:
         """Visual tokens cut `cut_index` keeps: the schedule's count, at most those present."""
         return min(self.schedule.kept[cut_index], self.visual_pos.shape[1])
@@ -331,11 +359,12 @@ class PruneState:
     def cues(self) -> VisionCues:
         """This prefill's vision cues, their tensors on the pruner's device."""
         cues = self.vision
-        if cues is None or cues.cls_attention.shape != self.visual_pos.shape:
+        if cues is None or (cues.places is None and cues.cls_attention.shape != self.visual_pos.shape):
             raise ValueError("the vision tower's [CLS] attention of this prefill is missing: pass pixel_values")
         device = self.visual_pos.device
         return VisionCues(cues.cls_attention.to(device), cues.keys.to(device), cues.features.to(device), cues.project,
-                          cues.heads, None if cues.image_embeds is None else cues.image_embeds.to(device))
+                          cues.heads, None if cues.image_embeds is None else cues.image_embeds.to(device),
+                          None if cues.places is None else [p.to(device) for p in cues.places])
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.
@@ -357,6 +386,21 @@ def _last_image_token(image_mask: torch.Tensor, last_visual: torch.Tensor) -> to
     T = image_mask.shape[1]
     last = T - 1 - image_mask.flip(1).long().argmax(1)
     return torch.maximum(last.to(last_visual.device), last_visual)
+
+
+def _whole_positions(image_mask: torch.Tensor | None, visual_mask: torch.Tensor) -> torch.Tensor | None:
+    """long [batch, R] positions of the image tokens `image_mask` holds beyond `visual_mask` (bool [batch, T] both;
+    LLaVA-NeXT's newlines), None where there are none; ValueError where the samples hold unequal counts."""
+    if image_mask is None:
+        return None
+    whole = image_mask.expand_as(visual_mask) & ~visual_mask
+    counts = whole.sum(-1)
+    if int(counts.max()) == 0:
+        return None
+    if not bool((counts == counts[0]).all()):
+        raise ValueError(f"the samples hold {counts.tolist()} newline tokens: a pruner that selects over them needs "
+                         "equal counts (images of one tiling); run them one at a time")
+    return whole.nonzero()[:, 1].view(visual_mask.shape[0], -1)
 
 
 def _last_tokens(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:

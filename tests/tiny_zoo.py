@@ -61,9 +61,10 @@ def _ready(model, attn: str, seed: int = 0):
 
 
 def llava_next(attn: str = "sdpa", layers: int = 4, decoder: str = "llama", window: int = 24, tile: int = TILE,
-               pinpoints: list | None = None, image: dict | None = None):
+               pinpoints: list | None = None, image: dict | None = None, vision_layers: int = 1):
     """LLaVA-v1.6 in small: CLIP tiles of `tile` px (56: 4 x 4 tokens, CLS dropped; `pinpoints`: the canvases, default
-    the real ones scaled to 56 px; `image`: more image-processor settings), Llama or Mistral (sliding `window`)."""
+    the real ones scaled to 56 px; `image`: more image-processor settings; `vision_layers`: 2 for a feature layer
+    -2 that is a layer's output, as the [CLS] cues need), Llama or Mistral (sliding `window`)."""
     tok = build_tokenizer()
     pinpoints = pinpoints or NEXT_PINPOINTS
     image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": tile},
@@ -74,7 +75,8 @@ def llava_next(attn: str = "sdpa", layers: int = 4, decoder: str = "llama", wind
                                    chat_template=CHAT_TEMPLATE)
     text = _text(LlamaConfig, tok, layers) if decoder == "llama" else _text(MistralConfig, tok, layers,
                                                                            sliding_window=window, head_dim=16)
-    config = LlavaNextConfig(vision_config=CLIPVisionConfig(**{**VISION, "image_size": tile}), text_config=text,
+    config = LlavaNextConfig(vision_config=CLIPVisionConfig(**{**VISION, "image_size": tile,
+                                                               "num_hidden_layers": vision_layers}), text_config=text,
                              image_token_index=tok.image_token_id, image_grid_pinpoints=pinpoints,
                              vision_feature_layer=-2, vision_feature_select_strategy="default")
     torch.manual_seed(0)

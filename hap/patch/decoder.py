@@ -486,7 +486,8 @@ def _cut(st: PruneState, index: int, hidden: torch.Tensor, kwargs: dict,
     pruner that reads them (`PruneState.cut`). Returns the hidden states and `keep` long [B, T']: the kept tokens as
     indices into the ones before the cut, then its recycled ones."""
     needs = st.sizes is not None or st.recycled is not None or st.pruner.embeds
-    keep = st.cut(index, _take(hidden, st.visual_pos) if needs else None, *(states or ()))  # [B, T']
+    whole = None if st.whole_pos is None else _take(hidden, st.whole_pos)  # LLaVA-NeXT's newlines, for DivPrune
+    keep = st.cut(index, _take(hidden, st.visual_pos) if needs else None, *(states or (None, None)), whole)  # [B, T']
     if st.appended is not None:  # SparseVLM's / AutoPrune's recycled tokens: indices T.. in `keep`
         hidden, st.appended = torch.cat([hidden, st.appended.to(hidden)], 1), None
     hidden = _take(hidden, keep)

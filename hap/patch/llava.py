@@ -88,15 +88,18 @@ def cls_layer(model, config: HAPConfig) -> torch.nn.Module:
     one layer's output."""
     tower = model.model.vision_tower
     if not hasattr(getattr(tower, "embeddings", None), "class_embedding"):
-        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the vision tower "
-                         f"{type(tower).__name__} has no [CLS] token")
+        raise ValueError(f"{cls_user(config)} needs a [CLS] token: the vision tower of {type(model).__name__}, "
+                         f"{type(tower).__name__}, has no [CLS] token")
     feature = model.config.vision_feature_layer
     if model.config.vision_feature_select_strategy != "default" or not isinstance(feature, int):
-        raise ValueError("the [CLS] cues need LLaVA's 'default' feature strategy ([CLS] dropped) and one feature layer")
+        strategy = model.config.vision_feature_select_strategy
+        raise ValueError(f"{cls_user(config)}: the [CLS] cues need LLaVA's 'default' feature strategy ([CLS] dropped) "
+                         f"and one feature layer; {type(model).__name__} has {strategy!r} and {feature!r}")
     layers = tower.encoder.layers
     index = feature % (len(layers) + 1) - 1  # hidden_states[j] is the output of layer j - 1
     if index < 0:
-        raise ValueError("the [CLS] cues need the features of a vision-tower layer, not its embeddings")
+        raise ValueError(f"{cls_user(config)}: the [CLS] cues need the features of a vision-tower layer; "
+                         f"{type(model).__name__}'s feature layer {feature} is the tower's embeddings")
     return layers[index]
 
 
@@ -131,12 +134,21 @@ def load_clip(name: str, device: str):
 
 @torch.no_grad()
 def capture_cls(patch: decoder.Patch, project, clip_embed, layer, args, kwargs, output) -> None:
-    """Forward hook on `cls_layer`: recompute the layer's [CLS] attention row from its input (layer_norm1, q/k
-    projections; the tower keeps SDPA) and hand the prefill its `VisionCues` ([CLS] attention [B, N] summed over
-    heads, keys [B, N, head_dim] averaged over heads, patches only; the layer's output features [B, 1 + N, Dv];
-    `project`, the model's projector; the patches' CLIP image embeddings by `clip_embed` where it is given, for
-    CDPruner): to the running prefill's state, or the next one's (`generate` encodes the image before the first
-    forward)."""
+    """Forward hook on `cls_layer`: hand the prefill the layer's `cls_cues`: to the running prefill's state, or the
+    next one's (`generate` encodes the image before the first forward)."""
+    cues = cls_cues(project, clip_embed, layer, args, kwargs, output)
+    if patch.mode == "prefill":
+        patch.state.vision = cues
+    else:
+        patch.vision_cues = cues
+
+
+def cls_cues(project, clip_embed, layer, args, kwargs, output) -> VisionCues:
+    """The `VisionCues` of `cls_layer`'s forward (its hook's arguments) over the B images the tower ran (LLaVA-NeXT:
+    the crops): the layer's [CLS] attention row recomputed from its input (layer_norm1, q/k projections; the tower
+    keeps SDPA) [B, N] summed over heads, keys [B, N, head_dim] averaged over heads, patches only; the layer's output
+    features [B, 1 + N, Dv]; `project`, the model's projector; the patches' CLIP image embeddings by `clip_embed`
+    where it is given, for CDPruner."""
     hidden = args[0] if args else kwargs["hidden_states"]
     attn = layer.self_attn
     x = layer.layer_norm1(hidden)
@@ -145,12 +157,8 @@ def capture_cls(patch: decoder.Patch, project, clip_embed, layer, args, kwargs, 
     k = attn.k_proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)  # [B, H, T, hd]
     row = (q.float() @ k.float().transpose(-1, -2) * attn.scale).softmax(-1)[:, :, 0]  # [B, H, T]
     features = output[0] if isinstance(output, tuple) else output
-    cues = VisionCues(row[:, :, 1:].sum(1), k[:, :, 1:].float().mean(1), features, project, row.shape[1],
+    return VisionCues(row[:, :, 1:].sum(1), k[:, :, 1:].float().mean(1), features, project, row.shape[1],
                       None if clip_embed is None else clip_embed(features[:, 1:]))
-    if patch.mode == "prefill":
-        patch.state.vision = cues
-    else:
-        patch.vision_cues = cues
 
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,

@@ -10,7 +10,8 @@ The processor expands one `<image>` into the tokens `pack_image_features` packs 
 
 Pruning policy (ours): the newline tokens are not visual tokens of the pruner; they are always kept, never scored and
 not counted in the budget, which is stated over the patch tokens of this image (base view and tiles; the same pixels
-appear in both, and both compete). The prompt rows start after the image's last token, the last newline.
+appear in both, and both compete). The prompt rows start after the image's last token, the last newline. DivPrune
+alone selects over them too, as its official LLaVA-1.6 code does (`hap.pruners.divprune`; carried over to OneVision).
 `downsample` pools each of the two views (`view_grids`) into its own first slots: pooled row i of the tile grid takes
 the first slots of the grid's row i, so the newline after that row follows it, and the newlines of the rows below the
 pooled grid stay, one after another, after its last row (the executor drops visual tokens only).
@@ -20,14 +21,18 @@ image. Visual-token counts depend on the image: a batch needs equal
 counts (images of one aspect class), a batch of unequal counts is refused before any work.
 
 The decoder is the stock Llama / Mistral / Qwen2 stack (`hap.patch.decoder`); Mistral's sliding window is kept by
-the rebuilt masks. Refused: the [CLS] cues (visionzip, autoprune, first_cut="vision"): the cues are one view's
-[CLS] attention, and here the tokens come from several views.
+the rebuilt masks. VisPruner and CDPruner select per crop, as their official LLaVA-NeXT code does: the tower runs each
+crop (the base view, each tile) as its own image, and its [CLS] cues per crop (`crop_cues`, CLIP towers only) are
+mapped to the visual tokens by `crop_places`: each crop's selection runs over all its patches before the unpadding,
+and the picks the unpadding cuts are not in the sequence. Refused: the other [CLS] cues (visionzip, autoprune,
+first_cut="vision"): they rank every visual token by one [CLS] row, and here the tokens come from several views.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -38,7 +43,9 @@ from transformers.models.llava_next.modeling_llava_next import unpad_image
 from ..config import HAPConfig
 from ..layout import Layout, Span, TokenView, tile_spans
 from ..pruners import cls_user, pruner_for
+from ..pruners.visionzip import VisionCues
 from . import decoder
+from .llava import clip_projection, cls_cues, cls_layer
 from .decoder import attention_outputs, decoder_of, remove_patch
 
 __all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "token_masks", "view_grids"]
@@ -173,14 +180,112 @@ def layout(model, inputs, image_size: tuple[int, int] | None = None, processor=N
     return Layout(pack.visual, views, image_size or (w, h))
 
 
+def crop_places(side: int, tiles: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
+    """long [1 + tiles[0] * tiles[1], side * side]: the visual index of each patch of each crop (the base view, then
+    the tiles row by row), -1 where the unpadding cuts it. The tiles' patches are stitched into a (tiles[0] side) x
+    (tiles[1] side) grid, cut symmetrically to `grid` = (rows, cols) as `unpad_image` cuts it, and numbered row by row
+    after the base view's side * side tokens (the newlines are no visual tokens)."""
+    (th, tw), (rows, cols) = tiles, grid
+    top, left = (th * side - rows) // 2, (tw * side - cols) // 2
+    y = torch.arange(th)[:, None, None, None] * side + torch.arange(side)[None, None, :, None] - top  # [th, 1, s, 1]
+    x = torch.arange(tw)[None, :, None, None] * side + torch.arange(side)[None, None, None, :] - left  # [1, tw, 1, s]
+    inside = (y >= 0) & (y < rows) & (x >= 0) & (x < cols)
+    tile = torch.where(inside, side * side + y * cols + x, -1).flatten(2).flatten(0, 1)  # [th * tw, s * s]
+    return torch.cat([torch.arange(side * side)[None], tile])
+
+
+def tile_shapes(model, kwargs: dict, lines: list[torch.Tensor], cues: VisionCues) -> list[tuple[int, int]]:
+    """(rows, cols) of tiles each sample's image was cut into: from the images' sizes (`tiling`), or inside
+    `generate` (sizes dropped) the canvas among `image_grid_pinpoints` whose unpadding leaves the sample's tile grid
+    (its `lines`, the newline indices) and whose first tile-grid token, projected from the captured crop `cues`,
+    is the packed feature there (a 1 x 2 and a 2 x 1 canvas can leave the same grid)."""
+    if kwargs.get("image_sizes") is not None:
+        return [tiling(model, h, w).tiles for h, w in image_sizes(kwargs)]
+    vision = model.config.vision_config
+    side = vision.image_size // vision.patch_size
+    shapes, first = [], 0
+    for packed, rows in zip(kwargs["mm_encoder_outputs"]["image"].pooler_output, lines):
+        grid = (len(rows), int(rows[0]) - side * side)
+        fits = [(h // vision.image_size, w // vision.image_size) for h, w in model.config.image_grid_pinpoints]
+        fits = [t for t in dict.fromkeys(fits) if _unpads_to(t, side, grid)]
+        if not fits:
+            raise ValueError(f"{type(model).__name__}: no canvas of image_grid_pinpoints leaves a {grid[0]} x "
+                             f"{grid[1]} tile grid")
+
+        def gap(tiles: tuple[int, int]) -> float:  # the first tile-grid token: projected crop patch vs packed
+            crop, patch = (crop_places(side, tiles, grid) == side * side).nonzero()[0].tolist()
+            if first + crop >= len(cues.features):
+                return float("inf")
+            row = cues.project(cues.features[first + crop, 1 + patch][None, None])[0, 0]
+            return float((row.float() - packed[side * side].float()).norm())
+
+        shapes.append(min(fits, key=gap))
+        first += 1 + shapes[-1][0] * shapes[-1][1]
+    return shapes
+
+
+def _unpads_to(tiles: tuple[int, int], side: int, grid: tuple[int, int]) -> bool:
+    """Whether `unpad_image` can cut the stitched grid of `tiles` to `grid` = (rows, cols): one axis whole, the other
+    cut by an even count."""
+    h, w = tiles[0] * side, tiles[1] * side
+    rows, cols = grid
+    return ((h == rows and w >= cols and (w - cols) % 2 == 0)
+            or (w == cols and h >= rows and (h - rows) % 2 == 0))
+
+
+def with_places(model, cues: VisionCues, kwargs: dict) -> VisionCues:
+    """`cues` of every crop the tower ran for the prompt of `kwargs` with their `places` (`crop_places`) per sample;
+    ValueError when the crops are not the images' (base view and tiles)."""
+    vision = model.config.vision_config
+    side = vision.image_size // vision.patch_size
+    lines = newlines(model, kwargs)
+    places = [crop_places(side, tiles, (len(rows), int(rows[0]) - side * side)).to(cues.features.device)
+              for tiles, rows in zip(tile_shapes(model, kwargs, lines, cues), lines)]
+    if sum(len(p) for p in places) != len(cues.features):
+        raise ValueError(f"{type(model).__name__}: the tower ran {len(cues.features)} crops for images of "
+                         f"{[len(p) for p in places]} crops")
+    return replace(cues, places=places)
+
+
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch` with the newline tokens kept out of the pruner and the two views' grids (`view_grids`);
-    the [CLS] cues are refused."""
-    if pruner_for(config).needs_cls:
+    """`decoder.apply_patch` with the newline tokens kept out of the pruner (but DivPrune's) and the two views' grids
+    (`view_grids`); the [CLS] cues per crop for VisPruner and CDPruner (`crop_cues`), refused for the other methods
+    that read [CLS] cues."""
+    pruner = pruner_for(config)
+    if pruner.needs_cls and not pruner.crops:
         raise ValueError(f"{cls_user(config)} needs one [CLS] attention "
                          f"over the visual tokens: {type(model).__name__} packs a base view and a tile canvas, each "
                          "tile encoded on its own, plus newline tokens, so no single [CLS] row ranks them")
-    return decoder.apply_patch(model, config, trace, priority, tail, lead=lead,
-                               token_masks=lambda ids, kwargs: token_masks(model, ids, kwargs),
-                               view_grids=lambda ids, kwargs: view_grids(model, ids, kwargs))
+    layer = cls_layer(model, config) if pruner.needs_cls else None
+    clip, clip_embed = (None, None)
+    if pruner.clip:
+        clip, clip_embed = clip_projection(model, config, str(next(model.parameters()).device))
+    patch = None
+
+    def masks(ids, kwargs):
+        visual, image = token_masks(model, ids, kwargs)
+        if layer is not None and patch.vision_cues is not None and kwargs.get("pixel_values") is None:
+            # `generate` encoded the crops before the prefill (with pixels, the tower runs again in it: `crop_cues`)
+            patch.vision_cues = with_places(model, patch.vision_cues, kwargs)
+        return visual, image
+
+    patch = decoder.apply_patch(model, config, trace, priority, tail, lead=lead, token_masks=masks,
+                                view_grids=lambda ids, kwargs: view_grids(model, ids, kwargs))
+    patch.clip = clip
+    if layer is not None:
+        hook = partial(crop_cues, patch, model, model.model.multi_modal_projector, clip_embed)
+        patch.handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+    return patch
+
+
+@torch.no_grad()
+def crop_cues(patch: decoder.Patch, model, project, clip_embed, layer, args, kwargs, output) -> None:
+    """Forward hook on the tower's feature layer (`hap.patch.llava.cls_layer`): the `VisionCues` of every crop, to the
+    running prefill's state with their places (`with_places`, from the prompt's sizes), or the next one's, placed when
+    its prompt comes (`generate` encodes the crops before the prefill)."""
+    cues = cls_cues(project, clip_embed, layer, args, kwargs, output)
+    if patch.mode == "prefill":
+        patch.state.vision = with_places(model, cues, patch.prompt)
+    else:
+        patch.vision_cues = cues

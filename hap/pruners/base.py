@@ -42,6 +42,7 @@ class Cut:
     embeds: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     normed: torch.Tensor | None = None
+    whole_embeds: torch.Tensor | None = None  # [batch, R, D] the image's tokens beyond the visual ones (`whole_tokens`)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Selection:
     scores: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     patches: torch.Tensor | None = None
+    whole: torch.Tensor | None = None  # bool [batch, R] which of `Cut.whole_embeds`' tokens stay (None: all)
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,13 @@ class Pruner:
     maps: ClassVar[bool] = True  # decoder attention maps of the scoring layers
     cls_cues: ClassVar[bool] = False  # the vision tower's [CLS] cues (`hap.pruners.visionzip.VisionCues`)
     clip: ClassVar[bool] = False  # CLIP's projections of those cues and of the raw question (`clip_model`, CDPruner)
+    crops: ClassVar[bool] = False  # those cues per crop where the tower encodes the image's crops apart (LLaVA-NeXT's
+    #                                base view and tiles, `VisionCues.places`): one selection per crop
     embeds: ClassVar[bool] = False  # the visual rows of the hidden states entering the cut (`Cut.embeds`)
     layer_states: ClassVar[bool] = False  # the previous layer's keys and final-normed output (`Cut.keys`, DART)
     views: ClassVar[bool] = False  # the (rows, cols) of each view's token grid, from the adapter (`PruneState.grids`)
+    whole_tokens: ClassVar[bool] = False  # the image's tokens beyond the visual ones too (`Cut.whole_embeds`: the
+    #                                       newlines of LLaVA-NeXT, which other pruners always keep), may drop them
     # where it cuts
     fixed_cuts: ClassVar[int | None] = None  # how many cuts it always makes (None: the `groups` knob)
     lookahead: ClassVar[bool] = False  # score every cut with the next layer's attention on the tokens about to enter it

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .base import BeforeDecoder, Selection
+from .vispruner import per_crop
 
 ROW = 77  # CLIP's text context: the question is cut into rows of this many ids
 RANK_TOL = 1e-4  # a pick whose residual d2 is below this share of its own L[j, j] is numerically spanned
@@ -118,6 +119,7 @@ class CDPruner(BeforeDecoder):
 
     name = "cdpruner"
     cls_cues = True
+    crops = True
     clip = True
     embeds = True
 
@@ -127,8 +129,16 @@ class CDPruner(BeforeDecoder):
             raise ValueError("method='cdpruner' needs the raw question: hap.patched(model, config, question=...) "
                              "(hap.run passes the prompt)")
         text = state.text_embeds.to(cues.image_embeds.device)
-        chosen = torch.stack([select(tokens, relevance(image, text).to(tokens.device), k)
-                              for tokens, image in zip(cut.embeds, cues.image_embeds)])
+        if cues.places is not None:  # LLaVA-NeXT: per crop, the relevance normalised over all crops of the image
+            def pick(crops, t):
+                tokens = cues.project(cues.features[crops, 1:])  # [crops, n, D] each crop's projected patches
+                r = relevance(cues.image_embeds[crops], text).to(tokens.device)
+                return torch.stack([select(x, rel, t) for x, rel in zip(tokens, r)])
+
+            chosen = per_crop(cues.places, k, pick)
+        else:
+            chosen = torch.stack([select(tokens, relevance(image, text).to(tokens.device), k)
+                                  for tokens, image in zip(cut.embeds, cues.image_embeds)])
         return Selection(chosen.to(state.visual_pos.device))
 
 

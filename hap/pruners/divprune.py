@@ -59,17 +59,42 @@ def select(tokens: torch.Tensor, k: int) -> torch.Tensor:
     return picks.sort().values
 
 
+def whole_count(k: int, num_visual: int, num_whole: int) -> int:
+    """Tokens kept of the image's `num_visual` visual and `num_whole` other tokens (LLaVA-NeXT's newlines) when the
+    budget plans `k` of the visual ones: the official count at the budget's ratio k / num_visual over every token it
+    selects over, int(round(k / num_visual * (num_visual + num_whole)))."""
+    return count(k / num_visual, num_visual + num_whole)
+
+
 class DivPrune(BeforeDecoder):
     """One selection before the first decoder layer over the projected visual tokens each sample's decoder receives
-    (`select`), positions renumbered as the official code splices the kept tokens."""
+    (`select`), positions renumbered as the official code splices the kept tokens. On LLaVA-NeXT (and, carried over,
+    LLaVA-OneVision) the selection runs over every token of the image in the order the decoder receives them, the
+    newline tokens among them, as the official LLaVA-1.6 code does (`whole_count` of them kept); the count in the
+    accounting is then the visual tokens kept less the newlines dropped (`PruneState.cut`)."""
 
     name = "divprune"
     embeds = True
+    whole_tokens = True
 
     def select(self, state, cut):
         k = state.kept_count(cut.index)
-        chosen = torch.stack([select(tokens, k) for tokens in cut.embeds])
-        return Selection(chosen.to(state.visual_pos.device))
+        if cut.whole_embeds is None:
+            chosen = torch.stack([select(tokens, k) for tokens in cut.embeds])
+            return Selection(chosen.to(state.visual_pos.device))
+        n, r = cut.embeds.shape[1], cut.whole_embeds.shape[1]
+        total = whole_count(k, n, r)
+        order = torch.cat([state.visual_pos, state.whole_pos], 1).argsort(1).to(cut.embeds.device)  # [B, n + r]
+        tokens = torch.cat([cut.embeds, cut.whole_embeds.to(cut.embeds)], 1)
+        picks = [o[select(t[o], total)] for t, o in zip(tokens, order)]  # indices into [visual, whole]
+        if len({int((p < n).sum()) for p in picks}) > 1:
+            raise ValueError("method='divprune' keeps different numbers of newline tokens in the samples of this "
+                             "batch: run them one at a time")
+        chosen = torch.stack([p[p < n].sort().values for p in picks])
+        whole = torch.zeros(len(picks), r, dtype=torch.bool, device=cut.embeds.device)
+        for b, p in enumerate(picks):
+            whole[b, p[p >= n] - n] = True
+        return Selection(chosen.to(state.visual_pos.device), whole=whole)
 
 
 PRUNER = DivPrune

@@ -38,6 +38,10 @@ class VisionCues:
     project: Callable[[torch.Tensor], torch.Tensor]  # tower features [batch, n, Dv] -> decoder embeddings [batch, n, D]
     heads: int  # the feature layer's attention heads (cls_attention / heads is their mean: AutoPrune's prior)
     image_embeds: torch.Tensor | None = None  # [batch, N, E] the patches' CLIP image embeddings (CDPruner), or None
+    # LLaVA-NeXT's crops (base view, then each tile): the tensors above are over every crop of the batch's images
+    # ([crops, n] ...), and `places` gives per sample long [its crops, n] the visual index of each crop's patch (-1: cut
+    # by the unpadding, not in the sequence); None: one image per sample, its patches the visual tokens in order
+    places: list[torch.Tensor] | None = None
 
 
 def split_budget(k: int, dominant_share: float = DOMINANT_SHARE) -> tuple[int, int]:

@@ -23,6 +23,8 @@ The pruner (`VisPruner`) runs the rule on the shared executor, on the vision tow
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .base import BeforeDecoder, Selection
@@ -69,17 +71,46 @@ def select(cls_attention: torch.Tensor, features: torch.Tensor, k: int,
     return torch.cat([order[:important], residual]).sort().values
 
 
+def per_crop(places: list[torch.Tensor], k: int, pick: Callable[[slice, int], torch.Tensor]) -> torch.Tensor:
+    """The visual tokens kept when each crop of an image (LLaVA-NeXT's base view and tiles) keeps its own T picks, as
+    the official LLaVA-NeXT code of VisPruner and CDPruner selects: T = k // crops for a budget of k visual tokens.
+
+    places: per sample long [crops, n], the visual index of each crop's patch, -1 where the unpadding cuts it
+    (`VisionCues.places`); pick(crops, T): long [crops, T] each crop's picks among its n patches, the crops being
+    those at `crops` of the cues. -> long [batch, k'] ascending: the picks in the sequence (k' <= crops * T, less the
+    picks the unpadding cuts, as the official index mask is unpadded after the selection)."""
+    chosen, first = [], 0
+    for where in places:
+        crops = where.shape[0]
+        if k < crops:
+            raise ValueError(f"a budget of {k} visual tokens keeps none of each of the image's {crops} crops (the "
+                             f"official T per crop = budget // crops): keep at least {crops}")
+        visual = where.gather(1, pick(slice(first, first + crops), k // crops).to(where.device))
+        chosen.append(visual[visual >= 0].sort().values)
+        first += crops
+    if len({len(c) for c in chosen}) > 1:
+        raise ValueError(f"the samples keep {[len(c) for c in chosen]} visual tokens (the picks the unpadding cuts "
+                         "differ): run them one at a time")
+    return torch.stack(chosen)
+
+
 class VisPruner(BeforeDecoder):
     """One selection before the first decoder layer from the vision tower's feature layer: its [CLS] attention
-    averaged over heads and its patch features before the projector (`hap.pruners.visionzip.VisionCues`)."""
+    averaged over heads and its patch features before the projector (`hap.pruners.visionzip.VisionCues`); on
+    LLaVA-NeXT one per crop (`per_crop`)."""
 
     name = "vispruner"
     cls_cues = True
+    crops = True
 
     def select(self, state, cut):
         cues, k = state.cues(), state.kept_count(cut.index)
-        mean = cues.cls_attention / cues.heads  # [B, N]
-        chosen = torch.stack([select(a, f[1:], k) for a, f in zip(mean, cues.features)])
+        mean = cues.cls_attention / cues.heads  # [B, N], or [crops, n]
+        if cues.places is not None:
+            chosen = per_crop(cues.places, k, lambda crops, t: torch.stack(
+                [select(a, f[1:], t) for a, f in zip(mean[crops], cues.features[crops])]))
+        else:
+            chosen = torch.stack([select(a, f[1:], k) for a, f in zip(mean, cues.features)])
         return Selection(chosen.to(state.visual_pos.device))
 
 
