@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -212,78 +212,96 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
     (its method and budget are replaced); None for both where a budget is below a method's floor (out of reach).
     `shared`: the same figures for less work (module docstring)."""
     step = on_step or (lambda fraction, description: None)
-    with sharing_layers(model) if shared else nullcontext():
-        p = prepare(model, processor, image, prompt, max_new_tokens, limits, ())
-        inputs, image = p.inputs, p.picture
-        num_visual = int(visual_tokens(model, inputs)[0].sum())  # the image's own count (no newline tokens)
-        text_tokens = p.prompt_len - num_visual
-        together = shared and batch.refusal(model) is None
+    p = prepare(model, processor, image, prompt, max_new_tokens, limits, ())
+    num_visual = int(visual_tokens(model, p.inputs)[0].sum())  # the image's own count (no newline tokens)
+    text_tokens = p.prompt_len - num_visual
+    together = shared and batch.refusal(model) is None
 
-        def answer(cfg: hap.HAPConfig) -> str:
-            """The answer cut at its end, from `hap.run` (untraced) as the page's runs give it."""
-            return short_answer(hap.run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=False,
-                                        limits=limits).answer)
+    def answer(cfg: hap.HAPConfig) -> str:
+        """The answer cut at its end, from `hap.run` (untraced) as the page's runs give it."""
+        return short_answer(hap.run(model, processor, p.picture, prompt, cfg, max_new_tokens=max_new_tokens,
+                                    trace=False, limits=limits).answer)
 
-        how = (" · image encoded once, layers before the cuts shared, answers stop at their end" if shared else "") + (
-            ", decoded in batches" if together else "")
-        step(0.0, "unpruned reference answer" + how)
-        if shared:
-            reference, ids, logits = generated_answer(model, processor, p, reference_config(config), max_new_tokens)
-        else:
-            reference = answer(reference_config(config))
-        answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
-        refusals = refused(model, config)
-        methods = [m for m in METHODS if m not in refusals]
-        shape = decoder_shape(model)
-        retains = budgets(config, shape, num_visual, methods=[m for m in methods if m in GRID] or methods)
+    how = (" · image encoded once, layers before the cuts shared, answers stop at their end" if shared else "") + (
+        ", decoded in batches" if together else "")
+    step(0.0, "unpruned reference answer" + how)
+    if shared:
+        reference, ids, logits = generated_answer(model, processor, p, reference_config(config), max_new_tokens)
+    else:
+        reference = answer(reference_config(config))
+    answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
+    refusals = refused(model, config)
+    methods = [m for m in METHODS if m not in refusals]
+    shape = decoder_shape(model)
+    retains = budgets(config, shape, num_visual, methods=[m for m in methods if m in GRID] or methods)
 
-        def probability(q: Prepared, cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
-            """Read from a generation's own logits where it allows, else teacher-forced on `q`."""
-            read = read_probability(list(ids), logits, answer_ids)
-            return read if read is not None else answer_probability(model, q, cfg, answer_ids)
+    def probability(q: Prepared, cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
+        """Read from a generation's own logits where it allows, else teacher-forced on `q`."""
+        read = read_probability(list(ids), logits, answer_ids)
+        return read if read is not None else answer_probability(model, q, cfg, answer_ids)
 
-        stock = probability(p, reference_config(config), *((ids, logits) if shared else ()))
-        out = {"retain": retains, "methods": {m: {"answers": [], "answer_prob": []} for m in methods},
-               "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals}
-        found: dict[tuple[str, float], tuple] = {}
-        todo = []  # (method, retain, config, its prepared input): the runs that need a pruned generation of their own
-        for method in methods:
-            floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
-            for retain in retains:
-                cfg = replace(config, method=method, retain=retain, flops_ratio=None)
-                if retain < floor - 1e-12:  # out of reach (an official schedule below its floor)
+    stock = probability(p, reference_config(config), *((ids, logits) if shared else ()))
+    found: dict[tuple[str, float], tuple] = {}  # (method, retain) -> (answer, probability)
+    jobs: list[Job] = []  # the runs that need a pruned generation of their own
+    for method in methods:
+        floor = floor_retain(replace(config, method=method, retain=None, flops_ratio=None), shape, num_visual)
+        for retain in retains:
+            cfg = replace(config, method=method, retain=retain, flops_ratio=None)
+            if retain < floor - 1e-12:  # out of reach (an official schedule below its floor)
+                found[method, retain] = (None, None)
+            elif shared and keeps_everything(cfg, shape, num_visual, text_tokens):
+                found[method, retain] = (reference, stock)
+            else:
+                try:
+                    q = for_config(model, processor, p, cfg)
+                except ValueError:  # the processor's pixel bounds cannot shrink the image to this budget
                     found[method, retain] = (None, None)
-                elif shared and keeps_everything(cfg, shape, num_visual, text_tokens):
-                    found[method, retain] = (reference, stock)
-                else:
-                    try:
-                        todo.append((method, retain, cfg, for_config(model, processor, p, cfg)))
-                    except ValueError:  # the processor's pixel bounds cannot shrink the image to this budget
-                        found[method, retain] = (None, None)
+                    continue
+                jobs.append(Job(method, retain, cfg, q, full_layers(cfg, shape, num_visual, text_tokens)))
+    jobs.sort(key=lambda job: (retains.index(job.retain), -job.depth))  # budget by budget, longest shared start first
+
+    def starting(j: int) -> None:
+        step(j / len(jobs), f"{jobs[j].method} at retain {jobs[j].retain:.3f} ({j + 1} of {len(jobs)} runs){how}")
+
+    with sharing_layers(model, max((job.depth for job in jobs), default=0)) if shared else nullcontext():
         if together:
             rows = batch_rows(model, p.prompt_len)
-            for start in range(0, len(todo), rows):
-                chunk = todo[start:start + rows]
-
-                def prefilling(j: int, chunk=chunk, start=start) -> None:
-                    method, retain, _, _ = chunk[j]
-                    step((start + j) / len(todo), f"{method} at retain {retain:.3f} ({start + j + 1} of {len(todo)} "
-                         f"runs){how}")
-
-                found.update(zip(((m, r) for m, r, _, _ in chunk), answered(
-                    model, processor, [(q, c) for _, _, c, q in chunk], max_new_tokens, answer_ids, prefilling)))
+            for start in range(0, len(jobs), rows):
+                chunk = jobs[start:start + rows]
+                found.update(zip(((job.method, job.retain) for job in chunk), answered(
+                    model, processor, [(job.prepared, job.config) for job in chunk], max_new_tokens, answer_ids,
+                    lambda j, start=start: starting(start + j))))
         else:
-            for j, (method, retain, cfg, q) in enumerate(todo):
-                step(j / len(todo), f"{method} at retain {retain:.3f} ({j + 1} of {len(todo)} runs){how}")
+            for j, job in enumerate(jobs):
+                starting(j)
                 if shared:
-                    text, ids, logits = generated_answer(model, processor, q, cfg, max_new_tokens)
-                    found[method, retain] = (text, probability(q, cfg, ids, logits))
+                    text, ids, logits = generated_answer(model, processor, job.prepared, job.config, max_new_tokens)
+                    found[job.method, job.retain] = (text, probability(job.prepared, job.config, ids, logits))
                 else:
-                    found[method, retain] = (answer(cfg), probability(q, cfg))
-        for method in methods:
-            out["methods"][method]["answers"] = [found[method, r][0] for r in retains]
-            out["methods"][method]["answer_prob"] = [found[method, r][1] for r in retains]
-        return out
+                    found[job.method, job.retain] = (answer(job.config), probability(job.prepared, job.config))
+    return {"retain": retains, "unpruned": {"answer": reference, "answer_prob": stock}, "refused": refusals,
+            "methods": {m: {"answers": [found[m, r][0] for r in retains],
+                            "answer_prob": [found[m, r][1] for r in retains]} for m in methods}}
+
+
+@dataclass
+class Job:
+    """One pruned run of the sweep: a method at a budget, on its prepared input (`hap.run.for_config`)."""
+
+    method: str
+    retain: float
+    config: hap.HAPConfig
+    prepared: Prepared
+    depth: int  # its leading decoder layers that run every visual token (`full_layers`)
+
+
+def full_layers(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, text_tokens: int) -> int:
+    """How many leading decoder layers run every visual token under `config`'s schedule: the layers its runs may share
+    with the others of the input (`hap.prefix`); 0 for a cut before layer 0."""
+    schedule = plan(config, shape, num_visual, text_tokens)
+    if schedule is None:
+        return shape.layers
+    return next((i for i, n in enumerate(schedule.visual_per_layer) if n < num_visual), shape.layers)
 
 
 def batch_rows(model, prompt_len: int, limit: int = DECODE_BYTES) -> int:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hap
-from hap.prefix import sharing_layers
+from hap.prefix import BLOCKS, sharing_layers
 from tiny_models import inputs_for, qwen_vl_case, tiny_llava
 
 RUNS = [("none", None), ("hap", 0.6), ("uniform", 0.4), ("fastv", 0.5), ("divprune", 0.4), ("hap", 0.45)]
@@ -40,7 +40,7 @@ def test_runs_give_the_same_logits_with_the_layers_before_their_cut_computed_onc
     # layers 0 and 1 of every run after the first that sees every token there (divprune cuts before layer 0, so the
     # run after it recomputes them once)
     after_cut0 = 1 if case == "llava" else 0
-    assert memo.hits == 2 * (len(runs) - 1 - 2 * after_cut0)
+    assert memo.hits == len(BLOCKS) * 2 * (len(runs) - 1 - 2 * after_cut0)
 
 
 def test_decode_steps_and_autograd_passes_are_not_memoised(llava):
@@ -49,14 +49,14 @@ def test_decode_steps_and_autograd_passes_are_not_memoised(llava):
         with torch.inference_mode():
             model(**inputs)
             model(**inputs)
-        assert (memo.hits, memo.misses) == (6, 6)  # the second prefill reads all six layers
+        assert (memo.hits, memo.misses) == (30, 30)  # the second prefill reads all six layers' five blocks
         stored = dict(memo.entries)
         with torch.inference_mode():
             step = model.model.language_model(inputs_embeds=torch.randn(1, 1, 64))
         assert step.last_hidden_state.shape == (1, 1, 64)
-        assert memo.entries == stored and (memo.hits, memo.misses) == (6, 6)  # one token: computed, not kept
+        assert memo.entries == stored and (memo.hits, memo.misses) == (30, 30)  # one token: computed, not kept
         model(**inputs).logits.sum().backward()  # autograd on: computed every time
-        assert (memo.hits, memo.misses) == (6, 6)
+        assert (memo.hits, memo.misses) == (30, 30)
     model.zero_grad(set_to_none=True)
 
 
@@ -74,6 +74,14 @@ def test_the_model_is_as_before_after_the_block_even_on_error_and_blocks_do_not_
         assert "forward" not in vars(layers[0].mlp) and vars(layers[1].mlp)["forward"] is own
         with sharing_layers(model) as memo, torch.inference_mode():  # the wrapper is wrapped in turn, and runs
             model(**inputs)
-        assert memo.misses == 6 and vars(layers[1].mlp)["forward"] is own
+        assert memo.misses == 30 and vars(layers[1].mlp)["forward"] is own
     finally:
         del layers[1].mlp.forward
+
+
+def test_only_the_first_depth_layers_are_memoised(llava):
+    model, inputs = llava
+    with sharing_layers(model, depth=2) as memo, torch.inference_mode():
+        model(**inputs)
+        model(**inputs)
+    assert {layer for layer, _ in memo.entries} == {0, 1} and memo.hits == 2 * len(BLOCKS)
