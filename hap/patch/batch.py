@@ -81,18 +81,21 @@ def merge_caches(runs: list[Prefilled], prompt_len: int) -> tuple[DynamicCache, 
         own = [run.cache.layers[index] for run in runs]
         length = max(max(layer.keys.shape[2] for layer in own), prompt_len if index == 0 else 0)
         dtype = own[0].keys.dtype
-        keys, values, rows = [], [], []
-        for run, layer in zip(runs, own):
+        (_, heads, _, dim), (_, value_heads, _, value_dim) = own[0].keys.shape, own[0].values.shape
+        keys = own[0].keys.new_zeros(len(runs), heads, length, dim)
+        values = own[0].values.new_zeros(len(runs), value_heads, length, value_dim)
+        rows = []
+        for b, (run, layer) in enumerate(zip(runs, own)):
             pad = length - layer.keys.shape[2]
-            keys.append(torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)))
-            values.append(torch.nn.functional.pad(layer.values, (0, 0, pad, 0)))
+            keys[b, :, pad:] = layer.keys[0]  # one copy of each run's cache, not a padded one and then a stacked one
+            values[b, :, pad:] = layer.values[0]
             row = torch.zeros(length, dtype=dtype, device=layer.keys.device)
             row[:pad] = torch.finfo(dtype).min
             bias = run.bias(index)
             if bias is not None:  # the group's prompt keys are the cache's; a cut before layer 0 too
                 row[pad:pad + bias.shape[-1]] += bias[0].to(row)
             rows.append(row)
-        layers.append((torch.cat(keys), torch.cat(values)))
+        layers.append((keys, values))
         masks.append(torch.stack(rows))
     return DynamicCache(layers), masks
 
