@@ -197,3 +197,24 @@ def test_run_batch_gives_each_image_the_result_of_run_alone():
         batch_input = zoo_inputs(processor, prompts, list(UNEQUAL["llava-next"][1]))
         with hap.patched(model, config), torch.no_grad():
             model(**batch_input)
+
+
+def test_a_growing_cache_layer_writes_in_place_and_grows_past_its_room():
+    """`batch.GrowingLayer`: the keys and values `DynamicLayer` would hold after each update, written into the
+    buffer's free slots while there is room (no copy of the layer), concatenated once it is full."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hap.patch.batch import GrowingLayer
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    grown = GrowingLayer(torch.cat([keys, torch.zeros(2, 3, 2, 4)], 2), torch.cat([values, torch.zeros(2, 3, 2, 4)], 2),
+                         5)
+    plain = DynamicLayer()
+    plain.update(keys, values)
+    buffer = grown.key_buffer
+    for step in range(4):
+        new_keys, new_values = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+        got, want = grown.update(new_keys, new_values), plain.update(new_keys, new_values)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and grown.get_seq_length() == 6 + step
+        assert (grown.key_buffer is buffer) == (step < 2)  # room for two tokens, then a grown buffer

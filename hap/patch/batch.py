@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..planting import PLANTED
 from .decoder import Patch, decoder_of, decoder_shape
@@ -70,34 +70,63 @@ def refusal(model) -> str | None:
     return None
 
 
-def merge_caches(runs: list[Prefilled], prompt_len: int) -> tuple[DynamicCache, list[torch.Tensor]]:
+def merge_caches(runs: list[Prefilled], prompt_len: int, room: int = 0) -> tuple[DynamicCache, list[torch.Tensor]]:
     """(one cache of the runs' caches stacked along the batch, [layers] float [B, K_l] the additive mask of each
     layer's K_l cached keys: 0 or the run's merge bias on its own keys, the dtype's minimum on the padding).
 
     Layer l's keys and values are left-padded with zeros to its longest run's length K_l (layer 0: at least
-    `prompt_len`, the unpruned cache's length, which `generate` counts positions from)."""
+    `prompt_len`, the unpruned cache's length, which `generate` counts positions from), in buffers with `room` more
+    token slots that the decode steps fill in place (`GrowingLayer`)."""
     layers, masks = [], []
     for index in range(len(runs[0].cache.layers)):
         own = [run.cache.layers[index] for run in runs]
         length = max(max(layer.keys.shape[2] for layer in own), prompt_len if index == 0 else 0)
         dtype = own[0].keys.dtype
         (_, heads, _, dim), (_, value_heads, _, value_dim) = own[0].keys.shape, own[0].values.shape
-        keys = own[0].keys.new_zeros(len(runs), heads, length, dim)
-        values = own[0].values.new_zeros(len(runs), value_heads, length, value_dim)
+        keys = own[0].keys.new_empty(len(runs), heads, length + room, dim)  # the room is written before it is read
+        values = own[0].values.new_empty(len(runs), value_heads, length + room, value_dim)
         rows = []
         for b, (run, layer) in enumerate(zip(runs, own)):
             pad = length - layer.keys.shape[2]
-            keys[b, :, pad:] = layer.keys[0]  # one copy of each run's cache, not a padded one and then a stacked one
-            values[b, :, pad:] = layer.values[0]
+            keys[b, :, :pad], values[b, :, :pad] = 0, 0  # masked, but zero: a masked NaN would still spread
+            keys[b, :, pad:length] = layer.keys[0]  # one copy of each run's cache
+            values[b, :, pad:length] = layer.values[0]
             row = torch.zeros(length, dtype=dtype, device=layer.keys.device)
             row[:pad] = torch.finfo(dtype).min
             bias = run.bias(index)
             if bias is not None:  # the group's prompt keys are the cache's; a cut before layer 0 too
                 row[pad:pad + bias.shape[-1]] += bias[0].to(row)
             rows.append(row)
-        layers.append((keys, values))
+        layers.append(GrowingLayer(keys, values, length))
         masks.append(torch.stack(rows))
-    return DynamicCache(layers), masks
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache, masks
+
+
+class GrowingLayer(DynamicLayer):
+    """A dynamic cache layer whose keys and values [B, heads, length, dim] are the first `length` slots of buffers
+    with room for more: a decode step writes its token into the slots after them instead of concatenating a copy of
+    the whole layer (`DynamicLayer.update`); the buffers grow (by concatenation) only once they are full."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.device, self.is_initialized = keys.device, True
+        self.key_buffer, self.value_buffer = keys, values
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:
+            self.key_buffer = torch.cat([self.keys, key_states], dim=-2)
+            self.value_buffer = torch.cat([self.values, value_states], dim=-2)
+        else:
+            self.key_buffer[:, :, start:end] = key_states
+            self.value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
 
 
 class BatchDecode:
@@ -165,7 +194,7 @@ def decode(model, runs: list[Prefilled], max_new_tokens: int, firsts: list[torch
     pad = [T - run.prompt_len for run in runs]
     sequences = torch.cat([torch.nn.functional.pad(f, (p, 0)) for f, p in zip(firsts, pad)])
     attention = torch.cat([torch.nn.functional.pad(torch.ones_like(f), (p, 0)) for f, p in zip(firsts, pad)])
-    cache, masks = merge_caches(runs, T)
+    cache, masks = merge_caches(runs, T, room=max_new_tokens + 1)
     hooks = BatchDecode(runs, masks, pad)
     hooks.attach(model, cache)
     inner, deltas = model.model, getattr(model.model, "rope_deltas", None)
