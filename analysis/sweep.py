@@ -296,12 +296,16 @@ class Job:
 
 
 def full_layers(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, text_tokens: int) -> int:
-    """How many leading decoder layers run every visual token under `config`'s schedule: the layers its runs may share
-    with the others of the input (`hap.prefix`); 0 for a cut before layer 0."""
+    """How many leading decoder layers run the stock model's tokens under `config`'s schedule: the layers its runs may
+    share with the others of the input (`hap.prefix`): those before its first drop, or before its first cut where
+    the cut writes tokens of its own (VisionZip, downsample, the official schedules' recycled ones); 0 for a cut
+    before layer 0."""
     schedule = plan(config, shape, num_visual, text_tokens)
     if schedule is None:
         return shape.layers
-    return next((i for i, n in enumerate(schedule.visual_per_layer) if n < num_visual), shape.layers)
+    drop = next((i for i, n in enumerate(schedule.visual_per_layer) if n < num_visual), shape.layers)
+    pruner = pruner_for(config)
+    return min(drop, schedule.cuts[0]) if pruner.official or pruner.writes_tokens else drop
 
 
 def batch_rows(model, prompt_len: int, limit: int = DECODE_BYTES) -> int:

@@ -176,3 +176,18 @@ class _Splitter:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.text
+
+
+def test_the_runs_share_the_layers_before_their_first_drop_or_rewrite():
+    """`full_layers`: at a high budget HAP's first group keeps every token, so its runs share the layers up to its
+    second cut; FastV drops at its cut; the official schedules and the methods that write tokens change the tokens at
+    their first cut even where the count stays; a cut before layer 0 shares nothing."""
+    from analysis.sweep import full_layers
+
+    shape = hap.DecoderShape(24, 896, 4864, 128)
+    hap_high = hap.HAPConfig(method="hap", retain=0.61)
+    assert hap.plan(hap_high, shape, 729, 20).kept[0] == 729 and full_layers(hap_high, shape, 729, 20) == 9
+    assert full_layers(hap.HAPConfig(method="hap", retain=0.3), shape, 729, 20) == 2
+    assert full_layers(hap.HAPConfig(method="fastv", retain=0.61), shape, 729, 20) == 2
+    assert full_layers(hap.HAPConfig(method="sparsevlm", retain=1.0), shape, 729, 20) == 3
+    assert full_layers(hap.HAPConfig(method="divprune", retain=0.61), shape, 729, 20) == 0
