@@ -115,15 +115,9 @@ def answer_length(tokenizer, ids: list[int], ends: set[int], words: int = ANSWER
 
 
 def keeps_everything(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, text_tokens: int) -> bool:
-    """Whether `config` runs as the stock model on this input: a schedule that keeps every visual token in every
-    layer, the model's own tokens (`Pruner.rewrites`: not VisionZip's tokens built before the decoder; downsample at a
-    budget of every token pools windows of one patch), not an official schedule (its recycled cluster means)."""
-    pruner = pruner_for(config)
-    if pruner.official:
-        return False
-    schedule = plan(config, shape, num_visual, text_tokens)
-    return schedule is None or (all(n == num_visual for n in schedule.visual_per_layer)
-                                and not any(pruner.rewrites(k, num_visual) for k in schedule.kept))
+    """Whether `config` runs as the stock model on this input: its schedule gives every layer the stock model's tokens
+    (`full_layers`)."""
+    return full_layers(config, shape, num_visual, text_tokens) == shape.layers
 
 
 def answer_probability(model, p: Prepared, config: hap.HAPConfig, answer_ids: list[int]) -> float | None:
@@ -249,15 +243,17 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
             cfg = replace(config, method=method, retain=retain, flops_ratio=None)
             if retain < floor - 1e-12:  # out of reach (an official schedule below its floor)
                 found[method, retain] = (None, None)
-            elif shared and keeps_everything(cfg, shape, num_visual, text_tokens):
+                continue
+            depth = full_layers(cfg, shape, num_visual, text_tokens)
+            if shared and depth == shape.layers:  # the stock model's run (`keeps_everything`)
                 found[method, retain] = (reference, stock)
-            else:
-                try:
-                    q = for_config(model, processor, p, cfg)
-                except ValueError:  # the processor's pixel bounds cannot shrink the image to this budget
-                    found[method, retain] = (None, None)
-                    continue
-                jobs.append(Job(method, retain, cfg, q, full_layers(cfg, shape, num_visual, text_tokens)))
+                continue
+            try:
+                q = for_config(model, processor, p, cfg)
+            except ValueError:  # the processor's pixel bounds cannot shrink the image to this budget
+                found[method, retain] = (None, None)
+                continue
+            jobs.append(Job(method, retain, cfg, q, depth))
     jobs.sort(key=lambda job: (retains.index(job.retain), -job.depth))  # budget by budget, longest shared start first
 
     def starting(j: int) -> None:
@@ -298,14 +294,17 @@ class Job:
 def full_layers(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, text_tokens: int) -> int:
     """How many leading decoder layers run the stock model's tokens under `config`'s schedule: the layers its runs may
     share with the others of the input (`hap.prefix`): those before its first drop, or before its first cut where
-    the cut writes tokens of its own (VisionZip, downsample, the official schedules' recycled ones); 0 for a cut
-    before layer 0."""
+    the cuts write tokens of their own (`Pruner.rewrites`: VisionZip's, downsample's pooled ones below a budget of
+    every token) or an official schedule recycles the dropped ones; 0 for a cut before layer 0; every layer for the
+    stock model's run."""
     schedule = plan(config, shape, num_visual, text_tokens)
     if schedule is None:
         return shape.layers
     drop = next((i for i, n in enumerate(schedule.visual_per_layer) if n < num_visual), shape.layers)
     pruner = pruner_for(config)
-    return min(drop, schedule.cuts[0]) if pruner.official or pruner.writes_tokens else drop
+    if pruner.official or any(pruner.rewrites(k, num_visual) for k in schedule.kept):
+        return min(drop, schedule.cuts[0])
+    return drop
 
 
 def batch_rows(model, prompt_len: int, limit: int = DECODE_BYTES) -> int:
