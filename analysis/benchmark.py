@@ -70,7 +70,7 @@ from hap.keeps import pruning, refusal
 from hap.knobs import knob
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt, template_tail
-from analysis.ground_truth import head_grounding, spearman
+from hap.ground_truth import head_grounding, spearman
 from analysis.scenes import MAX_OBJECTS, MIN_OBJECTS, N_PATCHES, QTYPES, heldout_items
 
 RETAINS = (1.0, 0.333, 0.222, 0.111, 0.056)  # 0.333 / 0.222 / 0.111: the papers' 192 / 128 / 64 of 576 tokens

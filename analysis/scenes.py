@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-IMAGE_SIZE = 168
+from hap.ground_truth import GRID, METADATA_KEY, N_PATCHES  # the scene format the app reads: 12x12 = 144 patches
+
 PATCH = 14
-GRID = IMAGE_SIZE // PATCH  # 12
-N_PATCHES = GRID * GRID  # 144
+IMAGE_SIZE = GRID * PATCH  # 168
 MARKER_PATCH = 0  # row-major index of the fixed checker marker (top-left)
 
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -425,9 +425,6 @@ def heldout_items(seeds: range, per_scene: int, kinds: tuple[str, ...] = QTYPES)
         scene = make_scene(seed)
         for q in make_questions(scene, seed, per_scene, kinds):
             yield scene, q
-
-
-METADATA_KEY = "hap-scene"  # PNG text chunk holding a scene's description (JSON)
 
 
 def describe(scene: Scene, question: Question | None = None) -> dict:

@@ -14,9 +14,9 @@ safetensors weights only and never run remote code (`hap.load_model`). A hub id 
 connection; online, its download shows on the page's progress bar (tqdm tracked).
 
 `/analyze` times the three answers on untraced runs and draws the figures from a separate traced run
-of the chosen method. On a scene that carries its ground truth (`analysis.ground_truth`) for the
+of the chosen method. On a scene that carries its ground truth (`hap.ground_truth`) for the
 prompt asked, the maps outline the answering patches and the JSON gains `ground_truth`. `/sweep`
-runs every pruning method over a range of budgets (`analysis.sweep`), cached per input; `/inspect`
+runs every pruning method over a range of budgets (`hap.sweep`), cached per input; `/inspect`
 shows one head of the last `/analyze` run of the session, without running the model.
 """
 
@@ -42,9 +42,9 @@ import torch
 from PIL import Image
 
 import hap
-from analysis.ground_truth import file_metadata, question_for, scene_truth, truth_json
-from analysis.report import answer_card, explanation, head_text, summary, sweep_title, truth_text
-from analysis.sweep import sweep
+from hap.ground_truth import file_metadata, question_for, scene_truth, truth_json
+from hap.report import answer_card, explanation, head_text, summary, sweep_title, truth_text
+from hap.sweep import sweep
 from hap import views
 from hap.causal import resolve_setting
 from hap.compare import compare
@@ -298,7 +298,7 @@ def sweep_work(call: zerogpu.Call) -> zerogpu.Work:
 def _sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
            cache: FeatureCache | None = None):
     """The GPU part of `/sweep` (see `_compare` for ZeroGPU); with a `cache` the image is encoded once and the
-    runs share what `analysis.sweep` shares."""
+    runs share what `hap.sweep` shares."""
     with processor_options(LOADED.model, LOADED.processor, LOADED.options), reusing_features(LOADED.model, cache):
         return sweep(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
                      lambda fraction, description: progress(0.05 + 0.9 * fraction, desc=description),
@@ -400,7 +400,7 @@ class Handler:
     @user_errors
     def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
               request: gr.Request | None = None, **settings) -> dict[str, object]:
-        """Every pruning method at budgets from 1.0 down to the model's smallest (`analysis.sweep`); `settings`
+        """Every pruning method at budgets from 1.0 down to the model's smallest (`hap.sweep`); `settings`
         are the knobs but the swept ones (SWEPT) and the processor options, checked as `/analyze` checks them.
         Outputs by name (`SWEEP_OUTPUTS`): the plot and the JSON. Cached per input (image bytes, prompt, model, knobs,
         processor options)."""

@@ -16,7 +16,7 @@ from functools import partial
 
 import gradio as gr
 
-from analysis.report import LABELS, TEACHING
+from hap.report import LABELS, TEACHING
 from hap.inputs import FORMATS, InputLimits
 from hap.knobs import KNOBS, SINK_DETECTORS, Knob
 from hap.options import OPTIONS

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from analysis.sweep import METHODS, POINTS
+from hap.sweep import METHODS, POINTS
 from hap import causal, utility
 from hap.budget import layer_flops
 from hap.patch.decoder import decoder_shape
@@ -64,7 +64,7 @@ def answers(runs: int, traced: int, new_tokens: int, together: bool = False) -> 
 
 
 def sweep_work(new_tokens: int, shared: bool = False, together: bool = False) -> Work:
-    """`/sweep` (`analysis.sweep`): the unpruned answer and every method at POINTS budgets, each generated then its
+    """`/sweep` (`hap.sweep`): the unpruned answer and every method at POINTS budgets, each generated then its
     unpruned answer's probability teacher-forced (an upper estimate where the sweep is `shared`: every generation
     then stops at its answer's end, FORCED_TOKENS tokens at most here, and a forced pass runs only where needed;
     `together`: a method's budgets are decoded, and forced on their own prefills, as one batch)."""

@@ -16,8 +16,8 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 import hap
-from analysis.ground_truth import spearman
-from analysis.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
+from hap.ground_truth import spearman
+from hap.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
 from hap import views
 from hap.knobs import KNOBS
 
@@ -243,7 +243,7 @@ def sweep(client: Client, model: str, image=SCENE, prompt: str = PROMPT, **chang
 def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, model_name, loaded, monkeypatch):
     from app import handler
     from app.handler import SWEPT
-    from analysis.sweep import OWN_FLOOR
+    from hap.sweep import OWN_FLOOR
     from hap.options import OPTIONS
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/sweep"]

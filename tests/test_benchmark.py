@@ -10,7 +10,7 @@ import pytest
 
 import hap
 from analysis.benchmark import METHODS, RETAINS, main
-from analysis.ground_truth import spearman
+from hap.ground_truth import spearman
 from analysis.scenes import QTYPES, heldout_items
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-llava"

@@ -114,7 +114,7 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from analysis.sweep import ANSWER_WORDS, METHODS
+    from hap.sweep import ANSWER_WORDS, METHODS
 
     wait = WebDriverWait(driver, 240)
     driver.set_window_size(1400, 1150)

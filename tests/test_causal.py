@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hap
-from analysis.ground_truth import spearman
+from hap.ground_truth import spearman
 from hap import causal
 from hap.patch import attention_outputs, decoder_of
 from tiny_models import CASES, noise_image, tiny_llava

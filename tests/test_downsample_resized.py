@@ -101,7 +101,7 @@ def test_run_together_and_the_feature_cache_take_the_resized_image_apart(qwen):
 def test_what_cannot_resize_is_refused_by_name(qwen):
     """The checkpoint's pixel floor (min = max pixels) leaves nothing to shrink: a ValueError naming min_pixels, and
     the keeps view lists it refused; a patch alone cannot resize an image; the sweep has it out of reach below 1.0."""
-    from analysis.sweep import sweep
+    from hap.sweep import sweep
 
     from hap.keeps import keeps
 
@@ -126,7 +126,7 @@ def test_the_sweep_runs_downsample_on_the_image_resized_for_each_budget(qwen, sh
     """In the sweep, downsample's runs take the image resized for their budget, batched beside the runs of the
     original image (shorter prompts): each answer is `hap.run`'s, each probability the unpruned answer's forced on
     the resized image's own prefill."""
-    from analysis.sweep import answer_probability, short_answer, sweep
+    from hap.sweep import answer_probability, short_answer, sweep
 
     from hap.run import for_config, prepare
 

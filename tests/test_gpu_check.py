@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from analysis import speed
-from analysis.sweep import METHODS as SWEPT_METHODS
+from hap.sweep import METHODS as SWEPT_METHODS
 from app import gpu_check
 from hap.run import chat_prompt
 

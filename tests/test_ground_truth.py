@@ -4,8 +4,8 @@ import pytest
 from PIL import Image
 
 import hap
-from analysis.ground_truth import spearman
-from analysis.ground_truth import (answering_cut, file_metadata, head_grounding, kept_recall, patch_mask,
+from hap.ground_truth import spearman
+from hap.ground_truth import (answering_cut, file_metadata, head_grounding, kept_recall, patch_mask,
                                    question_for, read_metadata, scene_truth, truth_json)
 from analysis.scenes import make_questions, make_scene, save_scene
 

@@ -16,7 +16,7 @@ from test_zerogpu import on_zerogpu  # noqa: F401 (fixture: app/handler.py on a 
 from tiny_models import qwen_vl_folder
 
 import hap
-from analysis.ground_truth import read_metadata, scene_truth
+from hap.ground_truth import read_metadata, scene_truth
 from hap import views
 from hap.keeps import REFERENCE, keeps, keeps_panels, keeps_plotly, keeps_png, overlap, panel_title, pruning
 
@@ -182,7 +182,8 @@ def test_the_cli_draws_the_view_and_writes_its_json(tmp_path, model_name):
 
 
 def test_the_sweep_its_grid_and_the_benchmark_take_every_registry_method():
-    from analysis import benchmark, sweep
+    from analysis import benchmark
+    from hap import sweep
 
     assert sweep.METHODS == pruning() and set(sweep.GRID) <= set(pruning())
     assert set(pruning()) <= set(benchmark.CHOICES) and benchmark.chosen(["all"]) == pruning()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from app_model import default_model
 
-from analysis.sweep import short_answer
+from hap.sweep import short_answer
 from app import lesson
 from app.lab import map_share
 from hap import views

@@ -1,4 +1,4 @@
-"""analysis.sweep: the budgets every method reaches on a decoder (no model), then a sweep on a tiny random model."""
+"""hap.sweep: the budgets every method reaches on a decoder (no model), then a sweep on a tiny random model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from PIL import Image
 from tiny_models import CASES, tiny_llava
 
 import hap
-from analysis.sweep import (GRID, METHODS, AnswerEnd, answer_probability, budgets, keeps_everything, refused,
+from hap.sweep import (GRID, METHODS, AnswerEnd, answer_probability, budgets, keeps_everything, refused,
                             short_answer, smallest_retain, sweep)
 from hap.features import FeatureCache, reusing_features
 from hap.inputs import DEFAULT_LIMITS
@@ -97,7 +97,7 @@ def test_sweep_on_a_tiny_model_matches_direct_runs():
 def test_every_probability_is_of_the_unpruned_answer(monkeypatch):
     """A planted bug scored each pruned run's own answer: the probability must be the unpruned answer's, whatever
     each pruned run answers (here every run answers something else)."""
-    import analysis.sweep as sweep_module
+    import hap.sweep as sweep_module
 
     model, processor = tiny_llava(layers=4)
     real_run, forced = hap.run, []
@@ -182,7 +182,7 @@ def test_the_runs_share_the_layers_before_their_first_drop_or_rewrite():
     """`full_layers`: at a high budget HAP's first group keeps every token, so its runs share the layers up to its
     second cut; FastV drops at its cut; the official schedules and the methods that write tokens change the tokens at
     their first cut even where the count stays; a cut before layer 0 shares nothing."""
-    from analysis.sweep import full_layers
+    from hap.sweep import full_layers
 
     shape = hap.DecoderShape(24, 896, 4864, 128)
     hap_high = hap.HAPConfig(method="hap", retain=0.61)

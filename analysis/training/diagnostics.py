@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from analysis.ground_truth import head_grounding, spearman
+from hap.ground_truth import head_grounding, spearman
 from analysis.scenes import MARKER_PATCH, Question, Scene
 from hap.fusion import fusion_weights
 from hap.heads import classify, consensus_sinks, head_stats, sink_tokens, visual_distribution

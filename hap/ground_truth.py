@@ -1,7 +1,7 @@
 """Ground truth of a synthetic scene against what the pruner saw: grounding of heads, recall of cuts.
 
 A scene PNG written by `analysis.scenes.save_scene` carries its description in the text metadata
-(`analysis.scenes.METADATA_KEY`): objects with their patches and, for the question it was saved
+(`METADATA_KEY`): objects with their patches and, for the question it was saved
 with, the answering patches. These functions work on plain arrays:
 
   * head grounding = a head's share of visual attention on the answering patches divided by their
@@ -20,9 +20,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from analysis.scenes import METADATA_KEY, N_PATCHES
 from hap.causal import paq_spearman, spearman  # noqa: F401 (spearman: re-exported for the analysis scripts)
 from hap.views import Truth, ViewData
+
+METADATA_KEY = "hap-scene"  # PNG text chunk holding a scene's description (JSON)
+GRID = 12  # a scene's patches per side (analysis.scenes draws on this grid)
+N_PATCHES = GRID * GRID  # 144: the visual tokens of a scene, row-major
 
 
 def read_metadata(image: Image.Image) -> dict | None:
