@@ -68,11 +68,13 @@ from hap import causal, utility
 from hap.budget import smallest_retain
 from hap.keeps import pruning, refusal
 from hap.knobs import knob
+from hap.methods import load_plugins, pruner_class
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt, template_tail
 from hap.ground_truth import head_grounding, spearman
 from analysis.scenes import MAX_OBJECTS, MIN_OBJECTS, N_PATCHES, QTYPES, heldout_items
 
+load_plugins()  # the pruners named in HAP_PRUNERS join `--methods` (and `all`)
 RETAINS = (1.0, 0.333, 0.222, 0.111, 0.056)  # 0.333 / 0.222 / 0.111: the papers' 192 / 128 / 64 of 576 tokens
 PAPER_TOKENS = {"0.333": 192, "0.222": 128, "0.111": 64}  # retain -> the equivalent count of LLaVA-1.5's 576 tokens
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random")  # the default comparison
@@ -269,9 +271,10 @@ def reachable(model, config: hap.HAPConfig) -> bool:
 
 
 def split(batch: list, config: hap.HAPConfig) -> list[list]:
-    """`batch` as it runs under `config`: one question at a time for autoprune (its schedule follows each prompt's
-    mutual information), else whole."""
-    return [[item] for item in batch] if config.method == "autoprune" else [batch]
+    """`batch` as it runs under `config`: in pieces of the method's `max_batch` prompts (AutoPrune's one: its schedule
+    follows each prompt's mutual information), else whole."""
+    most = pruner_class(config.method).max_batch or len(batch)
+    return [batch[i:i + most] for i in range(0, len(batch), most)]
 
 
 def causal_truth(model, processor, batch, paq: np.ndarray, tally: Tally) -> torch.Tensor:

@@ -37,7 +37,7 @@ import hap
 from hap.heads import HeadStats, classify
 from hap.pruners import pruner_for
 from hap.patch.decoder import decoder_shape
-from hap.planting import Plan, classifier_report, share_plan
+from hap.lab.plan import Plan, classifier_report, share_plan
 from hap.run import chat_prompt
 from analysis.benchmark import KNOB_FLAGS, SCHEDULE, load_run, method_run, run_batch, run_parser
 from analysis.scenes import N_PATCHES

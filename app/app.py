@@ -13,7 +13,9 @@ if sys.path[:1] != [ROOT]:  # run as a file (a Space's app_file): the repo first
 
 from app.layout import build_demo  # noqa: E402
 from app.settings import launch_options  # noqa: E402
+from hap.methods import load_plugins  # noqa: E402
 
+load_plugins()  # the pruners named in HAP_PRUNERS join the page's method list, /analyze, /sweep and the keeps view
 demo = build_demo()
 
 

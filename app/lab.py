@@ -16,7 +16,7 @@ import numpy as np
 
 import hap
 from hap import views
-from hap.planting import Plan, share_plan
+from hap.lab.plan import Plan, share_plan
 
 from .lab_pick import MISSED, PLANTED_MARK
 
@@ -124,7 +124,7 @@ def mark_planted(figures: dict, plan: Plan, classifier: dict | None = None) -> d
     """Every figure of a planted run (outputs by name) with PLANTED_TITLE (PLANTED in red) as its title's first line,
     every text prefixed by PLANTED_LABEL; the planted heads marked on the head-class grid (x: sink, o: dispersed),
     black where the classifier found them in their planted class, pink (`app.lab_pick.MISSED`) where it missed them
-    (`classifier`: `hap.planting.classifier_report`)."""
+    (`classifier`: `hap.lab.plan.classifier_report`)."""
     import plotly.graph_objects as go
 
     marked = {}

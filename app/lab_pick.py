@@ -1,6 +1,6 @@
 """Picking the head lab's plan by clicking: the head picker (a layer x head grid drawn as an image, one cell per
 query head) and the sink-token picker (the image as the model's visual grid covers it). A click on either toggles
-one entry of the plan JSON, which stays the one value a run reads (`app.lab`, `hap.planting.Plan`).
+one entry of the plan JSON, which stays the one value a run reads (`app.lab`, `hap.lab.plan.Plan`).
 
 Both pictures are plain rasters (`gr.Image`: its `.select` event reports the clicked pixel in the picture's own
 pixels), so a click maps to a cell by arithmetic alone: `head_at` and `token_at` are the inverses of `head_picker`
@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from hap import views
-from hap.planting import Plan
+from hap.lab.plan import Plan
 
 PICKER_PX = 384  # the head picker's longest side of cells, about
 MARGIN = 22  # head picker: pixels left of and above the cells, for the layer and head numbers

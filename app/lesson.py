@@ -28,7 +28,7 @@ import numpy as np
 
 from hap import views
 from hap.knobs import KNOBS
-from hap.planting import Plan, share_plan
+from hap.lab.plan import Plan, share_plan
 
 from .settings import EXAMPLES
 
@@ -36,7 +36,7 @@ SCENE = "lesson_400009.png"  # validation scene 400009 and its question (module 
 VALIDATION = range(400_000, 400_030)  # the held-out seeds the scene and plan were checked on
 KINDS = ("color", "shape")  # their questions: one object answers each
 RETAIN = 0.056  # visual tokens kept, layer average: few slots, so sink tokens and the object compete for them
-SINK_TOKENS = 4  # sink tokens per image: the most redundant background patches (`hap.planting.redundant_tokens`)
+SINK_TOKENS = 4  # sink tokens per image: the most redundant background patches (`hap.lab.plan.redundant_tokens`)
 SINK_DETECTOR = "norm"  # the paper's: a massive planted sink token has the norm it looks for
 SINKS = share_plan((0, 1), 8, 0.5, seed=0, sink_tokens=SINK_TOKENS)  # half the heads of the layers scoring cut 1
 DISPERSED = share_plan((0, 1), 8, 0.5, seed=0, kind="dispersed")

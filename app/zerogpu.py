@@ -8,7 +8,7 @@ is stopped). Without `spaces` (a CPU Space, a workstation, the tests) the functi
 The duration is an upper estimate of the call's GPU time on the loaded model, from its size and the call's work:
 START_S (the worker and the weights moved onto the GPU) plus SAFETY x the work's time, at least MIN_S. The work
 (`Work`) counts full forward passes over the prompt (a backward counts two; a traced run one more for the captured
-rows) and decode steps. A pass over T tokens costs 2 x layers x `hap.budget.layer_flops(T)` FLOPs at FLOPS per
+rows) and decode steps. A pass over T tokens costs 2 x layers x `hap.flops.layer_flops(T)` FLOPs at FLOPS per
 second; a decode step streams the weights once at BANDWIDTH bytes per second, plus STEP_S and LAYER_STEP_S per layer
 of Python and kernel launches (generate, the pruner's hooks). T comes from the processor on the call's own input.
 So a 7B sweep (43 generations of up to 32 tokens, 86 passes) asks for about 200 s, the tiny model's about 50 s.
@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from hap.sweep import METHODS, POINTS
+from hap.keeps import pruning
+from hap.sweep import POINTS
 from hap import causal, utility
-from hap.budget import layer_flops
+from hap.flops import layer_flops
 from hap.patch.decoder import decoder_shape
 from hap.run import build_inputs
 
@@ -68,9 +69,10 @@ def sweep_work(new_tokens: int, shared: bool = False, together: bool = False) ->
     unpruned answer's probability teacher-forced (an upper estimate where the sweep is `shared`: every generation
     then stops at its answer's end, FORCED_TOKENS tokens at most here, and a forced pass runs only where needed;
     `together`: a method's budgets are decoded, and forced on their own prefills, as one batch)."""
-    runs = 1 + len(METHODS) * POINTS
+    methods = len(pruning())
+    runs = 1 + methods * POINTS
     if together:
-        return Work(runs + 1, (1 + len(METHODS)) * 2 * FORCED_TOKENS)
+        return Work(runs + 1, (1 + methods) * 2 * FORCED_TOKENS)
     return Work(2 * runs, runs * ((FORCED_TOKENS if shared else new_tokens) + FORCED_TOKENS))
 
 

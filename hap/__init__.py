@@ -12,17 +12,19 @@ Each takes `options=hap.ProcessorOptions(max_tiles=6, ...)`: the processor setti
 count (`hap.options`), unset = the checkpoint's own.
 """
 
-from .budget import DecoderShape, Schedule, plan, solve_schedule
+from .flops import DecoderShape, Schedule, solve_schedule
+from .budget import plan
 from .causal import head_importance, token_importance
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
 from .knobs import KNOBS, METHODS, Knob, knob
-from .load import ModelLoadError, load_model
+from .hub import ModelLoadError
+from .load import load_model
 from .options import ProcessorOptions
 from .patch import apply as patch
 from .patch import patched
 from .patch import remove as unpatch
-from .patch.planted import plant
+from .lab.planted import plant
 from .run import run, run_batch, run_together
 from .trace import Group, Maps, Result
 from .utility import HeadUtility, head_utility

@@ -11,13 +11,15 @@ from . import causal, utility
 from .config import HAPConfig
 from .features import FeatureCache, reusing_features
 from .inputs import check_history
+from .hub import ModelLoadError
 from .keeps import keeps, keeps_png, panel_title
 from .knobs import KNOBS, SEED
-from .load import ModelLoadError, load_model
+from .lab.plan import Plan, plant_line
+from .lab.planted import plant
+from .load import load_model
+from .methods import UNIFORM, load_plugins
 from .options import OPTIONS, ProcessorOptions
-from .patch.planted import plant
 from .patch.processors import option_defaults, processor_options
-from .planting import Plan, plant_line
 from .run import run
 from .views import ViewData, export_png
 
@@ -72,7 +74,7 @@ def read_history(path: Path | None) -> list[tuple[str, str]]:
 
 
 def read_plan(path: Path | None) -> Plan:
-    """The plan of a `--plant` file (`hap.planting.Plan.from_json`); ValueError naming the file."""
+    """The plan of a `--plant` file (`hap.lab.plan.Plan.from_json`); ValueError naming the file."""
     if path is None:
         return Plan()
     try:
@@ -82,6 +84,11 @@ def read_plan(path: Path | None) -> Plan:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        load_plugins()  # the pruners named in HAP_PRUNERS join the method list before the flags are read
+    except ImportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     args = parser().parse_args(argv)
     try:
         given = {k.name: getattr(args, k.name) for k in (*KNOBS, SEED)}
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         report["head_utility"] = entry = utility.to_json(useful)
         kept = entry["answer_kept"]
         print(f"head utility ({useful.seconds:.2f} s, keep {useful.keep}, layers {useful.scored}): cuts keeping the "
-              f"answer, best head {kept['best_head']} / uniform {kept['uniform']} / PAQ weighting "
+              f"answer, best head {kept['best_head']} / uniform {kept[UNIFORM]} / PAQ weighting "
               f"{kept['paq_weighted']} of {kept['cuts']}; Spearman(PAQ, utility) {entry['spearman']}")
     if every is not None:
         report["keeps"] = every.to_json()

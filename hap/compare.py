@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
+from .methods import NONE, UNIFORM
 from .run import run, run_together
 from .trace import Result
 
@@ -21,7 +22,7 @@ class Comparison:
     uniform: Result
 
     def items(self) -> list[tuple[str, Result]]:
-        return [("unpruned", self.unpruned), ("pruned", self.pruned), ("uniform", self.uniform)]
+        return [("unpruned", self.unpruned), ("pruned", self.pruned), (UNIFORM, self.uniform)]
 
 
 def compare(
@@ -46,13 +47,13 @@ def compare(
     stage = on_stage or (lambda fraction, description: None)
     if together:
         runs = {"pruned": (config, True)}
-        for method in ("none", "uniform"):
+        for method in (NONE, UNIFORM):
             if config.method != method:
                 runs[method] = (replace(config, method=method), False)
         stage(0.15, f"{config.method} (traced), unpruned and uniform: one prefill each, the answers as one batch")
         done = dict(zip(runs, run_together(model, processor, image, prompt, list(runs.values()), max_new_tokens,
                                            limits, history)))
-        return Comparison(done.get("none", done["pruned"]), done["pruned"], done.get("uniform", done["pruned"]))
+        return Comparison(done.get(NONE, done["pruned"]), done["pruned"], done.get(UNIFORM, done["pruned"]))
 
     def one(cfg: HAPConfig, trace: bool) -> Result:
         return run(model, processor, image, prompt, cfg, max_new_tokens=max_new_tokens, trace=trace, limits=limits,
@@ -61,7 +62,7 @@ def compare(
     stage(0.15, f"{config.method}: prefill + attention capture, head scoring, pruned generation")
     pruned = one(config, trace=True)
     stage(0.45, "unpruned reference generation")
-    unpruned = pruned if config.method == "none" else one(replace(config, method="none"), trace=False)
+    unpruned = pruned if config.method == NONE else one(replace(config, method=NONE), trace=False)
     stage(0.65, "uniform head averaging at the same budget")
-    uniform = pruned if config.method == "uniform" else one(replace(config, method="uniform"), trace=False)
+    uniform = pruned if config.method == UNIFORM else one(replace(config, method=UNIFORM), trace=False)
     return Comparison(unpruned, pruned, uniform)

@@ -32,7 +32,7 @@ import numpy as np
 
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
-from .knobs import METHODS
+from .methods import DEFAULT, METHODS, NONE
 from .budget import plan
 from .patch import refusal as patch_refusal
 from .patch import visual_tokens
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import plotly.graph_objects as go
     from matplotlib.figure import Figure
 
-REFERENCE = "hap"  # the method every other one is compared with
+REFERENCE = DEFAULT  # the method every other one is compared with
 TITLE = "What each method keeps at {budget}: kept tokens bright, the rest dimmed"
 ANSWER_CHARS = 24  # a panel title quotes the answer up to this many characters
 TITLE_CHARS = 110  # a refusal line of the title wraps here
@@ -53,7 +53,7 @@ TITLE_CHARS = 110  # a refusal line of the title wraps here
 
 def pruning() -> list[str]:
     """Every method that prunes, in the registry's order (the method knob's choices but `none`)."""
-    return [m for m in METHODS if m != "none"]
+    return [m for m in METHODS if m != NONE]
 
 
 @dataclass

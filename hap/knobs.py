@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .pruners import METHODS  # the registry of methods (hap/pruners/__init__.py)
+from .methods import DEFAULT, METHODS  # the registry of methods (a leaf)
 
 ROWS = ("prompt", "last", "question")
 HEAD_WEIGHTS = ("paq", "paq_visual")
@@ -122,8 +122,8 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("method", str, "hap", "pruning method: HAP or a baseline; none runs the stock model", choices=METHODS,
-         paper="hap"),
+    Knob("method", str, DEFAULT, "pruning method: HAP or a baseline; none runs the stock model", choices=METHODS,
+         paper=DEFAULT),
     Knob("retain", float, None,
          "visual tokens kept, averaged over all decoder layers, as a fraction; when neither retain nor flops_ratio "
          f"is given: 0.111 on decoders of {DEEP_DECODER}+ layers, else 0.25",
@@ -175,6 +175,10 @@ KNOBS: tuple[Knob, ...] = (
          "scores of a cut before layer 0: layer 0's attention (attention), or its q.k without rotary embedding "
          "(prerope: no recency bias), or the vision tower's [CLS] attention (vision; CLIP towers)",
          choices=FIRST_CUTS, paper="attention"),
+    Knob("diversity", float, 0.0,
+         "weight w of diversity at a cut: keep, one at a time, the token of largest relevance (rescaled to [0, 1]) + "
+         "w x its cosine distance to the nearest kept token in the hidden states; detected sinks earn none (0: the "
+         "relevance top-k)", low=0.0, paper=0.0),
     Knob("clip_model", str, "openai/clip-vit-large-patch14-336",
          "cdpruner: the CLIP checkpoint whose text tower and projections pair with the vision tower (a hub id, or a "
          "local folder holding a CLIPModel and its tokenizer)"),

@@ -61,9 +61,11 @@ with warnings.catch_warnings():  # lmms-eval's llava_hf modules run a process-wi
 from .budget import plan
 from .config import HAPConfig
 from .knobs import KNOBS, SEED, knob
+from .methods import load_plugins, pruner_class
 from .patch import apply as _apply_patch
 from .patch.decoder import decoder_shape
 
+load_plugins()  # the pruners named in HAP_PRUNERS join the method list before lmms-eval reads any model_args
 MODEL_NAME = "llava_hf_hap"
 HAP_KNOBS = tuple(k.name for k in (*KNOBS, SEED))  # the `--model_args` HAPConfig takes: every field
 
@@ -95,9 +97,10 @@ class _HAPMixin:
     def __init__(self, **kwargs) -> None:
         knobs = {name: kwargs.pop(name) for name in HAP_KNOBS if name in kwargs}
         self.hap_config = config_from_args(knobs)  # before the slow model load
-        if self.hap_config.method == "autoprune" and int(kwargs.get("batch_size") or 1) > 1:
-            raise ValueError(f"method=autoprune prunes one prompt at a time (its schedule follows each prompt's "
-                             f"mutual information); run --batch_size 1, not {kwargs['batch_size']}")
+        pruner = pruner_class(self.hap_config.method)
+        if pruner.max_batch is not None and int(kwargs.get("batch_size") or 1) > pruner.max_batch:
+            raise ValueError(f"method={self.hap_config.method} prunes {pruner.batch_limit()} at a time "
+                             f"({pruner.batch_rule}); run --batch_size {pruner.max_batch}, not {kwargs['batch_size']}")
         if kwargs.get("device_map", "") == "" and PartialState().num_processes == 1:
             # LlavaHf passes its default device_map="" to from_pretrained, which transformers 5 rejects;
             # one process means one device: load there (data parallel keeps "", LlavaHf's DDP switch).

@@ -14,9 +14,10 @@ import torch
 import hap
 from hap.compare import Comparison
 from hap.fusion import fusion_weights
+from hap.methods import DEFAULT, UNIFORM
 from hap.views import STATS, Truth, ViewData, class_counts, default_layer
 
-LABELS = {"unpruned": "Unpruned", "pruned": "Pruned", "uniform": "Uniform averaging"}
+LABELS = {"unpruned": "Unpruned", "pruned": "Pruned", UNIFORM: "Uniform averaging"}
 
 TEACHING = """\
 **Why heads differ.** A pruner scores each visual token by the attention the prompt pays it,
@@ -107,7 +108,7 @@ def explanation(comparison: Comparison) -> str:
                 f"{shared} of them are also kept by the uniform-averaging run (whose earlier cuts differ too)."
             )
     cfg = result.config
-    if cfg["method"] == "hap":
+    if cfg["method"] == DEFAULT:
         rows = {"last": "the last prompt row", "prompt": "every prompt row", "question": "the question's rows"}
         lines.append(f"- Cuts scored by {rows[cfg['rows']]} of "
                      + ("the last layer of each segment" if cfg["score_layers"] == "last" else "every layer of each "

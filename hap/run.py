@@ -10,16 +10,16 @@ from dataclasses import dataclass, replace
 import torch
 from PIL import Image
 
-from .budget import Schedule, plan
+from .flops import Schedule
+from .budget import plan
 from .config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
 from .options import ProcessorOptions
 from .patch import adapter_for, apply, batch, layout, remove, resizes_image, visual_tokens
 from .patch.decoder import decoder_shape
-from .patch.planted import PLANTS
+from . import hooks
 from .patch.processors import processor_options
 from .pruners import pruner_for
-from .pruners.downsample import window_starts
 from .trace import CutTrace, Outcome, Result, to_result
 
 
@@ -142,7 +142,7 @@ class Resized:
     prompt_len: int  # T: the original image's prompt tokens
     planned: int  # the budget's count of the N (`hap.budget.plan`)
     kept: list[int]  # [N'] per visual token of the resized image (raster order), the original one under its top-left
-    #                  corner (`hap.pruners.downsample.window_starts`)
+    #                  corner (`Pruner.resized_kept`)
 
     def outcome(self, facts: Outcome) -> Outcome:
         """`facts` of the run on the resized image as a run on the original one: one cut before layer 0 keeping the
@@ -215,7 +215,7 @@ def for_config(model, processor, p: Prepared, config: HAPConfig) -> Prepared:
     picture = p.picture if size == (height, width) else p.picture.resize(size[::-1], Image.Resampling.BICUBIC)
     inputs = on_device(model, encode(processor, picture, p.question, p.history)[0])
     n = int(visual_tokens(model, inputs)[0].sum())
-    kept = window_starts(*adapter.visual_grid(model, p.inputs, N), *adapter.visual_grid(model, inputs, n)).tolist()
+    kept = pruner.resized_kept(adapter.visual_grid(model, p.inputs, N), adapter.visual_grid(model, inputs, n))
     notes = [] if picture is p.picture else [
         f"method={config.method!r} resized the image from {width}x{height} to {size[1]}x{size[0]} px: the processor "
         f"emits {n} of its {N} visual tokens (the budget plans {k})"]
@@ -253,14 +253,14 @@ def finish(model, processor, p: Prepared, config: HAPConfig, patch, answer: torc
     N, grid = where.num_visual, where.views[0].grid
     facts = Outcome(config.resolved(shape.layers), shape, model.config.text_config.num_attention_heads, N,
                     p.prompt_len, st.schedule if st else None, st.cuts if st else [], st.tracer if st else None,
-                    st.curve if st else None)
+                    st.pruner.curve(st) if st else None)
     if p.resized is not None:
         facts = p.resized.outcome(facts)
     result = to_result(facts, processor.decode(answer, skip_special_tokens=True).strip(), p.text, grid, p.notes)
     result.history = [list(turn) for turn in p.history]
     result.layout = where.to_dict()
-    lab = PLANTS.get(model)
-    result.plant = None if lab is None else lab.report(result.head_class)
+    for plugin in hooks.attached(model):  # the head lab's plan, where one is planted
+        plugin.annotate(result)
     result.timings = {"prepare_s": p.prepare_s, **timings, "scoring_s": st.scoring_seconds if st else 0.0}
     return result
 

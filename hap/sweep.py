@@ -6,7 +6,7 @@ with the reason.
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
 token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). SparseVLM and
-AutoPrune run their official schedules and DART reads the layer before its cut (`OWN_FLOOR`): their first cut comes
+AutoPrune run their official schedules and DART reads the layer before its cut (`own_floor`): their first cut comes
 after layer 0, so their floor is at least 1 / layers: they do not set the grid, and at a budget below their floor
 they have no answer (None, "out of reach"). Downsample on dynamic resolution (the Qwen2-VL family) runs on the image
 resized for each budget (`hap.run.for_config`); a budget the processor's pixel bounds cannot shrink the image to is
@@ -49,12 +49,21 @@ from hap.prefix import sharing_layers
 from hap.run import Prepared, eos_ids, for_config, generate, prefill_then_decode, prepare
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
-METHODS = pruning()  # every method of the registry that prunes (the method knob's choices but none)
-OWN_FLOOR = [m for m in METHODS if pruner_class(m).official or pruner_class(m).min_full_layers]  # floors their own
-#   rules set (the official schedules; DART's cut after layer 0 at the earliest, 4 pivots at least): off the grid
-GRID = [m for m in METHODS if m not in OWN_FLOOR]  # the methods whose floors set the grid's smallest budget
 ANSWER_WORDS = 3  # an answer is cut after this many words
 DECODE_BYTES = 2 * 2**30  # the KV caches of one batch of the sweep's runs, each padded to the unpruned one (`batch_rows`)
+
+
+def own_floor(method: str) -> bool:
+    """Whether `method`'s rule sets its own floor (the official schedules; DART's cut after layer 0 at the earliest,
+    4 pivots at least): off the grid of budgets."""
+    pruner = pruner_class(method)
+    return pruner.official or bool(pruner.min_full_layers)
+
+
+def grid_methods() -> list[str]:
+    """The methods whose floors set the grid's smallest budget: every method that prunes (`hap.keeps.pruning`, read
+    from the registry, registered pruners included) but those with their `own_floor`."""
+    return [m for m in pruning() if not own_floor(m)]
 
 
 def short_answer(text: str, words: int = ANSWER_WORDS) -> str:
@@ -67,23 +76,25 @@ def short_answer(text: str, words: int = ANSWER_WORDS) -> str:
 
 
 def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int,
-                    methods: Sequence[str] = GRID) -> float:
-    """The smallest retain every method of `methods` reaches on `shape`: the largest of their floors (the first K
-    full layers keep every token, every later layer one; `hap.budget.smallest_retain`)."""
+                    methods: Sequence[str] | None = None) -> float:
+    """The smallest retain every method of `methods` (default: `grid_methods`) reaches on `shape`: the largest of
+    their floors (the first K full layers keep every token, every later layer one; `hap.budget.smallest_retain`)."""
+    methods = grid_methods() if methods is None else methods
     return max(floor_retain(replace(config, method=m, retain=None, flops_ratio=None), shape, num_visual)
                for m in methods)
 
 
 def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, points: int = POINTS,
-            methods: Sequence[str] = GRID) -> list[float]:
-    """`points` retains from 1.0 down to `smallest_retain` of `methods`, evenly spaced on a log scale."""
+            methods: Sequence[str] | None = None) -> list[float]:
+    """`points` retains from 1.0 down to `smallest_retain` of `methods` (default: `grid_methods`), evenly spaced on
+    a log scale."""
     return [float(r) for r in np.geomspace(1.0, smallest_retain(config, shape, num_visual, methods), points)]
 
 
 def refused(model, config: hap.HAPConfig) -> dict[str, str]:
-    """{method: why} for the METHODS `model` does not take (`hap.keeps.refusal`: visionzip without a [CLS] token,
+    """{method: why} for the methods that prune (`hap.keeps.pruning`) that `model` does not take (`hap.keeps.refusal`: visionzip without a [CLS] token,
     pdrop on Qwen2-VL's M-RoPE, a file a method needs that does not load)."""
-    configs = {m: replace(config, method=m, retain=None, flops_ratio=None) for m in METHODS}
+    configs = {m: replace(config, method=m, retain=None, flops_ratio=None) for m in pruning()}
     why = {m: refusal(model, c) for m, c in configs.items()}
     return {m: w for m, w in why.items() if w is not None}
 
@@ -202,7 +213,7 @@ def reference_config(config: hap.HAPConfig) -> hap.HAPConfig:
 def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_tokens: int, limits: InputLimits,
           on_step: Callable[[float, str], None] | None = None, shared: bool = False) -> dict:
     """`{"retain": [R], "methods": {name: {"answers": [R], "answer_prob": [R]}}, "unpruned": {...}, "refused": {name:
-    why}}` for every method of METHODS the model takes (`refused`) at `budgets(...)`, `config`'s other knobs unchanged
+    why}}` for every method that prunes (`hap.keeps.pruning`) the model takes (`refused`) at `budgets(...)`, `config`'s other knobs unchanged
     (its method and budget are replaced); None for both where a budget is below a method's floor (out of reach).
     `shared`: the same figures for less work (module docstring)."""
     step = on_step or (lambda fraction, description: None)
@@ -225,9 +236,9 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
         reference = answer(reference_config(config))
     answer_ids = processor.tokenizer(reference, add_special_tokens=False).input_ids
     refusals = refused(model, config)
-    methods = [m for m in METHODS if m not in refusals]
+    methods = [m for m in pruning() if m not in refusals]
     shape = decoder_shape(model)
-    retains = budgets(config, shape, num_visual, methods=[m for m in methods if m in GRID] or methods)
+    retains = budgets(config, shape, num_visual, methods=[m for m in methods if not own_floor(m)] or methods)
 
     def probability(q: Prepared, cfg: hap.HAPConfig, ids: list[int] = (), logits=()) -> float | None:
         """Read from a generation's own logits where it allows, else teacher-forced on `q`."""

@@ -12,8 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
-from .pruners import autoprune
-from .budget import FLOPS_CONVENTION, DecoderShape, Schedule
+from .flops import FLOPS_CONVENTION, DecoderShape, Schedule
 from .config import HAPConfig
 from .fusion import group_map, head_fusion, token_scores
 from .heads import HeadStats, classify, visual_distribution
@@ -209,7 +208,7 @@ class Outcome:
     schedule: Schedule | None
     cuts: list[CutTrace]
     tracer: Tracer | None
-    curve: autoprune.Curve | None = None  # AutoPrune's chosen curve
+    curve: dict | None = None  # the schedule the rule chose while it ran (`Pruner.curve`: AutoPrune's)
 
 
 def to_result(outcome: Outcome, answer: str, text: str, grid: tuple[int, int], notes: list[str]) -> Result:
@@ -253,7 +252,7 @@ def to_result(outcome: Outcome, answer: str, text: str, grid: tuple[int, int], n
         timings={},
         notes=notes + (schedule.notes if schedule else []),
         official_tokens=schedule.official_tokens if schedule and schedule.budget is not None else None,
-        curve=None if outcome.curve is None else asdict(outcome.curve),
+        curve=outcome.curve,
     )
 
 

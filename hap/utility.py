@@ -32,11 +32,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .budget import DecoderShape, layer_flops
 from .causal import default_mode, head_layout, paq_spearman, prepare
 from .config import HAPConfig
+from .flops import DecoderShape, layer_flops
 from .fusion import select_top
 from .inputs import DEFAULT_LIMITS, InputLimits
+from .methods import RANDOM, UNIFORM
 from .patch import patched
 from .run import conversation, question_lead, template_tail
 
@@ -71,7 +72,7 @@ class HeadUtility:
         """Of the scored cuts, how many keep the answer the most likely token when the tokens are chosen by the best
         single head, the uniform average, the PAQ weighting."""
         s = self.scored
-        return {"best_head": int(self.keeps[s].any(1).sum()), "uniform": int(self.uniform_keeps[s].sum()),
+        return {"best_head": int(self.keeps[s].any(1).sum()), UNIFORM: int(self.uniform_keeps[s].sum()),
                 "paq_weighted": int(self.paq_keeps[s].sum())}
 
 
@@ -85,7 +86,7 @@ def one_cut(layer: int, keep: int, num_visual: int, num_layers: int) -> HAPConfi
     `num_visual` tokens: its retain is that schedule's layer average. The kept set comes from a priority; the random
     policy captures nothing and only breaks ties below it."""
     retain = (layer * num_visual + (num_layers - layer) * keep) / (num_layers * num_visual)
-    return HAPConfig(method="random", groups=1, first_layers=layer, retain=retain)
+    return HAPConfig(method=RANDOM, groups=1, first_layers=layer, retain=retain)
 
 
 def top_sets(scores: torch.Tensor, keep: int) -> torch.Tensor:
@@ -216,7 +217,7 @@ def to_json(u: HeadUtility) -> dict:
         "keep": u.keep,
         "spearman": paq_spearman(u.paq, u.values),
         "spearman_within_layers": within_layers(u.paq, u.values),
-        "uniform": plain(u.uniform),
+        UNIFORM: plain(u.uniform),
         "paq_weighted": plain(u.paq_weighted),
         "best_head": plain(u.values.amax(1)),  # NaN propagates: null on the layers not scored
         "answer_kept": {**u.answer_kept(), "cuts": len(u.scored)},

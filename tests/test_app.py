@@ -53,7 +53,7 @@ def loaded(model_name):
 
 def analyze(client: Client, model: str, prompt: str = PROMPT, image=SCENE, **changes) -> dict:
     """`/analyze` called by keyword, as a script would; its outputs by name."""
-    from app.handler import OUTPUTS
+    from app.present import OUTPUTS
 
     out = client.predict(image=handle_file(str(image)), prompt=prompt, model_name=model, **{**SETTINGS, **changes},
                          api_name="/analyze")
@@ -243,7 +243,7 @@ def sweep(client: Client, model: str, image=SCENE, prompt: str = PROMPT, **chang
 def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, model_name, loaded, monkeypatch):
     from app import handler
     from app.handler import SWEPT
-    from hap.sweep import OWN_FLOOR
+    from hap.sweep import own_floor
     from hap.options import OPTIONS
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/sweep"]
@@ -258,7 +258,7 @@ def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, mode
     for method, runs in data["methods"].items():
         assert len(runs["answers"]) == len(runs["answer_prob"]) == len(retain), method
         reached = [p for p in runs["answer_prob"] if p is not None]  # None: below an official schedule's floor
-        assert all(0.0 <= p <= 1.0 for p in reached) and len(reached) >= (2 if method in OWN_FLOOR else len(retain))
+        assert all(0.0 <= p <= 1.0 for p in reached) and len(reached) >= (2 if own_floor(method) else len(retain))
     unpruned = hap.run(*loaded, Image.open(SCENE), PROMPT, hap.HAPConfig(**{**SETTINGS, "method": "none"}),
                        trace=False)
     assert data["unpruned"]["answer"] == unpruned.answer
@@ -270,8 +270,8 @@ def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, mode
     traces = json.loads(figure["plot"])["data"]
     assert [t.get("name") for t in traces] == [*data["methods"], None]  # a line per method, then the answer grid
     assert traces[-1]["type"] == "heatmap" and traces[-1]["y"] == list(data["methods"])
-    runs, run_sweep = [], handler._sweep
-    monkeypatch.setattr(handler, "_sweep", lambda *args, **kwargs: runs.append(args) or run_sweep(*args, **kwargs))
+    runs, run_sweep = [], handler.run_sweep
+    monkeypatch.setattr(handler, "run_sweep", lambda *args, **kwargs: runs.append(args) or run_sweep(*args, **kwargs))
     assert sweep(client, model_name)[1] == data and runs == []  # cached: the same input is not run again
 
 

@@ -11,7 +11,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 import hap
 from hap.pruners.visionzip import split_budget
-from hap.budget import DecoderShape, plan
+from hap.flops import DecoderShape
+from hap.budget import plan
 from tiny_models import llava_case
 
 QUESTION = "what color is the circle ?"  # several prompt tokens after the image: the last one must score
@@ -157,7 +158,7 @@ def test_pdrop_ours_keeps_original_positions_and_differs_from_pdrop(retain):
 def test_pdrop_scores_with_the_last_prompt_row_not_the_first():
     """A planted bug read the first prompt row: only the last token's row may score a cut."""
     from hap.pruners import pruner_for
-    from hap.pruner import _prompt_rows
+    from hap.patch.state import _prompt_rows
 
     assert pruner_for(hap.HAPConfig(method="pdrop", rows="prompt")).rows == "last"
     valid, gap = _prompt_rows("last", torch.tensor([5]), None, 12)

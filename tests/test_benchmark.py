@@ -77,7 +77,7 @@ def test_layer_recall_averages_over_decoder_layers():
     import torch
 
     from analysis.benchmark import layer_recall
-    from hap.budget import Schedule
+    from hap.flops import Schedule
 
     schedule = Schedule(num_visual=6, num_layers=4, cuts=[1, 3], kept=[3, 1])
     cuts = [SimpleNamespace(kept=torch.tensor([[0, 1, 4]]), recycled=None),

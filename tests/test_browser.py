@@ -114,7 +114,8 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from hap.sweep import ANSWER_WORDS, METHODS
+    from hap.keeps import pruning
+    from hap.sweep import ANSWER_WORDS
 
     wait = WebDriverWait(driver, 240)
     driver.set_window_size(1400, 1150)
@@ -130,7 +131,7 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     legend = plot.find_element(By.CSS_SELECTOR, ".legend").text
     title = plot.find_element(By.CSS_SELECTOR, ".gtitle").text
     refused = {"cdpruner"}  # the shipped model's tower has no paired CLIP text tower: named in the title, not run
-    assert all(method in legend for method in METHODS if method not in refused), legend
+    assert all(method in legend for method in pruning() if method not in refused), legend
     assert all(method not in legend and method in title for method in refused), (legend, title)
     cells = [t.text for t in plot.find_elements(By.CSS_SELECTOR, ".hm text, .heatmaplayer text")]
     assert cells and all(0 < len(c.split()) <= ANSWER_WORDS for c in cells), cells
@@ -172,7 +173,7 @@ def test_causal_section_matches_the_json(page_url, driver):
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from app.handler import OUTPUTS
+    from app.present import OUTPUTS
 
     wait = WebDriverWait(driver, 240)
     client = Client(page_url, verbose=False)

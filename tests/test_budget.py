@@ -5,7 +5,8 @@ import math
 import pytest
 
 from hap import HAPConfig
-from hap.budget import DecoderShape, Schedule, group_cuts, layer_flops, plan, prefill_flops, solve_schedule
+from hap.flops import DecoderShape, Schedule, group_cuts, layer_flops, prefill_flops, solve_schedule
+from hap.budget import plan
 
 LLAVA7B = DecoderShape.mha(layers=32, hidden=4096, intermediate=11008)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hap
-from hap.pruner import PruneState
+from hap.patch.state import PruneState
 from tiny_models import inputs_for, tiny_llava
 
 

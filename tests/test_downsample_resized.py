@@ -14,7 +14,8 @@ from tiny_models import noise_image, qwen_vl_folder
 from tiny_zoo_recent import qwen3_vl
 
 import hap
-from hap.budget import plan, prefill_flops
+from hap.flops import prefill_flops
+from hap.budget import plan
 from hap.inputs import DEFAULT_LIMITS
 from hap.features import FeatureCache, reusing_features
 from hap.patch.decoder import decoder_shape

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from hap.load import ModelLoadError, load_clip
+from hap.hub import ModelLoadError, load_clip
 from hap.pruners import cdpruner, dart, divprune, downsample, vispruner
 
 torch.set_num_threads(1)

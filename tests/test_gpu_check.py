@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from analysis import speed
-from hap.sweep import METHODS as SWEPT_METHODS
+from hap.keeps import pruning
 from app import gpu_check
 from hap.run import chat_prompt
 
@@ -41,7 +41,7 @@ def test_smoke_runs_every_stage_and_writes_the_binding_keys(tmp_path):
         assert causal["gradients_s"] > 0 and causal["prefill_s"] > 0
         refused = {"cdpruner"} | ({"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune",  # default CLIP:
                                    "vispruner"} if shape["family"] == "qwen" else set())  # CLIP-L/336 towers only
-        assert sweep["budgets"] >= 6 and sweep["methods"] == len(set(SWEPT_METHODS) - refused)
+        assert sweep["budgets"] >= 6 and sweep["methods"] == len(set(pruning()) - refused)
     table = (tmp_path / "gpu_check_smoke.md").read_text()
     assert table.count("| llava-small | ") == len(gpu_check.METHODS) * len(gpu_check.RETAINS) + 1
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from app_model import ROOT, SHIPPED, default_model
 from PIL import Image
-from test_zerogpu import on_zerogpu  # noqa: F401 (fixture: app/handler.py on a stand-in ZeroGPU)
+from test_zerogpu import on_zerogpu  # noqa: F401 (fixture: app/pipeline.py on a stand-in ZeroGPU)
 from tiny_models import qwen_vl_folder
 
 import hap
@@ -185,7 +185,7 @@ def test_the_sweep_its_grid_and_the_benchmark_take_every_registry_method():
     from analysis import benchmark
     from hap import sweep
 
-    assert sweep.METHODS == pruning() and set(sweep.GRID) <= set(pruning())
+    assert set(sweep.grid_methods()) <= set(pruning())
     assert set(pruning()) <= set(benchmark.CHOICES) and benchmark.chosen(["all"]) == pruning()
     retain = [1.0, 0.5, 0.25]
     result = {"retain": retain, "unpruned": {"answer": "red"},
@@ -207,4 +207,4 @@ def test_on_zerogpu_the_comparison_asks_for_its_own_call(on_zerogpu):
                                                                **{**knob_defaults(SHIPPED), "retain": RETAIN})
     assert out["summary"]["keeps"]["methods"]["hap"]["overlap_with_hap"] == 1.0
     asked = {name: seconds for name, seconds, _ in calls}
-    assert "_keeps" in asked and zerogpu.MIN_S <= asked["_keeps"]
+    assert "gpu_keeps" in asked and zerogpu.MIN_S <= asked["gpu_keeps"]

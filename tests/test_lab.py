@@ -12,7 +12,7 @@ from gradio_client import Client, handle_file
 
 from app.lab import NO_PLAN, PLANTED_LABEL, TEACHING_PLAN, plan_from_share
 from hap import views
-from hap.planting import Plan, classifier_report
+from hap.lab.plan import Plan, classifier_report
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"
@@ -37,7 +37,7 @@ def client(model_name):
 
 
 def analyze(client, model, **changes) -> dict:
-    from app.handler import OUTPUTS
+    from app.present import OUTPUTS
 
     out = client.predict(image=handle_file(str(SCENE)), prompt=PROMPT, model_name=model, causal="off",
                          **changes, api_name="/analyze")

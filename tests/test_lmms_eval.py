@@ -288,4 +288,4 @@ def test_cdpruner_loads_its_clip_and_reads_each_requests_question(pretrained, sm
     monkeypatch.setattr(lm.hap_patch, "ask", lambda question: asked.append(question) or ask(question))
     got = answers(lm)
     assert asked == [doc["question"] for doc in DOCS] and all(isinstance(a, str) for a in got)
-    assert lm.model._hap.state.cuts[0].layer == 0 and lm.model._hap.state.text_embeds is not None
+    assert lm.model._hap.state.cuts[0].layer == 0 and lm.model._hap.state.question is not None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hap
-from hap.load import resolve_device
+from hap.hub import resolve_device
 from tiny_models import tiny_llava
 
 

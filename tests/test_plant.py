@@ -11,7 +11,7 @@ import torch
 import hap
 from hap.causal import ablation, gradients
 from hap.patch import attention_outputs, decoder_of
-from hap.planting import (MASSIVE_RATIO, Plan, classifier_report, massive_activation, massive_dims, plant_attention,
+from hap.lab.plan import (MASSIVE_RATIO, Plan, classifier_report, massive_activation, massive_dims, plant_attention,
                           precision_recall, redundant_tokens, share_plan)
 from hap.run import chat_prompt
 from tiny_models import llava_case, qwen_vl_case

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import hap
-from hap.budget import DecoderShape
+from hap.flops import DecoderShape
 from hap.heads import consensus_sinks, detect_sinks
 from hap.knobs import KNOBS
-from hap.pruner import PruneState
+from hap.patch.state import PruneState
 from hap.run import chat_prompt, template_tail
 from tiny_models import llava_case, noise_image, tiny_llava
 

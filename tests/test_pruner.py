@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 
 import hap
-from hap.budget import DecoderShape
-from hap.pruner import PruneState
+from hap.flops import DecoderShape
+from hap.patch.state import PruneState
 from hap.run import chat_prompt
 
 SHAPE = DecoderShape.mha(layers=4, hidden=8, intermediate=16)

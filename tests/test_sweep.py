@@ -10,7 +10,8 @@ from PIL import Image
 from tiny_models import CASES, tiny_llava
 
 import hap
-from hap.sweep import (GRID, METHODS, AnswerEnd, answer_probability, budgets, keeps_everything, refused,
+from hap.keeps import pruning
+from hap.sweep import (AnswerEnd, answer_probability, budgets, grid_methods, keeps_everything, refused,
                             short_answer, smallest_retain, sweep)
 from hap.features import FeatureCache, reusing_features
 from hap.inputs import DEFAULT_LIMITS
@@ -20,14 +21,14 @@ LLAVA = hap.DecoderShape.mha(32, 4096, 11008)
 
 
 def test_every_pruning_method_is_swept():
-    assert METHODS == [m for m in hap.METHODS if m != "none"] and {"hap", "uniform", "fastv", "pdrop"} <= set(METHODS)
+    assert pruning() == [m for m in hap.METHODS if m != "none"] and {"hap", "uniform", "fastv", "pdrop"} <= set(pruning())
 
 
 @pytest.mark.parametrize(("first_layers", "floor"), [(2, 2 / 32), (0, 0.0)])
 def test_the_smallest_budget_is_reached_by_every_method(first_layers, floor):
     low = smallest_retain(hap.HAPConfig(first_layers=first_layers), LLAVA, 576)
     assert floor < low < floor + 0.01  # the first K layers keep everything, the groups a token or so each
-    for method in GRID:  # each one plans it, every group keeping at least one token
+    for method in grid_methods():  # each one plans it, every group keeping at least one token
         assert min(hap.plan(hap.HAPConfig(method=method, first_layers=first_layers, retain=low), LLAVA, 576).kept) >= 1
 
 
@@ -41,7 +42,7 @@ def test_methods_a_model_refuses_are_named_and_leave_the_floor():
     assert not hasattr(qwen, "_hap")
     assert "[CLS]" in refused(qwen, hap.HAPConfig())["visionzip"]
     assert set(refused(tiny_llava()[0], hap.HAPConfig())) == {"cdpruner"}  # the default CLIP pairs with CLIP-L/336
-    config, rest = hap.HAPConfig(first_layers=0), [m for m in GRID if m != "visionzip"]
+    config, rest = hap.HAPConfig(first_layers=0), [m for m in grid_methods() if m != "visionzip"]
     assert smallest_retain(config, LLAVA, 576, rest) < smallest_retain(config, LLAVA, 576)  # VisionZip keeps 2
 
 
@@ -49,7 +50,7 @@ def test_official_schedules_leave_the_grid_and_are_out_of_reach_below_their_floo
     """SparseVLM and AutoPrune cut after layer 0 at the earliest: on 32 layers their floor is above 1/32, so the grid
     goes lower without them and the sweep marks their lower budgets out of reach (None)."""
     config = hap.HAPConfig(first_layers=0)
-    assert set(METHODS) - set(GRID) == {"sparsevlm", "autoprune", "dart"}
+    assert set(pruning()) - set(grid_methods()) == {"sparsevlm", "autoprune", "dart"}
     assert smallest_retain(config, LLAVA, 576) < 1 / 32 < smallest_retain(config, LLAVA, 576, ["sparsevlm"])
     model, processor = tiny_llava(layers=4)
     out = sweep(model, processor, Image.new("RGB", (64, 48), "teal"), "what color ?", config, 2, DEFAULT_LIMITS)
@@ -81,7 +82,7 @@ def test_sweep_on_a_tiny_model_matches_direct_runs():
     image = Image.new("RGB", (64, 48), "teal")
     config = hap.HAPConfig(first_layers=0, groups=2)
     out = sweep(model, processor, image, "what color ?", config, 3, DEFAULT_LIMITS)
-    assert list(out["methods"]) == [m for m in METHODS if m not in out["refused"]] and len(out["retain"]) >= 6
+    assert list(out["methods"]) == [m for m in pruning() if m not in out["refused"]] and len(out["retain"]) >= 6
     reference = hap.run(model, processor, image, "what color ?", hap.HAPConfig(method="none"), 3, trace=False)
     assert out["unpruned"]["answer"] == short_answer(reference.answer)
     ids = processor.tokenizer(short_answer(reference.answer), add_special_tokens=False).input_ids

@@ -5,7 +5,7 @@ import math
 import torch
 
 from hap import HAPConfig
-from hap.budget import DecoderShape, Schedule
+from hap.flops import DecoderShape, Schedule
 from hap.heads import head_stats
 from hap.trace import CutTrace, Outcome, Tracer, on_grid, to_result
 

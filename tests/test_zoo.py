@@ -9,7 +9,7 @@ from PIL import Image
 
 import hap
 from hap import views
-from hap.budget import DecoderShape, layer_flops, prefill_flops
+from hap.flops import DecoderShape, layer_flops, prefill_flops
 from hap.knobs import METHODS
 from hap.layout import Layout
 from hap.patch import decoder_of, layout, refusal, visual_tokens
@@ -349,7 +349,7 @@ def test_the_app_analyzes_and_sweeps_a_tiled_model(served, family, tmp_path):
     """`/analyze` (with the causal section and head utility) and `/sweep` on a random model of the class: the maps
     come in panels per image view (two for the tiled families, one for Qwen3-VL and Gemma 3), the token importance
     covers every visual token."""
-    from app.handler import OUTPUTS
+    from app.present import OUTPUTS
     from gradio_client import handle_file
 
     client, names = served

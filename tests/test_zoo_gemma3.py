@@ -8,7 +8,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
 import hap
-from hap.budget import DecoderShape, layer_flops, prefill_flops
+from hap.flops import DecoderShape, layer_flops, prefill_flops
 from hap.knobs import METHODS
 from hap.layout import Layout
 from hap.patch import decoder_of, layout, refusal, visual_tokens

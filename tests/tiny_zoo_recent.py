@@ -100,7 +100,7 @@ def gemma3(attn: str = "sdpa", layers: int = 4, text: dict | None = None, tokens
 def recomputed_rows_error(monkeypatch, model, batch) -> float:
     """Max difference between the prompt rows HAP recomputes at every layer (trace, nothing pruned) and the eager
     attention probabilities of the same rows; `model` runs eager attention."""
-    from hap.pruner import PruneState
+    from hap.patch.state import PruneState
 
     captured, original = {}, PruneState.record
 

@@ -37,7 +37,7 @@ from transformers import LlavaForConditionalGeneration
 from analysis.training.diagnostics import eager_attention
 from analysis.training.train_model import FULL_MODEL, half_cosine
 from analysis.training.tiny_vlm import LAYOUTS, SPECIAL_TOKENS, build_config, build_processor, decoder_shape
-from hap.load import resolve_device
+from hap.hub import resolve_device
 
 
 @dataclass

@@ -54,7 +54,7 @@ from analysis.training.diagnostics import diagnose
 from analysis.scenes import (AUX_KINDS, COLORS, GRID, LETTERS, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES,
                              TRAIN_SEED_START, Question, Scene, heldout_items, make_questions, make_scene)
 from analysis.training.tiny_vlm import LAYOUTS, build_config, build_processor, decoder_shape
-from hap.load import resolve_device
+from hap.hub import resolve_device
 
 STAGE1_EVAL_START = 900_000  # held-out scenes for the stage-1 probe start here
 STAGE2_EVAL_START = 0  # held-out scenes for periodic stage-2 evaluation start here

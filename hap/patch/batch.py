@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from ..planting import PLANTED
+from .. import hooks
 from .decoder import Patch, decoder_of, decoder_shape
 
 MASKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D additive mask
@@ -65,9 +65,7 @@ def refusal(model) -> str | None:
     tc = model.config.text_config
     if any(t != "full_attention" for t in getattr(tc, "layer_types", None) or []) or decoder_shape(model).windows:
         return "its layers differ in attention kind or slide a window (their caches are not plain growing ones)"
-    if any(layer in PLANTED for layer in decoder_of(model).layers):
-        return "a head-lab plan is planted (its hooks follow one run's kept tokens)"
-    return None
+    return next((why for why in (plugin.unshared() for plugin in hooks.attached(model)) if why), None)
 
 
 def merge_caches(runs: list[Prefilled], prompt_len: int, room: int = 0) -> tuple[DynamicCache, list[torch.Tensor]]:

@@ -19,8 +19,9 @@ of one `Patch` object, one per step of a forward:
   positions (no RoPE shift), except under a pruner that renumbers (`pdrop`, `visionzip`, `sparsevlm`,
   `autoprune`, `divprune`, `vispruner`, `cdpruner`, `downsample`, as their official code does): positions 0..T'-1
   after each cut. SparseVLM and AutoPrune also append their recycled tokens right after the kept visual ones;
-  SparseVLM picks its raters at layer 0's input. A pruner that reads the layer before its cut (DART) gets that
-  layer's keys and its output through the decoder's final norm.
+  a pruner that reads the decoder's input (`Pruner.reads_input`: SparseVLM's raters) gets it before layer 0; a
+  pruner that reads the layer before its cut (`Pruner.layer_states`: DART) gets that layer's keys and its output
+  through the decoder's final norm.
 - `layer_decode`: layers after a cut get a mask sized to their own cache; under `pdrop`, `visionzip`, `sparsevlm`,
   `autoprune`, `divprune`, `vispruner`, `cdpruner` and `downsample` also the step's positions lowered by the prompt
   tokens dropped so far (each layer's position is its own cache length), so a generated token follows its group's
@@ -42,14 +43,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from ..budget import DecoderShape
 from ..capture import prompt_attention
 from ..config import HAPConfig
+from ..cues import VisionCues
+from ..flops import DecoderShape
+from ..hooks import captured_rows
 from ..merge import add_key_bias
-from ..planting import PLANTED
-from ..pruner import PruneState
 from ..pruners import pruner_for
-from ..pruners.cdpruner import question_embeddings
+from .state import PruneState
 
 
 Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
@@ -176,10 +177,10 @@ class Patch:
         self.pending_q: torch.Tensor | None = None  # [B, P, heads * head_dim] its rows of the layer's q projection
         self.rotary: tuple = (None, None)  # (the layers' cos, its rows' (cos, sin)): the same within a segment
         self.cache = None  # the KV cache the pruned prefill wrote: only its decode steps are pruned
-        self.vision_cues: tuple | None = None  # vision-side cues captured before the next prefill (VisionZip)
+        self.vision_cues: VisionCues | None = None  # the tower's cues captured before the next prefill
         self.clip = None  # (CLIPModel, tokenizer) of the `clip_model` knob, for a pruner that needs it (`ask`)
-        self.text_embeds: torch.Tensor | None = None  # [M, E] the question's CLIP text embeddings (CDPruner)
-        self.final_norm = decoder_of(model).norm  # the decoder's final norm (DART's states)
+        self.question: torch.Tensor | None = None  # the question's cue (`Pruner.embed_question`), for the prefill
+        self.final_norm = decoder_of(model).norm  # the decoder's final norm (`Pruner.layer_states`)
         self.keys_pending: tuple | None = None  # (layer, its input hidden states) whose keys the next cut reads
         self.layer_keys: torch.Tensor | None = None  # [B, T, kv_heads * head_dim] those keys, once the layer ran
         self.prefill_started = 0.0  # perf_counter when this forward's prefill started; 0.0 in a decode step
@@ -220,7 +221,7 @@ class Patch:
                 self.priority, self.tail, self.lead, image_mask=image, grids=self.grids(input_ids, kwargs),
             )
             self.state.vision, self.vision_cues = self.vision_cues, None
-            self.state.text_embeds = self.text_embeds
+            self.state.question = self.question
             self.mode, self.prompt = "prefill", kwargs
         elif self.cache is not None and kwargs.get("cache") is self.cache and self.state.schedule is not None:
             self.mode = "decode"
@@ -246,9 +247,9 @@ class Patch:
         return grids[0]
 
     def ask(self, question: str | None) -> None:
-        """The raw question of the prompts to come, embedded by CLIP's text tower where the pruner reads it."""
+        """The raw question of the prompts to come, as the pruner's cue (`Pruner.embed_question`) where it reads one."""
         if self.clip is not None and question is not None:
-            self.text_embeds = question_embeddings(*self.clip, question)
+            self.question = pruner_for(self.config).embed_question(self.clip, question)
 
     def layer_pre_hook(self, index: int, layer, args, kwargs):
         """Before decoder layer `index`: the prefill or decode step, with the earlier cuts' overrides."""
@@ -267,8 +268,8 @@ class Patch:
         (deferred to `layer_done` when the layer writes its keys to the cache). Returns the hidden states."""
         st = self.state
         self.cache = kwargs.get("cache")
-        if index == 0 and st.pruner.rows == "raters":  # SparseVLM's raters, from the input embeddings
-            st.choose_raters(hidden)
+        if index == 0 and st.pruner.reads_input:  # the decoder's input embeddings (SparseVLM's raters)
+            st.pruner.on_input(st, hidden)
         if index in st.lookahead_layers:  # the layer has not run: project; pre-RoPE for first_cut="prerope" (§10)
             t0 = time.perf_counter()
             _lookahead(st, layer, index, hidden, kwargs, rope=st.pruner.first_cut != "prerope",
@@ -461,9 +462,7 @@ def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor,
     bias = st.bias_at(index)
     bias = None if bias is None else bias.to(q.device)
     attn = prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling, bias, window)
-    planted = PLANTED.get(layer)
-    if planted is not None:  # a head lab plan (hap.plant): the rows its planted heads really run
-        attn = planted(attn, st.visual_pos.to(attn.device), st.kept_orig.to(attn.device))
+    attn = captured_rows(layer, attn, st.visual_pos, st.kept_orig)  # as a plug-in changed them (the head lab)
     st.record(index, attn, hidden, lookahead)
 
 

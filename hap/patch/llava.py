@@ -22,10 +22,10 @@ from transformers.image_utils import ChannelDimension
 from ..config import HAPConfig
 from ..knobs import knob
 from ..layout import WHOLE, Box, Layout, seen_share
-from ..load import ModelLoadError
-from ..load import load_clip as clip_loader
+from ..hub import ModelLoadError
+from ..hub import load_clip as clip_loader
 from ..pruners import cls_user, pruner_for
-from ..pruners.visionzip import VisionCues
+from ..cues import VisionCues
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -105,19 +105,20 @@ def cls_layer(model, config: HAPConfig) -> torch.nn.Module:
 
 def clip_projection(model, config: HAPConfig, device) -> tuple:
     """((CLIPModel, tokenizer) of `config.clip_model`, the map of the tower's feature-layer patches [B, N, Dv] to
-    CLIP image embeddings [B, N, E]: the tower's own post-layernorm, then CLIP's visual projection), for CDPruner;
+    CLIP image embeddings [B, N, E]: the tower's own post-layernorm, then CLIP's visual projection),
+    for a pruner that reads CLIP (`Pruner.clip`: CDPruner);
     ValueError naming clip_model when the default does not pair with the tower (checked before loading), when it
     cannot be loaded or when its vision width is not the tower's."""
     own = model.config.vision_config
     if config.clip_model == knob("clip_model").default and (own.hidden_size, own.image_size, own.patch_size) != (
             1024, 336, 14):
-        raise ValueError(f"method='cdpruner': the default clip_model={config.clip_model!r} pairs with CLIP-L/336 "
+        raise ValueError(f"method={config.method!r}: the default clip_model={config.clip_model!r} pairs with CLIP-L/336 "
                          f"towers; {type(model).__name__}'s tower is {own.hidden_size} wide at {own.image_size} px in "
                          f"{own.patch_size} px patches: give clip_model the CLIP checkpoint the tower came from")
     try:
         clip = load_clip(config.clip_model, device)
     except ModelLoadError as err:
-        raise ValueError(f"method='cdpruner' cannot load its CLIP: {err}") from err
+        raise ValueError(f"method={config.method!r} cannot load its CLIP: {err}") from err
     tower = model.model.vision_tower
     width, own = clip[0].config.vision_config.hidden_size, own.hidden_size
     if width != own:
@@ -128,7 +129,7 @@ def clip_projection(model, config: HAPConfig, device) -> tuple:
 
 @lru_cache(maxsize=2)
 def load_clip(name: str, device: str):
-    """`hap.load.load_clip`, once per checkpoint and device."""
+    """`hap.hub.load_clip`, once per checkpoint and device."""
     return clip_loader(name, device)
 
 

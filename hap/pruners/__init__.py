@@ -43,44 +43,23 @@ is refused before any work (`Pruner.refuses`, the adapters' [CLS] and M-RoPE ref
 HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`, `merge`,
 `first_cut`) shape the `hap` pruner only; the baselines score as published (`rows` applies to `uniform` too).
 
-Adding a method: its module here (a `Pruner` subclass named by `PRUNER`), its test, and its name in `METHODS`.
-The registry imports no module until a method is asked for, so `hap.knobs` can read it.
+Adding a method to the package: its module here (a `Pruner` subclass named by `PRUNER`), its test, and its name in
+`hap.methods.BUILT_IN`. A method of your own, outside the package: `@hap.pruners.register` on its class, its module
+named in `HAP_PRUNERS` (`hap.methods`). The registry (`hap.methods`) imports no method module until the method is
+asked for, so `hap.knobs` can read it.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING
+
+from ..methods import METHODS, load_plugins, pruner_class, register
 
 if TYPE_CHECKING:
     from ..config import HAPConfig
     from .base import Pruner
 
-# the registry: each name is its module's
-METHODS = (
-    "hap",
-    "uniform",
-    "fastv",
-    "pdrop",
-    "pdrop_ours",
-    "random",
-    "visionzip",
-    "sparsevlm",
-    "autoprune",
-    "divprune",
-    "dart",
-    "vispruner",
-    "cdpruner",
-    "downsample",
-    "none",
-)
-
-
-def pruner_class(method: str) -> type[Pruner]:
-    """The `Pruner` subclass of `method` (one of METHODS); ValueError names the known ones."""
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not allowed; choose one of {', '.join(METHODS)}")
-    return import_module(f"{__name__}.{method}").PRUNER
+__all__ = ["METHODS", "cls_user", "load_plugins", "pruner_class", "pruner_for", "register"]
 
 
 def pruner_for(config: HAPConfig) -> Pruner:
@@ -89,6 +68,7 @@ def pruner_for(config: HAPConfig) -> Pruner:
 
 
 def cls_user(config: HAPConfig) -> str:
-    """Who asks for the vision tower's [CLS] cues in `config`, for a refusal: `first_cut='vision'` under HAP, else
-    the method."""
-    return "first_cut='vision'" if config.method == "hap" else f"method={config.method!r}"
+    """Who asks for the vision tower's [CLS] cues in `config`, for a refusal: the knob that asks (`Pruner.cls_knob`,
+    HAP's `first_cut='vision'`) where the method asks only through a knob, else the method."""
+    knob = pruner_for(config).cls_knob
+    return knob or f"method={config.method!r}"

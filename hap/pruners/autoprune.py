@@ -23,11 +23,11 @@ then the pruner (`AutoPrune`) on the shared executor.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
-from ..budget import Schedule
+from ..flops import Schedule
 from ..recycle import cluster_count
 from .base import Official
 
@@ -160,6 +160,13 @@ class AutoPrune(Official):
 
     name = "autoprune"
     cls_cues = True
+    max_batch = 1
+    batch_rule = "its schedule follows each prompt's mutual information, as the official code's batch of 1"
+
+    def curve(self, state):
+        """The curve layer 1's MI_1 chose (`Curve` as a dict), None before it."""
+        chosen = state.memo.get("curve")
+        return None if chosen is None else asdict(chosen)
 
     @classmethod
     def official_schedule(cls, budget, num_visual, num_layers):
@@ -180,11 +187,12 @@ class AutoPrune(Official):
         if cut.index == 0:
             cues = state.cues()
             scores, mi0 = first_cut_scores(cues.cls_attention[0] / cues.heads, a)
-            state.mi0 = float(mi0)
+            state.memo["mi0"] = float(mi0)
             return scores[None]
         s = state.schedule
-        state.curve = curve(s.budget, s.num_visual, s.num_layers, float(mutual_information(a).sum()), state.mi0)
-        planned = schedule(state.curve, s.num_visual, s.num_layers)
+        chosen = curve(s.budget, s.num_visual, s.num_layers, float(mutual_information(a).sum()), state.memo["mi0"])
+        state.memo["curve"] = chosen
+        planned = schedule(chosen, s.num_visual, s.num_layers)
         s.kept, s.recycled, s.last_drop = planned.kept, planned.recycled, planned.last_drop
         return a.mean(0).mean(0)[None]
 

@@ -1,26 +1,64 @@
 """The pruner interface: what a method needs captured, where it cuts, how it selects, how positions continue.
 
-Every method is one `Pruner` subclass in its own module of `hap.pruners`, run by one executor (`hap.pruner.PruneState`
-with the adapters' hooks, `hap.patch.decoder`): the executor plans the cuts (`plan`), captures what the pruner
-asks for (`needs_maps`, `needs_cls`), scores the captured layers the pruner names (`scoring_layers`) and at each cut
-asks it to `select` the kept visual tokens, then continues positions as the pruner says (`renumber`). The shared
-scoring helpers (head weights, sink ranking, the fused scores of a cut) are here too.
+Every method is one `Pruner` subclass in its own module of `hap.pruners` (or outside the package, registered with
+`hap.pruners.register`), run by one executor (`hap.patch.state.PruneState` with the adapters' hooks,
+`hap.patch.decoder`): the executor plans the cuts (`plan`), captures what the pruner asks for (`needs_maps`,
+`needs_cls`, `embeds`, `layer_states`, ...), scores the captured layers the pruner names (`scoring_layers`) and at each
+cut asks it to `select` the kept visual tokens, then continues positions as the pruner says (`renumber`). A pruner
+reads the executor only through `State`, the small part of it a rule needs. The shared scoring helpers (head weights,
+sink ranking, the fused scores of a cut) are here too.
+
+The smallest pruner of your own, on HAP's schedule:
+
+    @hap.pruners.register
+    class Norm(Pruner):
+        name = "norm"
+        maps = False  # no decoder attention captured
+        embeds = True  # the hidden states entering each cut, `Cut.embeds` [batch, visual, D]
+
+        def scores(self, state, cut):
+            return cut.embeds.float().norm(dim=-1)  # [batch, visual], higher = keep
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 from ..fusion import fuse, fusion_weights, row_mean, select_top, token_scores
 
 if TYPE_CHECKING:
-    from ..budget import Schedule
     from ..config import HAPConfig
-    from ..pruner import PruneState
+    from ..cues import VisionCues
+    from ..flops import Schedule
+
+
+class State(Protocol):
+    """What a pruner reads of the executor's state of one prefill (`hap.patch.state.PruneState` is one). Positions are
+    indices into the current, possibly already shortened, sequence of length T_cur; N_cur visual tokens are present."""
+
+    config: HAPConfig  # the run's settings, model-dependent defaults resolved
+    schedule: Schedule  # the planned cuts; a pruner whose rule sets its own counts may rewrite them (AutoPrune)
+    row_valid: torch.Tensor  # bool [batch, P] the prompt rows that score; `on_input` may narrow them (SparseVLM)
+    visual_pos: torch.Tensor  # long [batch, N_cur] current positions of the visual tokens
+    whole_pos: torch.Tensor | None  # long [batch, R] the image's tokens beyond the visual ones (`whole_tokens`)
+    seq_index: torch.Tensor  # long [batch, T_cur] the original position of each current token
+    grids: tuple[tuple[int, int], ...]  # the (rows, cols) of each view's token grid (`views`), else ()
+    question: torch.Tensor | None  # [M, E] the raw question's CLIP text embeddings (`clip`), else None
+    memo: dict  # the pruner's own values across the cuts of one prefill (AutoPrune's MI_0 and curve)
+
+    def kept_count(self, cut_index: int) -> int: ...  # visual tokens cut `cut_index` keeps
+
+    def current_priority(self) -> torch.Tensor | None: ...  # [batch, N_cur] an analysis priority ranked first, or None
+
+    def cues(self) -> VisionCues: ...  # the vision tower's [CLS] cues of this prefill (`cls_cues`)
+
+    def row_positions(self, seq_len: int) -> torch.Tensor: ...  # long [batch, P] the prompt rows' current positions
+
+    def key_valid(self) -> torch.Tensor | None: ...  # bool [batch, T_cur] the padding mask of the current sequence
 
 
 @dataclass
@@ -77,7 +115,8 @@ class Pruner:
     # what it needs captured
     maps: ClassVar[bool] = True  # decoder attention maps of the scoring layers
     cls_cues: ClassVar[bool] = False  # the vision tower's [CLS] cues (`hap.pruners.visionzip.VisionCues`)
-    clip: ClassVar[bool] = False  # CLIP's projections of those cues and of the raw question (`clip_model`, CDPruner)
+    clip: ClassVar[bool] = False  # CLIP's projections of those cues and of the raw question (`clip_model`:
+    #                             `VisionCues.image_embeds`, `State.question`; CDPruner)
     crops: ClassVar[bool] = False  # those cues per crop where the tower encodes the image's crops apart (LLaVA-NeXT's
     #                                base view and tiles, `VisionCues.places`): one selection per crop
     embeds: ClassVar[bool] = False  # the visual rows of the hidden states entering the cut (`Cut.embeds`)
@@ -85,6 +124,11 @@ class Pruner:
     views: ClassVar[bool] = False  # the (rows, cols) of each view's token grid, from the adapter (`PruneState.grids`)
     whole_tokens: ClassVar[bool] = False  # the image's tokens beyond the visual ones too (`Cut.whole_embeds`: the
     #                                       newlines of LLaVA-NeXT, which other pruners always keep), may drop them
+    reads_input: ClassVar[bool] = False  # the decoder's input embeddings before layer 0 (`on_input`, SparseVLM)
+    cls_knob: ClassVar[str | None] = None  # the knob through which it asks for [CLS] cues, named in refusals (HAP)
+    # how it runs
+    max_batch: ClassVar[int | None] = None  # the most prompts one prefill may hold (None: any), and why
+    batch_rule: ClassVar[str] = ""
     # where it cuts
     fixed_cuts: ClassVar[int | None] = None  # how many cuts it always makes (None: the `groups` knob)
     lookahead: ClassVar[bool] = False  # score every cut with the next layer's attention on the tokens about to enter it
@@ -118,6 +162,29 @@ class Pruner:
         """The schedule of its official code at budget `budget` (`official` pruners only)."""
         raise NotImplementedError(f"{cls.name} has no official schedule")
 
+    def on_input(self, state: State, embeds: torch.Tensor) -> None:
+        """Called with the decoder's input embeddings `embeds` [batch, T, D] before layer 0 (`reads_input` pruners)."""
+
+    def embed_question(self, clip: tuple, question: str) -> torch.Tensor | None:
+        """The raw question's cue, `State.question` ([M, E]), from CLIP (`clip` = (CLIPModel, tokenizer) of the
+        `clip_model` knob, loaded by the adapter for `clip` pruners); None: the pruner reads no question."""
+        return None
+
+    def curve(self, state: State) -> dict | None:
+        """The schedule the rule chose while it ran, reported with the run (`Result.curve`; AutoPrune's), or None."""
+        return None
+
+    def check_batch(self, batch: int) -> None:
+        """ValueError where a prefill of `batch` prompts exceeds the pruner's `max_batch`."""
+        if self.max_batch is not None and batch > self.max_batch:
+            raise ValueError(f"method={self.name!r} prunes {self.batch_limit()} at a time ({self.batch_rule}); "
+                             f"got a batch of {batch}")
+
+    @classmethod
+    def batch_limit(cls) -> str:
+        """`max_batch` in words: "one prompt", "at most 4 prompts"."""
+        return "one prompt" if cls.max_batch == 1 else f"at most {cls.max_batch} prompts"
+
     def refuses(self, family: str) -> str | None:
         """Why the pruner does not run on the models of adapter `family` (`hap.patch` module name: "llava",
         "llava_next", "qwen2_vl", ...), or None; asked before any work with the model."""
@@ -132,6 +199,11 @@ class Pruner:
     def image_size(self, height: int, width: int, budget: int, settings: tuple) -> tuple[int, int]:
         """(height, width) in pixels to resize an `height` x `width` image to, so that the processor (its adapter's
         `image_settings`, `settings`) emits about `budget` visual tokens (`resizes_image` pruners only)."""
+        raise NotImplementedError(f"{self.name} does not resize the image")
+
+    def resized_kept(self, before: tuple[int, int], after: tuple[int, int]) -> list[int]:
+        """Per visual token of the resized image (a grid of `after` = (rows, cols) tokens, raster order), the index of
+        the original image's token (a grid of `before`) it is reported at (`resizes_image` pruners only)."""
         raise NotImplementedError(f"{self.name} does not resize the image")
 
     def rewrites(self, k: int, num_visual: int) -> bool:
@@ -171,12 +243,12 @@ class Pruner:
         summing to 1 per sample: softmax(PAQ / T)."""
         return fusion_weights(paq, self.temperature)
 
-    def scores(self, state: PruneState, cut: Cut) -> torch.Tensor:
+    def scores(self, state: State, cut: Cut) -> torch.Tensor:
         """Scores of the visual tokens present at `cut`, `[batch, visual]` (higher = keep): the fused maps' L2 norm
         over the prompt rows."""
         return token_scores(fuse(cut.attn, cut.weights), state.row_valid)
 
-    def select(self, state: PruneState, cut: Cut) -> Selection:
+    def select(self, state: State, cut: Cut) -> Selection:
         """The visual tokens `cut` keeps: the top `state.kept_count` by `scores`, the state's priority (an analysis
         hook) ranked first."""
         scores = self.scores(state, cut)

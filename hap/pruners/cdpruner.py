@@ -98,7 +98,7 @@ def text_rows(ids: list[int], row: int = ROW) -> torch.Tensor:
 def question_embeddings(model, tokenizer, question: str) -> torch.Tensor:
     """One CLIP text embedding per row of the raw question (no chat template, no answer-format suffix) -> [M, E].
 
-    `model`: a CLIP model with `text_model` and `text_projection` (`hap.load.load_clip`); `tokenizer`: its
+    `model`: a CLIP model with `text_model` and `text_projection` (`hap.hub.load_clip`); `tokenizer`: its
     tokenizer. The question is tokenised with BOS/EOS and no truncation, zero-padded to a multiple of the text
     tower's context (77), the attention mask zero on the padding; each row goes through the text tower and the
     text projection (its pooled output, as CLIPTextModelWithProjection's `text_embeds`).
@@ -115,7 +115,7 @@ def question_embeddings(model, tokenizer, question: str) -> torch.Tensor:
 class CDPruner(BeforeDecoder):
     """One selection before the first decoder layer over the projected visual tokens, conditioned on the raw
     question: the relevance of CLIP's projection of the tower's own feature-layer patches (`VisionCues.image_embeds`,
-    the `clip_model` knob's checkpoint) to the question's CLIP text embeddings (`PruneState.text_embeds`)."""
+    the `clip_model` knob's checkpoint) to the question's CLIP text embeddings (`State.question`, `embed_question`)."""
 
     name = "cdpruner"
     cls_cues = True
@@ -123,12 +123,16 @@ class CDPruner(BeforeDecoder):
     clip = True
     embeds = True
 
+    def embed_question(self, clip, question):
+        """The question's CLIP text embeddings, one per 77-id row (`question_embeddings`)."""
+        return question_embeddings(*clip, question)
+
     def select(self, state, cut):
         cues, k = state.cues(), state.kept_count(cut.index)
-        if state.text_embeds is None:
+        if state.question is None:
             raise ValueError("method='cdpruner' needs the raw question: hap.patched(model, config, question=...) "
                              "(hap.run passes the prompt)")
-        text = state.text_embeds.to(cues.image_embeds.device)
+        text = state.question.to(cues.image_embeds.device)
         if cues.places is not None:  # LLaVA-NeXT: per crop, the relevance normalised over all crops of the image
             def pick(crops, t):
                 tokens = cues.project(cues.features[crops, 1:])  # [crops, n, D] each crop's projected patches

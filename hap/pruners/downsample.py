@@ -181,6 +181,10 @@ class Downsample(BeforeDecoder):
     def image_size(self, height, width, budget, settings):
         return resized_size(height, width, budget, *settings)  # settings: (patch, merge, min_pixels, max_pixels)
 
+    def resized_kept(self, before, after):
+        """Each token of the resized image's grid at the original token under its top-left corner (`window_starts`)."""
+        return window_starts(*before, *after).tolist()
+
     def rewrites(self, k, num_visual):
         return k < num_visual  # a budget of every token pools windows of one patch: the tokens as they are
 

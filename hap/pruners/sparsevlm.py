@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..budget import Schedule
+from ..flops import Schedule
 from ..recycle import cluster_count
 from .base import Official
 
@@ -93,6 +93,15 @@ class SparseVLM(Official):
 
     name = "sparsevlm"
     fixed_rows = "raters"
+    reads_input = True
+
+    def on_input(self, state, embeds):
+        """Its raters from the decoder's input embeddings `embeds` [batch, T, D] (`raters`): from here on only their
+        rows score (the head statistics too)."""
+        rows = state.row_positions(embeds.shape[1]).to(embeds.device)
+        gather = lambda pos: embeds.gather(1, pos[..., None].expand(-1, -1, embeds.shape[-1]))
+        chosen = raters(gather(state.visual_pos.to(embeds.device)), gather(rows), state.row_valid.to(embeds.device))
+        state.row_valid = chosen.to(state.row_valid.device)
 
     @classmethod
     def official_schedule(cls, budget, num_visual, num_layers):

@@ -12,36 +12,19 @@ order], projected like any image feature, at consecutive positions. The tokens s
 layer-averaged retained count is simply dominant + contextual.
 
 Pure tensor functions, then the pruner (`VisionZip`): one cut before the decoder, positions renumbered 0..T'-1 as
-the official decoder only sees the shorter sequence; the adapter supplies the cues (`VisionCues`) of one prefill.
+the official decoder only sees the shorter sequence; the adapter supplies the cues (`hap.cues.VisionCues`) of one
+prefill.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
+from ..cues import VisionCues
 from .base import BeforeDecoder, Selection
 
 DOMINANT_SHARE = 54 / 64  # the published 54 dominant ([CLS] included) + 10 contextual split of 64 tokens
 MIN_TOKENS = 2  # [CLS] and one image token: [CLS] alone would leave the decoder no patch of the image
-
-
-@dataclass
-class VisionCues:
-    """What the tower's feature layer gives one prefill."""
-
-    cls_attention: torch.Tensor  # [batch, N] the [CLS] row's attention over the patches, summed over heads
-    keys: torch.Tensor  # [batch, N, d] the patches' keys averaged over heads
-    features: torch.Tensor  # [batch, 1 + N, Dv] the layer's output, [CLS] first
-    project: Callable[[torch.Tensor], torch.Tensor]  # tower features [batch, n, Dv] -> decoder embeddings [batch, n, D]
-    heads: int  # the feature layer's attention heads (cls_attention / heads is their mean: AutoPrune's prior)
-    image_embeds: torch.Tensor | None = None  # [batch, N, E] the patches' CLIP image embeddings (CDPruner), or None
-    # LLaVA-NeXT's crops (base view, then each tile): the tensors above are over every crop of the batch's images
-    # ([crops, n] ...), and `places` gives per sample long [its crops, n] the visual index of each crop's patch (-1: cut
-    # by the unpadding, not in the sequence); None: one image per sample, its patches the visual tokens in order
-    places: list[torch.Tensor] | None = None
 
 
 def split_budget(k: int, dominant_share: float = DOMINANT_SHARE) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """The pruning state of one prefill (docs/method.md §9): which tokens are present, what was captured,
 what each cut keeps.
 
-Architecture-free: adapters (`hap.patch.*`) feed it tensors at each decoder layer and apply the
+Architecture-free and method-free: adapters (`hap.patch.*`) feed it tensors at each decoder layer and apply the
 index lists it returns to hidden states, masks, positions and the cache. Positions below are
 indices into the *current* (possibly already shortened) sequence unless said otherwise.
 
@@ -14,28 +14,27 @@ ending `gap + 1` before the end, whatever was cut.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .budget import DecoderShape, Schedule, plan
-from .config import HAPConfig
-from .heads import HeadStats, detect_sinks, head_stats
-from .merge import key_bias, merge_dropped
-from .pruners import pruner_for
-from .pruners.autoprune import Curve
-from .pruners.base import Cut, Pruner
-from .pruners.sparsevlm import raters
-from .pruners.visionzip import VisionCues
-from .recycle import recycle
-from .trace import CutTrace, Tracer
+from ..budget import plan
+from ..config import HAPConfig
+from ..cues import VisionCues
+from ..flops import DecoderShape, Schedule
+from ..heads import HeadStats, detect_sinks, head_stats
+from ..merge import key_bias, merge_dropped
+from ..pruners import pruner_for
+from ..pruners.base import Cut, Pruner
+from ..recycle import recycle
+from ..trace import CutTrace, Tracer
 
 
 @dataclass
 class PruneState:
-    """Bookkeeping of one prefill over a batch; built by `PruneState.start`."""
+    """Bookkeeping of one prefill over a batch; built by `PruneState.start`. A pruner reads it through
+    `hap.pruners.base.State`."""
 
     config: HAPConfig
     pruner: Pruner  # the method: what it captures, where it cuts, how it selects, how positions continue
@@ -53,10 +52,10 @@ class PruneState:
     tracer: Tracer | None  # records the maps for the figures; None when not tracing
     prompt_len: int
     priority: torch.Tensor | None = None  # [batch, N] ranked above the scores at every cut, by original index
-    text_embeds: torch.Tensor | None = None  # [M, E] the raw question's CLIP text embeddings (CDPruner)
+    question: torch.Tensor | None = None  # [M, E] the raw question's cue (`Pruner.embed_question`: CLIP embeddings)
     grids: tuple[tuple[int, int], ...] = ()  # the (rows, cols) of each view's token grid in token order, from the
     #                                     adapter where the pruner reads them (`Pruner.views`, downsample); () elsewhere
-    vision: VisionCues | None = None  # the vision tower's cues of this prefill (VisionZip, first_cut="vision")
+    vision: VisionCues | None = None  # the vision tower's cues of this prefill (`Pruner.needs_cls`)
     whole_pos: torch.Tensor | None = None  # long [batch, R] current positions of the image's tokens outside the
     #                                     visual ones (LLaVA-NeXT's newlines), for a pruner that selects over them too
     merged: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions [B, c], embeds [B, c, D]) to write into the
@@ -66,8 +65,7 @@ class PruneState:
     recycled: torch.Tensor | None = None  # bool [B, N_cur] the visual tokens that are recycled cluster means (their
     #                                     kept_orig is the cluster centre's); None for a pruner that does not recycle
     appended: torch.Tensor | None = None  # [B, c, D] recycled tokens of the cut just made, for the adapter to append
-    curve: Curve | None = None  # the schedule AutoPrune chose (MI_0, MI_1, slope, fractions)
-    mi0: float = math.nan  # AutoPrune's MI_0, from its layer-0 cut
+    memo: dict = field(default_factory=dict)  # the pruner's own values across the cuts of this prefill
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0  # time in the capture (timed by the adapter) and in the cuts
@@ -100,7 +98,8 @@ class PruneState:
         image_mask bool [batch, T]: every token of the image, the visual ones and those the pruner keeps whole
         (LLaVA-NeXT's newline tokens): the prompt rows start after its last one (default: `visual_mask`);
         grids: the (rows, cols) of each view's token grid in token order (every sample's), for a pruner that reads them
-        (`Pruner.views`): they plan its count (`hap.budget.plan`) and its cut pools them.
+        (`Pruner.views`): they plan its count (`hap.budget.plan`) and its cut pools them. ValueError where the batch
+        exceeds the pruner's `max_batch`.
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
         config = config.resolved(shape.layers)
@@ -115,15 +114,13 @@ class PruneState:
         N = int(counts[0])
         if N == 0:
             raise ValueError("the input holds no visual tokens: the prompt must contain exactly one image")
-        if config.method == "autoprune" and B > 1:
-            raise ValueError(f"method='autoprune' prunes one prompt at a time (its schedule follows each prompt's mutual "
-                             f"information, as the official code's batch of 1); got a batch of {B}")
         if priority is not None and tuple(priority.shape) != (B, N):
             raise ValueError(f"priority must be [batch, visual] = [{B}, {N}]; got {list(priority.shape)}")
         device = visual_mask.device
         positions = torch.arange(T, device=device)
         visual_pos = positions.expand(B, T)[visual_mask].view(B, N)
         pruner = pruner_for(config)
+        pruner.check_batch(B)
         schedule = plan(config, shape, N, T - N, grids)
         scoring, lookahead = _scoring_sets(pruner, schedule)
         image_end = visual_pos[:, -1] if image_mask is None else _last_image_token(image_mask, visual_pos[:, -1])
@@ -177,9 +174,9 @@ class PruneState:
 
     def decode_shift(self, layer: int) -> int:
         """Tokens taken off a decode step's positions in the group from cut `layer`: under a renumbering pruner
-        (`pdrop`, `visionzip`, `sparsevlm`, `autoprune`) the prompt tokens dropped up to that cut (net of recycled ones), so the step follows the group's renumbered
-        prompt 0..T_group-1 (the official PyramidDrop lowers its decode positions so; VisionZip's decoder only sees
-        the shorter sequence); 0 where kept tokens keep their original positions."""
+        (`Pruner.renumber`) the prompt tokens dropped up to that cut (net of recycled ones), so the step follows the
+        group's renumbered prompt 0..T_group-1 (the official PyramidDrop lowers its decode positions so; VisionZip's
+        decoder only sees the shorter sequence); 0 where kept tokens keep their original positions."""
         return self.prompt_len - self.segment_index[layer].shape[1] if self.pruner.renumber else 0
 
     def key_origins(self, layer: int, keys: int) -> torch.Tensor:
@@ -207,14 +204,6 @@ class PruneState:
         return self.attention_mask.gather(1, self.seq_index).bool()
 
     # --- capture and cuts -------------------------------------------------------------------------
-    def choose_raters(self, embeds: torch.Tensor) -> None:
-        """SparseVLM's raters from the decoder's input embeddings `embeds [batch, T, D]`
-        (`hap.pruners.sparsevlm.raters`): from here on only their rows score (the head statistics too)."""
-        rows = self.row_positions(embeds.shape[1]).to(embeds.device)
-        gather = lambda pos: embeds.gather(1, pos[..., None].expand(-1, -1, embeds.shape[-1]))
-        chosen = raters(gather(self.visual_pos.to(embeds.device)), gather(rows), self.row_valid.to(embeds.device))
-        self.row_valid = chosen.to(self.row_valid.device)
-
     def record(self, layer: int, rows: torch.Tensor, hidden: torch.Tensor, lookahead: bool = False) -> None:
         """Store layer `layer`'s prompt rows.
 

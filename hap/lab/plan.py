@@ -21,7 +21,7 @@ token); rows before or inside the image are left as they are, so nothing reads a
 `plant_attention` turns a head's stock attention into its planted one in the model's forward and in HAP's capture
 of the prompt rows, so what the pruner scores is what the model runs.
 
-Everything here is plain tensors; the hooks that apply a plan to a model are in `hap/patch/planted.py`.
+Everything here is plain tensors; the hooks that apply a plan to a model are in `hap/lab/planted.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -293,8 +292,3 @@ def plant_line(report: dict) -> str:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-PLANTED: WeakKeyDictionary = WeakKeyDictionary()
-"""decoder layer module -> `capture(attn [batch, heads, P, T], visual_pos [batch, N], kept_orig [batch, N])`, the
-planted version of the prompt rows HAP captured at that layer, while a plan is planted on its model."""

@@ -5,14 +5,14 @@ Where it acts: the input of each planted layer's attention output projection (`o
 heads' outputs side by side. For a planted head the hook recomputes, from the layer's own q projection and the keys
 and values the layer attended over (its KV cache, or its input without one), the head's stock attention rows
 (`hap.capture.prompt_attention`: causal, padding and any merge bias, grouped-query heads expanded), plants them
-(`hap.planting.plant_attention`) and writes the planted output `A' V'` for the rows after the image (the sink
+(`hap.lab.plan.plant_attention`) and writes the planted output `A' V'` for the rows after the image (the sink
 tokens' values zeroed for a planted sink). HAP's capture of the prompt rows at that layer (`decoder._record`)
-applies the same `plant_attention` through `hap.planting.PLANTED`, so the pruner scores what the model runs, under
+applies the same `plant_attention` through `hap.hooks.ROWS`, so the pruner scores what the model runs, under
 SDPA or eager alike. Which keys are visual or sink tokens is known by their unpruned positions: those of the
 running `hap.patch` prefill's kept tokens (`PruneState.key_origins`), else the keys in order.
 
 A massive plan (`Plan.massive`, the default) also adds the sink tokens' massive activation
-(`hap.planting.massive_activation`) to the hidden states entering the first layer holding a planted sink head, in
+(`hap.lab.plan.massive_activation`) to the hidden states entering the first layer holding a planted sink head, in
 the prefill with the image, before any other hook of that layer (so a `hap.patch` cut entering it, its capture and
 the norm sink test see it); the residual stream carries it on, and the KV cache holds what it did to the keys and
 values of every later layer.
@@ -28,11 +28,12 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from .. import hooks
 from ..capture import prompt_attention
-from ..planting import (DEFAULT_SINK_COUNT, PLANTED, Plan, classifier_report, massive_activation, plant_attention,
-                        planted_values, redundant_tokens)
-from . import adapter_for
-from .decoder import _cached_keys, _heads, _take, decoder_of, layer_windows
+from ..patch import adapter_for
+from ..patch.decoder import _cached_keys, _heads, _take, decoder_of, layer_windows
+from .plan import (DEFAULT_SINK_COUNT, Plan, classifier_report, massive_activation, plant_attention,
+                   planted_values, redundant_tokens)
 
 PLANTS: WeakKeyDictionary = WeakKeyDictionary()  # model -> its `Planting` while a plan is planted
 
@@ -70,15 +71,25 @@ class Planting:
                                                                           with_kwargs=True))
             self.handles.append(layer.self_attn.o_proj.register_forward_pre_hook(partial(self.head_outputs, index),
                                                                                   prepend=True))
-            PLANTED[layer] = partial(self.capture, index)
+            hooks.ROWS[layer] = partial(self.capture, index)
         PLANTS[self.model] = self
+        hooks.attach(self.model, self)
 
     def detach(self) -> None:
         for handle in self.handles:
             handle.remove()
         for index in self.plan.layers:
-            PLANTED.pop(decoder_of(self.model).layers[index], None)
+            hooks.ROWS.pop(decoder_of(self.model).layers[index], None)
         PLANTS.pop(self.model, None)
+        hooks.detach(self.model, self)
+
+    def unshared(self) -> str | None:
+        """Its runs decode one at a time: its hooks follow one run's kept tokens (`hap.hooks.Plugin`)."""
+        return "a head-lab plan is planted (its hooks follow one run's kept tokens)"
+
+    def annotate(self, result) -> None:
+        """The plan and what the run's head classes found of it, as `result.plant` (`hap.hooks.Plugin`)."""
+        result.plant = self.report(result.head_class)
 
     def model_pre_hook(self, module, args, kwargs) -> None:
         """A prompt with the image: its visual tokens (sink tokens checked against their count); a step continuing
@@ -204,7 +215,7 @@ class Planting:
 
     def report(self, head_class: list[list[str]] | None = None) -> dict:
         """The plan as JSON, the sink tokens its last prefill used (sample 0) and, given a run's head classes
-        `[layers][heads]`, the classifier's precision / recall on the plan (`hap.planting.classifier_report`)."""
+        `[layers][heads]`, the classifier's precision / recall on the plan (`hap.lab.plan.classifier_report`)."""
         used = None if self.sink_index is None else self.sink_index[0].tolist()
         out = {**self.plan.to_json(), "sink_tokens_used": used}
         if head_class is not None:
@@ -221,7 +232,7 @@ def module_attention(model, index: int) -> torch.nn.Module:
 def plant(model, sink=(), dispersed=(), sink_tokens=None, strength: float = 0.9, massive: bool = True):
     """`with hap.plant(model, sink=[(l, h), ...], dispersed=[...], sink_tokens=None, strength=0.9, massive=True) as
     lab:` every forward of `model` in the block (`hap.run`, `generate`, the causal and utility paths) runs the
-    planted heads (docs/method.md §14, `hap.planting`); after it the model is the stock one, error or not. `sink`,
+    planted heads (docs/method.md §14, `hap.lab.plan`); after it the model is the stock one, error or not. `sink`,
     `dispersed`: iterables of (layer, query head); `sink_tokens`: visual-token indices, or a count k for the k most
     redundant visual tokens of each image (background patches), None for the most redundant one; `strength` in
     [0, 1]; `massive`: the sink tokens also carry a massive activation in the residual stream from the input of the
