@@ -69,7 +69,8 @@ def pruner_class(method: str) -> type:
 def register(cls: type) -> type:
     """Register a pruner written outside the package under its `name`; returns the class, so it serves as a class
     decorator. `cls` must be a subclass of `hap.pruners.base.Pruner` (checked by its `from_config` and `select`) with a
-    new lower-case `name` (letters, digits and underscores). Registering the same class again is a no-op."""
+    new lower-case `name` (letters, digits and underscores). Registering the same class again, or a class of the same
+    module and qualified name (its module re-run, a notebook cell run again), replaces it."""
     name = getattr(cls, "name", "")
     if not (isinstance(cls, type) and callable(getattr(cls, "from_config", None))
             and callable(getattr(cls, "select", None))):
@@ -77,12 +78,22 @@ def register(cls: type) -> type:
     if not (isinstance(name, str) and name.isidentifier() and name == name.lower()):
         raise ValueError(f"a registered pruner needs a lower-case identifier as its `name`; {cls.__name__} has "
                          f"name={name!r}")
-    if _registered.get(name) is cls:
+    same = _registered.get(name)
+    if same is not None and (same.__module__, same.__qualname__) == (cls.__module__, cls.__qualname__):
+        _registered[name] = cls
         return cls
     if name in METHODS:
         raise ValueError(f"method={name!r} is already registered; choose another `name` for {cls.__name__}")
     _registered[name] = cls
     return cls
+
+
+def unregister(name: str) -> None:
+    """Remove the registered method `name`; ValueError for a built-in or an unknown one."""
+    if name not in _registered:
+        raise ValueError(f"method={name!r} was not registered from outside the package; registered: "
+                         f"{', '.join(_registered) or 'none'}")
+    del _registered[name]
 
 
 def load_plugins(spec: str | None = None) -> list[str]:

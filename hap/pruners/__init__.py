@@ -53,13 +53,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..methods import METHODS, load_plugins, pruner_class, register
+from ..methods import METHODS, load_plugins, pruner_class, register, unregister
 
 if TYPE_CHECKING:
     from ..config import HAPConfig
     from .base import Pruner
 
-__all__ = ["METHODS", "cls_user", "load_plugins", "pruner_class", "pruner_for", "register"]
+__all__ = ["METHODS", "cls_user", "load_plugins", "pruner_class", "pruner_for", "register", "unregister"]
 
 
 def pruner_for(config: HAPConfig) -> Pruner:
