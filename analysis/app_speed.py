@@ -55,7 +55,7 @@ SHAPES = {  # the real checkpoints' configs (llava-interleave-qwen-0.5b: SigLIP-
         text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1024)),
 }
-PAGE_TOKENS = 32  # app.handler.MAX_NEW_TOKENS: the longest answer the page generates
+PAGE_TOKENS = 32  # app.pipeline.MAX_NEW_TOKENS: the longest answer the page generates
 IMAGE_SIZE, PATCH = 384, 14  # 27 x 27 = 729 visual tokens, SigLIP has no [CLS]
 MODES = {"before": "0", "after": "1"}
 

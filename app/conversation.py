@@ -26,7 +26,7 @@ class Turn:
     kept: list[list[int]] = field(default_factory=list)
     num_visual: int = 0
     outputs: dict = field(default_factory=dict)
-    image: str = ""  # the image it was run on (`app.handler.image_key` of its pixels), "" when not run here
+    image: str = ""  # the image it was run on (`app.pipeline.image_key` of its pixels), "" when not run here
     model: str = ""  # the model that answered it, "" when not run here
 
 

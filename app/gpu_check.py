@@ -43,7 +43,8 @@ import transformers  # noqa: E402
 
 from analysis import causal_speed, speed  # noqa: E402
 from analysis.training.tiny_vlm import build_processor, build_qwen_processor  # noqa: E402
-from app import handler  # noqa: E402
+from app import handler, pipeline  # noqa: E402
+from app.models import LOADED  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from hap.knobs import KNOBS  # noqa: E402
 from hap.patch.decoder import decoder_shape  # noqa: E402
@@ -94,15 +95,15 @@ def app_stage(model, processor, name: str, device: str, new_tokens: int) -> tupl
     knobs = {k.name: k.resolve(layers) for k in KNOBS}
     image = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
     server = handler.Handler(Settings(models=[name]))
-    handler.LOADED.model, handler.LOADED.processor, handler.LOADED.name = model, processor, name
+    LOADED.model, LOADED.processor, LOADED.name = model, processor, name
     try:
-        with mock.patch.object(handler, "MAX_NEW_TOKENS", new_tokens):
+        with mock.patch.object(pipeline, "MAX_NEW_TOKENS", new_tokens):
             out, seconds, peak = speed.measured(
                 lambda: server.analyze(image, PROMPT, name, causal="attribution", **knobs), device)
             swept, sweep_seconds, sweep_peak = speed.measured(lambda: server.sweep(
                 image, PROMPT, name, **{k: v for k, v in knobs.items() if k not in handler.SWEPT}), device)
     finally:
-        handler.LOADED.model = handler.LOADED.processor = handler.LOADED.name = None
+        LOADED.model = LOADED.processor = LOADED.name = None
     s = out["summary"]
     analyze = {"seconds": seconds, "peak_memory_bytes": peak, "answer": s["answer"],
                "retained_tokens": s["retained_tokens"], "flops_ratio": s["flops_ratio"],

@@ -25,8 +25,8 @@ from hap.views import VIEW
 from . import causal as causal_section
 from . import keeps as keeps_section
 from . import lesson
-from .handler import (CARDS, INSPECTOR, LESSON, OUTPUTS, SWEEP_OUTPUTS, SWEPT, TURN_OUTPUTS, Handler, show_head, show_layer,
-                      show_turn)
+from .handler import SWEPT, Handler, show_head, show_layer, show_turn
+from .present import CARDS, INSPECTOR, LESSON, OUTPUTS, SWEEP_OUTPUTS, TURN_OUTPUTS
 from .lab import (HEAD_PICKER, LAB_DETECTOR, LAB_DETECTOR_INFO, LAB_INTRO, NO_PLAN, TEACHING_PLAN,
                   TOKEN_PICKER, lab_answers)
 from .edit import NO_EDIT

@@ -90,11 +90,12 @@ def test_the_app_refuses_ablation_above_the_budget_before_any_run(monkeypatch, t
     from app_model import ROOT, default_model
 
     import app.handler as handler_module
+    from app import pipeline
     from app.settings import Settings, knob_defaults
 
     name = default_model(tmp_path)
     ran = []
-    monkeypatch.setattr(handler_module, "_compare", lambda *args, **kwargs: ran.append(args))
+    monkeypatch.setattr(pipeline, "gpu_compare", lambda *args, **kwargs: ran.append(args))
     monkeypatch.setattr(causal, "ABLATION_BUDGET", 0)
     scene = {"path": str(ROOT / "assets" / "examples" / "scene_600000.png")}
     with pytest.raises(gr.Error, match=r"causal='ablation' runs one forward per head.*use causal='attribution'"):

@@ -16,7 +16,7 @@ from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 from gradio_client.utils import QueueError
 
-from app.handler import OUTPUTS
+from app.present import OUTPUTS
 
 pytestmark = pytest.mark.slow
 

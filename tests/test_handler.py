@@ -2,7 +2,7 @@
 
 from PIL import Image
 
-from app.handler import image_key
+from app.pipeline import image_key
 
 
 def test_image_key_tells_apart_images_with_the_same_bytes():

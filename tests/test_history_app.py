@@ -33,7 +33,7 @@ def client(model_name):
 
 
 def analyze(client: Client, model: str, prompt: str, **changes) -> dict:
-    from app.handler import OUTPUTS
+    from app.present import OUTPUTS
 
     out = client.predict(image=handle_file(str(SCENE)), prompt=prompt, model_name=model, **FAST, **changes,
                          api_name="/analyze")

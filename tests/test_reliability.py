@@ -33,7 +33,7 @@ from PIL import Image
 
 from test_edit import IN_UPLOADS, outside_paths
 
-from app.handler import OUTPUTS
+from app.present import OUTPUTS
 from app.layout import SWEEP_KNOBS
 from app.settings import knob_defaults
 from app.uploads import REFUSED

@@ -16,6 +16,7 @@ from app_model import ROOT
 import hap
 from analysis.speed import random_vlm
 from app import zerogpu
+from app.pipeline import MAX_NEW_TOKENS
 from app.settings import Settings, knob_defaults
 from hap.inputs import DEFAULT_LIMITS, load_image
 from hap.run import build_inputs
@@ -47,19 +48,27 @@ def stand_in_spaces(calls: list) -> types.ModuleType:
     return module
 
 
+def fresh_copy(module: str, name: str) -> types.ModuleType:
+    """A fresh copy of app/`module`.py imported as `name` (in the app package), with the modules as they are now."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "app" / f"{module}.py")
+    copy = importlib.util.module_from_spec(spec)
+    sys.modules[name] = copy
+    spec.loader.exec_module(copy)
+    return copy
+
+
 @pytest.fixture(scope="module")
 def on_zerogpu():
-    """(a fresh copy of app/handler.py imported with the stand-in `spaces` present, the recorded calls)."""
+    """(a fresh copy of app/handler.py whose GPU parts are a fresh copy of app/pipeline.py imported with the stand-in
+    `spaces` present, the recorded calls). The model is the app's one (`app.models.LOADED`)."""
     calls: list = []
-    name = "app._handler_on_zerogpu"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "app" / "handler.py")
-    handler = importlib.util.module_from_spec(spec)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "spaces", stand_in_spaces(calls))
-        mp.setitem(sys.modules, name, handler)
-        spec.loader.exec_module(handler)
+        mp.setitem(sys.modules, "app._pipeline_on_zerogpu", None)
+        mp.setitem(sys.modules, "app._handler_on_zerogpu", None)
+        mp.setitem(sys.modules, "app.pipeline", fresh_copy("pipeline", "app._pipeline_on_zerogpu"))
+        handler = fresh_copy("handler", "app._handler_on_zerogpu")  # its `from .pipeline import` reads the copy
     yield handler, calls
-    handler.LOADED.model = None
 
 
 def test_analysis_causal_and_sweep_ask_zerogpu_for_what_they_need(on_zerogpu):
@@ -70,16 +79,16 @@ def test_analysis_causal_and_sweep_ask_zerogpu_for_what_they_need(on_zerogpu):
     assert out["summary"]["answer"] and out["summary"]["causal"]["mode"] == "ablation"
     swept = {k: v for k, v in knob_defaults(SHIPPED).items() if k not in handler.SWEPT}
     assert app.sweep(image, PROMPT, SHIPPED, **swept)["sweep"]["unpruned"]["answer"]
-    assert [name for name, _, _ in calls] == ["_compare", "_causal", "_sweep"]
+    assert [name for name, _, _ in calls] == ["gpu_compare", "gpu_causal", "gpu_sweep"]
     model = handler.LOADED.model
-    inputs = {"_compare": zerogpu.answers(3, 1, handler.MAX_NEW_TOKENS, together=True),  # HAP_APP_SHARE=1
-              "_sweep": zerogpu.sweep_work(32, shared=True, together=True)}
+    inputs = {"gpu_compare": zerogpu.answers(3, 1, MAX_NEW_TOKENS, together=True),  # HAP_APP_SHARE=1
+              "gpu_sweep": zerogpu.sweep_work(32, shared=True, together=True)}
     for name, asked, took in calls:
         assert isinstance(asked, int) and zerogpu.MIN_S <= asked and took < asked, (name, asked, took)
         if name in inputs:  # the prompt's own tokens: 144 visual, the text of the chat template
             assert asked == zerogpu.seconds(model, 144, text_tokens(handler), inputs[name])
-    assert dict((n, a) for n, a, _ in calls)["_sweep"] >= dict((n, a) for n, a, _ in calls)["_compare"]
-    assert inputs["_sweep"].passes > inputs["_compare"].passes  # the tiny model's both ask for the minimum
+    assert dict((n, a) for n, a, _ in calls)["gpu_sweep"] >= dict((n, a) for n, a, _ in calls)["gpu_compare"]
+    assert inputs["gpu_sweep"].passes > inputs["gpu_compare"].passes  # the tiny model's both ask for the minimum
 
 
 def text_tokens(handler) -> int:
