@@ -65,13 +65,14 @@ import torch
 
 import hap
 from hap import causal, utility
+from hap.causal import spearman
 from hap.budget import smallest_retain
 from hap.keeps import pruning, refusal
 from hap.knobs import knob
 from hap.methods import load_plugins, pruner_class
 from hap.patch.decoder import decoder_shape
 from hap.run import chat_prompt, template_tail
-from hap.ground_truth import head_grounding, spearman
+from hap.ground_truth import head_grounding
 from analysis.scenes import MAX_OBJECTS, MIN_OBJECTS, N_PATCHES, QTYPES, heldout_items
 
 load_plugins()  # the pruners named in HAP_PRUNERS join `--methods` (and `all`)

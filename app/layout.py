@@ -16,20 +16,20 @@ from functools import partial
 
 import gradio as gr
 
-from hap.report import LABELS, TEACHING
 from hap.inputs import FORMATS, InputLimits
 from hap.knobs import KNOBS, SINK_DETECTORS, Knob
 from hap.options import OPTIONS
+from hap.report import LABELS, TEACHING
 from hap.views import VIEW
 
 from . import causal as causal_section
 from . import keeps as keeps_section
 from . import lesson
 from .handler import SWEPT, Handler, show_head, show_layer, show_turn
-from .present import CARDS, INSPECTOR, LESSON, OUTPUTS, SWEEP_OUTPUTS, TURN_OUTPUTS
 from .lab import (HEAD_PICKER, LAB_DETECTOR, LAB_DETECTOR_INFO, LAB_INTRO, NO_PLAN, TEACHING_PLAN,
                   TOKEN_PICKER, lab_answers)
 from .edit import NO_EDIT
+from .present import CARDS, INSPECTOR, LESSON, OUTPUTS, SWEEP_OUTPUTS, TURN_OUTPUTS
 from .settings import Settings, examples, knob_defaults, options_taken
 
 MAIN_KNOBS = ("method", "retain", "flops_ratio")  # shown above the fold; the rest under "Advanced settings"

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from hap.keeps import pruning
-from hap.sweep import POINTS
 from hap import causal, utility
 from hap.flops import layer_flops
+from hap.keeps import pruning
 from hap.patch.decoder import decoder_shape
 from hap.run import build_inputs
+from hap.sweep import POINTS
 
 F = TypeVar("F", bound=Callable)
 FLOPS = 1e14  # bf16 FLOP/s sustained on a ZeroGPU slice (H200 / RTX Pro 6000 class: well below their peak)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from hap.causal import paq_spearman, spearman  # noqa: F401 (spearman: re-exported for the analysis scripts)
+from hap.causal import paq_spearman
 from hap.views import Truth, ViewData
 
 METADATA_KEY = "hap-scene"  # PNG text chunk holding a scene's description (JSON)

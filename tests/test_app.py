@@ -16,9 +16,9 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 import hap
-from hap.ground_truth import spearman
-from hap.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
 from hap import views
+from hap.causal import spearman
+from hap.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
 from hap.knobs import KNOBS
 
 UNREACHABLE = "hap-test/no-such-model"  # allow-listed, but neither a folder nor reachable offline

@@ -10,8 +10,8 @@ import pytest
 
 import hap
 from analysis.benchmark import METHODS, RETAINS, main
-from hap.ground_truth import spearman
 from analysis.scenes import QTYPES, heldout_items
+from hap.causal import spearman
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-llava"
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hap
-from hap.ground_truth import spearman
 from hap import causal
+from hap.causal import spearman
 from hap.patch import attention_outputs, decoder_of
 from tiny_models import CASES, noise_image, tiny_llava
 

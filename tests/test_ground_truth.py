@@ -4,10 +4,10 @@ import pytest
 from PIL import Image
 
 import hap
-from hap.ground_truth import spearman
-from hap.ground_truth import (answering_cut, file_metadata, head_grounding, kept_recall, patch_mask,
-                                   question_for, read_metadata, scene_truth, truth_json)
 from analysis.scenes import make_questions, make_scene, save_scene
+from hap.causal import spearman
+from hap.ground_truth import (answering_cut, file_metadata, head_grounding, kept_recall, patch_mask, question_for,
+                              read_metadata, scene_truth, truth_json)
 
 
 def test_read_metadata_round_trip_and_absence(tmp_path):

@@ -16,8 +16,8 @@ from test_zerogpu import on_zerogpu  # noqa: F401 (fixture: app/pipeline.py on a
 from tiny_models import qwen_vl_folder
 
 import hap
-from hap.ground_truth import read_metadata, scene_truth
 from hap import views
+from hap.ground_truth import read_metadata, scene_truth
 from hap.keeps import REFERENCE, keeps, keeps_panels, keeps_plotly, keeps_png, overlap, panel_title, pruning
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"

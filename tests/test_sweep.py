@@ -10,12 +10,12 @@ from PIL import Image
 from tiny_models import CASES, tiny_llava
 
 import hap
-from hap.keeps import pruning
-from hap.sweep import (AnswerEnd, answer_probability, budgets, grid_methods, keeps_everything, refused,
-                            short_answer, smallest_retain, sweep)
 from hap.features import FeatureCache, reusing_features
 from hap.inputs import DEFAULT_LIMITS
+from hap.keeps import pruning
 from hap.run import prepare
+from hap.sweep import (AnswerEnd, answer_probability, budgets, grid_methods, keeps_everything, refused, short_answer,
+                       smallest_retain, sweep)
 
 LLAVA = hap.DecoderShape.mha(32, 4096, 11008)
 

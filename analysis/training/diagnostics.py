@@ -29,9 +29,10 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from hap.ground_truth import head_grounding, spearman
 from analysis.scenes import MARKER_PATCH, Question, Scene
+from hap.causal import spearman
 from hap.fusion import fusion_weights
+from hap.ground_truth import head_grounding
 from hap.heads import classify, consensus_sinks, head_stats, sink_tokens, visual_distribution
 from hap.run import chat_prompt
 
