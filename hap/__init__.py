@@ -3,13 +3,31 @@
     model, processor = hap.load_model("llava-hf/llava-1.5-7b-hf")
     result = hap.run(model, processor, image, "What is in the image?", hap.HAPConfig(retain=0.056, first_layers=1))
 
-(`hap.HAPConfig()` alone uses per-model defaults, see `hap.knobs`), or patch once and use the stock API: `with hap.patched(model, cfg): model.generate(**inputs)`
-(`method="cdpruner"` also reads the raw question: `hap.patched(model, cfg, question=q)`). The methods: `hap.METHODS`,
-one module each in `hap.pruners`.
+(`hap.HAPConfig()` alone uses per-model defaults, see `hap.knobs`), or patch once and use the stock API:
+`with hap.patched(model, cfg): model.generate(**inputs)` (a method that reads the raw question, `method="cdpruner"`,
+takes it as `hap.patched(model, cfg, question=q)`). The methods: `hap.METHODS`, one module each in `hap.pruners`; one
+of your own joins with `@hap.pruners.register` (README, "A pruner of your own").
 Images of different sizes (their own visual-token counts, their own budgets) go together through
 `hap.run_batch(model, processor, images, prompts, cfg)`; several configs on one input through `hap.run_together`.
 Each takes `options=hap.ProcessorOptions(max_tiles=6, ...)`: the processor settings that change the visual-token
 count (`hap.options`), unset = the checkpoint's own.
+
+The pipeline, stage by stage (imports flow down this list and never back: `tests/test_architecture.py`):
+
+    settings     methods (the method registry, a leaf), knobs, config (HAPConfig), options (processor settings)
+    plan         flops (FLOPs arithmetic, groups, solve_schedule), budget (a method's schedule, asking its pruner)
+    capture      capture (prompt-row attention recomputed from q, k), heads (sink / dispersed / optimal, PAQ)
+    score, pick  fusion (PAQ-weighted fusion, token scores, top-k), diversity (HAP+'s relevance x diversity),
+                 merge, recycle, pruners/ (base: the Pruner interface and the State it reads; one module per method)
+    execute      hooks (extension points), cues (the vision tower's cues), patch/ (decoder: the hooks; state: the
+                 executor's state of one prefill; batch, prefix: shared decoding and layers; one adapter per family;
+                 processors), hub + load (loading, safetensors only)
+    run, result  inputs (checked uploads), run (hap.run and friends), trace (Result), features (one vision pass
+                 per image), compare, keeps (what each method keeps), sweep (every method over the budgets)
+    views        layout (where each token lies on the image), views/ (a run's figures, the sweep's, the causal
+                 ones), report (a comparison's texts), ground_truth (a synthetic scene's truth against a run)
+    beside       causal, utility (which heads and tokens the answer depends on), lab/ (planted heads: a plug-in
+                 through hooks, imported by nothing of the method), lmms_eval (the plugin), __main__ (the CLI)
 """
 
 from .flops import DecoderShape, Schedule, solve_schedule

@@ -8,16 +8,8 @@ cut asks it to `select` the kept visual tokens, then continues positions as the 
 reads the executor only through `State`, the small part of it a rule needs. The shared scoring helpers (head weights,
 sink ranking, the fused scores of a cut) are here too.
 
-The smallest pruner of your own, on HAP's schedule:
-
-    @hap.pruners.register
-    class Norm(Pruner):
-        name = "norm"
-        maps = False  # no decoder attention captured
-        embeds = True  # the hidden states entering each cut, `Cut.embeds` [batch, visual, D]
-
-        def scores(self, state, cut):
-            return cut.embeds.float().norm(dim=-1)  # [batch, visual], higher = keep
+The smallest pruner of your own, on HAP's schedule, is ten lines: `tests/own_pruners.py` (README, "A pruner of
+your own").
 """
 
 from __future__ import annotations
