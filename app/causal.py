@@ -15,10 +15,11 @@ import gradio as gr
 import numpy as np
 from PIL import Image
 
-from hap import HAPConfig, causal, causal_views, utility, views
+from hap import HAPConfig, causal, utility, views
 from hap.inputs import InputLimits
 from hap.patch.decoder import decoder_shape
 from hap.run import build_inputs
+from hap.views import causal as causal_views
 
 CAUSAL = ("causal_text", "causal_heads", "causal_scatter", "causal_tokens", "utility_text", "utility_heads",
           "utility_scatter", "utility_layers")

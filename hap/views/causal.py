@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .causal import kept_importance
-from .views import HeadGrid, Panels, ViewData, _layer_head_layout, _tick, panels_plotly
+from ..causal import kept_importance
+from .data import HeadGrid, Panels, ViewData
+from .plotly_figures import layer_head_layout, panels_plotly
+from .style import tick
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -32,7 +34,7 @@ def importance_plotly(grid: HeadGrid, title: str) -> go.Figure:
         colorbar=dict(title="drop in<br>log p"),
         hovertemplate="layer %{y} head %{x}<br>importance %{z:.3g}<extra></extra>",
     ))
-    return _layer_head_layout(fig, grid, title)
+    return layer_head_layout(fig, grid, title)
 
 
 def utility_plotly(grid: HeadGrid, title: str) -> go.Figure:
@@ -45,7 +47,7 @@ def utility_plotly(grid: HeadGrid, title: str) -> go.Figure:
         hovertemplate="layer %{y} head %{x}<br>p(answer) %{z:.3f} after a cut entering layer %{y} + 1<br>that keeps "
                       "this head's top tokens<extra></extra>",
     ))
-    return _layer_head_layout(fig, grid, title)
+    return layer_head_layout(fig, grid, title)
 
 
 def scatter_plotly(paq, importance, rho: float | None, title: str, measure: str = "causal importance") -> go.Figure:
@@ -93,7 +95,7 @@ def references_plotly(values, uniform, paq_weighted, paq, unpruned: float, title
                                  hovertemplate=f"{name}, layer %{{x}}: p(answer) %{{y:.3f}}<extra></extra>"))
     fig.add_hline(y=unpruned, line=dict(color="grey", dash="dot"), annotation_text="unpruned",
                   annotation_position="top left")
-    fig.update_xaxes(dtick=_tick(values.shape[0]))
+    fig.update_xaxes(dtick=tick(values.shape[0]))
     fig.update_layout(title=title, xaxis_title="layer whose maps score the cut (entering the next layer)",
                       yaxis_title="p(answer) after the cut", yaxis_range=[0, 1.05], height=380,
                       margin=dict(l=50, r=20, t=50, b=40), legend=dict(orientation="h", y=-0.25))
