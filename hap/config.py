@@ -38,6 +38,7 @@ class HAPConfig:
     score_layers: str = knob("score_layers").default  # "segment" (paper) or "last" (the segment's last layer)
     merge: str = knob("merge").default  # "none" (paper) or "proportional" (dropped tokens folded into kept ones)
     first_cut: str = knob("first_cut").default  # "attention" (paper) or "prerope"
+    diversity: float = knob("diversity").default  # w: relevance + w log(residual), a conditional DPP; 0 = paper
     clip_model: str = knob("clip_model").default  # cdpruner's CLIP checkpoint (hub id or local folder)
     seed: int = SEED.default  # seed of the `random` baseline
 

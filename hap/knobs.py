@@ -177,8 +177,8 @@ KNOBS: tuple[Knob, ...] = (
          choices=FIRST_CUTS, paper="attention"),
     Knob("diversity", float, 0.0,
          "weight w of diversity at a cut: keep, one at a time, the token of largest relevance (rescaled to [0, 1]) + "
-         "w x its cosine distance to the nearest kept token in the hidden states; detected sinks earn none (0: the "
-         "relevance top-k)", low=0.0, paper=0.0),
+         "w log(its squared distance from the span of the kept tokens' unit hidden states), the greedy MAP of a "
+         "conditional DPP; detected sinks count as duplicates (0: the relevance top-k)", low=0.0, paper=0.0),
     Knob("clip_model", str, "openai/clip-vit-large-patch14-336",
          "cdpruner: the CLIP checkpoint whose text tower and projections pair with the vision tower (a hub id, or a "
          "local folder holding a CLIPModel and its tokenizer)"),

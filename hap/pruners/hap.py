@@ -1,28 +1,36 @@
 """HAP (docs/method.md §2-§6): G groups after the first K full layers, each cut scored by the prompt rows' attention
 of the previous segment's layers (or its last, `score_layers`), heads fused by softmax(PAQ / T); original positions
-kept. Its knobs beyond the paper (§10: `head_weight`, `sink_ranking`, `score_layers`, `merge`, `first_cut`) shape
-this pruner only."""
+kept. Its knobs beyond the paper (§10: `head_weight`, `sink_ranking`, `score_layers`, `merge`, `first_cut`,
+`diversity`) shape this pruner only."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..diversity import select as select_diverse, similarity
 from ..fusion import fuse, fusion_weights, token_scores
-from .base import Pruner, rank_sinks
+from .base import Pruner, Selection, rank_sinks
 
 
 @dataclass(frozen=True)
 class Hap(Pruner):
     visual_weights: bool = False  # head weights x visual share (head_weight="paq_visual")
     sink_ranking: str = "keep"  # sink tokens at a cut: "keep", "mask" or "mask_keep_one"
+    diversity: float = 0.0  # w of relevance + w log(residual) of a conditional DPP (`hap.diversity`); 0: top-k
 
     name = "hap"
+    cls_knob = "first_cut='vision'"  # it asks for the [CLS] cues through this knob only
 
     @classmethod
     def from_config(cls, config):
         return cls(config.groups, config.rows, config.score_layers == "segment", config.temperature,
                    merge=config.merge, first_cut=config.first_cut, visual_weights=config.head_weight == "paq_visual",
-                   sink_ranking=config.sink_ranking)
+                   sink_ranking=config.sink_ranking, diversity=config.diversity)
+
+    @property
+    def embeds(self) -> bool:
+        """A diversity weight reads the hidden states entering each cut (`Cut.embeds`)."""
+        return self.diversity > 0
 
     @property
     def needs_cls(self) -> bool:
@@ -44,6 +52,18 @@ class Hap(Pruner):
         if cut.attn is None:
             return state.cues().cls_attention
         return rank_sinks(token_scores(fuse(cut.attn, cut.weights), state.row_valid), cut.sink, self.sink_ranking)
+
+    def select(self, state, cut):
+        """The relevance top-k (`Pruner.select`), or with a diversity weight the greedy conditional DPP of
+        `hap.diversity.select` on the hidden states entering the cut, detected sinks counted as duplicates."""
+        if self.diversity == 0:
+            return super().select(state, cut)
+        scores = self.scores(state, cut).to(state.visual_pos.device)
+        kernel = similarity(cut.embeds.to(scores.device))
+        sink = None if cut.sink is None else cut.sink.to(scores.device)
+        chosen = select_diverse(scores, kernel, state.kept_count(cut.index), self.diversity, sink,
+                                state.current_priority())
+        return Selection(chosen, scores)
 
 
 PRUNER = Hap
