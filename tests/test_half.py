@@ -149,7 +149,8 @@ def test_the_gradient_scale_is_a_power_of_two_that_grows_with_confidence():
 def analyzed():
     """`/analyze` outputs (the handler in-process, attribution) on the shipped model in float32 and each half dtype;
     a prompt other than the scene's own, so no ground truth (whose NaN depend on the kept tokens)."""
-    from app.handler import LOADED, Handler
+    from app.handler import Handler
+    from app.models import LOADED
     from app.settings import Settings, knob_defaults
 
     scene = ROOT / "assets" / "examples" / "scene_600000.png"

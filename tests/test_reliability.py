@@ -563,7 +563,7 @@ def test_an_unreachable_model_fails_cleanly(server):
 
 
 def test_pickled_weights_are_refused_and_the_loaded_model_keeps_working(server, local_models_on):
-    from app.handler import LOADED
+    from app.models import LOADED
 
     before = fingerprint(server.analyze(model=server.local))  # another allowed model, now the loaded one
     loaded = LOADED.model
@@ -584,8 +584,8 @@ def test_remote_code_is_never_run(server, local_models_on):
 
 
 def test_out_of_memory_is_reported_freed_and_the_next_request_succeeds(server, monkeypatch):
-    import app.handler as app_module
-    from app.handler import LOADED
+    import app.pipeline as app_module
+    from app.models import LOADED
 
     freed = []
     monkeypatch.setattr(app_module, "free_memory", lambda: freed.append(1))
@@ -603,12 +603,12 @@ def test_out_of_memory_is_reported_freed_and_the_next_request_succeeds(server, m
 
 
 def test_out_of_memory_outside_generation_is_reported_too(server, monkeypatch):
-    import app.handler as app_module
+    from hap import views
 
     def exhausted(*args, **kwargs):
         raise MemoryError()
 
-    monkeypatch.setattr(app_module.views, "figures", exhausted)
+    monkeypatch.setattr(views, "figures", exhausted)
     with pytest.raises(Exception, match=r"out of memory \(MemoryError\); memory was freed"):
         server.analyze()
     monkeypatch.undo()
@@ -616,12 +616,12 @@ def test_out_of_memory_outside_generation_is_reported_too(server, monkeypatch):
 
 
 def test_an_unexpected_error_is_a_message_not_a_traceback(server, monkeypatch):
-    import app.handler as app_module
+    from hap import views
 
     def broken(*args, **kwargs):
         raise RuntimeError("figure backend exploded")
 
-    monkeypatch.setattr(app_module.views, "figures", broken)
+    monkeypatch.setattr(views, "figures", broken)
     with pytest.raises(Exception, match=r"internal error \(RuntimeError: figure backend exploded\); the server is "
                                         r"still running") as err:
         server.analyze()

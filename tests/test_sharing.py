@@ -12,8 +12,11 @@ from app_model import ROOT
 
 from app import causal as causal_section
 from app import handler
+from app.models import LOADED
+from app.pipeline import staged
 from app.settings import Settings, knob_defaults
 from hap import utility, views
+from hap.features import FeatureCache
 from hap.patch.decoder import decoder_shape
 from tiny_models import tiny_llava
 
@@ -38,11 +41,11 @@ def _analyze(share: bool, session: str) -> dict:
 
 @pytest.mark.slow
 def test_the_shared_analysis_is_the_unshared_one_with_one_vision_pass_per_client():
-    handler.LOADED.features.clear()  # what earlier tests' clients left
+    LOADED.features.clear()  # what earlier tests' clients left
     plain = _analyze(False, "a")
-    assert handler.LOADED.features == {}  # nothing kept where the sharing is off
+    assert LOADED.features == {}  # nothing kept where the sharing is off
     shared = _analyze(True, "a")
-    cache = handler.LOADED.features["a"]
+    cache = LOADED.features["a"]
     assert cache.misses == 1 and cache.hits >= 3  # unpruned, method, uniform, the causal and utility passes
     p, s = plain["summary"], shared["summary"]
     for key in ("answer", "retained_tokens", "flops_ratio", "head_class", "groups", "paq"):
@@ -55,9 +58,9 @@ def test_the_shared_analysis_is_the_unshared_one_with_one_vision_pass_per_client
     for view in views.VIEWS:  # every figure of the page, as plotly draws it
         assert shared[view.name].to_json() == plain[view.name].to_json(), view.name
     _analyze(True, "b")  # another client: its own vision pass
-    assert handler.LOADED.features["b"].misses == 1 and handler.LOADED.features["a"].misses == 1
+    assert LOADED.features["b"].misses == 1 and LOADED.features["a"].misses == 1
     _analyze(True, "a")  # a follow-up of client a: read, not encoded
-    assert handler.LOADED.features["a"].misses == 1
+    assert LOADED.features["a"].misses == 1
 
 
 def test_auto_on_a_cpu_keeps_head_utility_within_its_budget_and_says_why():
@@ -79,13 +82,13 @@ def test_auto_on_a_cpu_keeps_head_utility_within_its_budget_and_says_why():
 
 def test_the_progress_bar_says_when_the_image_is_encoded_and_when_it_is_reused():
     said = []
-    cache = handler.FeatureCache(2)
+    cache = FeatureCache(2)
     cache.get(("earlier request",), lambda: 0)  # counts before this request do not count
-    stage = handler.staged(lambda fraction, desc: said.append(desc), cache)
+    stage = staged(lambda fraction, desc: said.append(desc), cache)
     stage(0.1, "first run")
     cache.get(("this image",), lambda: 1)
     stage(0.5, "second run")
     assert said == ["first run · one vision pass for all runs", "second run · image features reused"]
-    plain = handler.staged(lambda fraction, desc: said.append(desc), None)
+    plain = staged(lambda fraction, desc: said.append(desc), None)
     plain(0.1, "run")
     assert said[-1] == "run"
