@@ -126,7 +126,7 @@ def test_the_app_starts_from_exactly_the_file_set_and_answers(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     try:
         client = _wait_for(f"http://127.0.0.1:{port}/", proc, 120)
-        from app.handler import OUTPUTS
+        from app.present import OUTPUTS
 
         out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(space / "assets/examples/scene_600000.png")),
                                                prompt="what color is the square ?", model_name="assets/tiny-llava",
