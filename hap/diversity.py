@@ -11,7 +11,7 @@ token j (the log-determinant it adds) is, up to the factor 1 / w,
 - r_j: the cut's relevance (HAP's scores) rescaled to [0, 1] over the sample's finite scores (flat scores: all 0); a
   score of +inf (an anchor of `sink_ranking`) is taken before any finite one, -inf (a masked sink) after them all;
 - d_j: the squared distance of token j's unit hidden state from the span of those already kept (1 before the first
-  pick, 0 for a duplicate; floored at FLOOR), the Gram-Schmidt residual of S;
+  pick, 0 for a duplicate; floored at FLOOR), the Gram-Schmidt residual of S (one row of S computed per pick);
 - w: the weight of diversity (w = 0: the relevance top-k; relevance flat: the greedy MAP of the DPP of kernel S).
 
 Detected sink tokens count as duplicates of the kept ones (d = FLOOR): a massive activation makes a sink the largest
@@ -38,48 +38,46 @@ def rescaled(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, ((scores - low) / span).clamp(0, 1), scores)
 
 
-def similarity(embeds: torch.Tensor) -> torch.Tensor:
-    """The kernel S: cosine similarities cos(h_i, h_j) of `embeds [batch, N, D]`, in float32 -> [batch, N, N]."""
-    unit = torch.nn.functional.normalize(embeds.float(), dim=-1)
-    return unit @ unit.transpose(1, 2)
-
-
 def _tier(values: torch.Tensor, open_: torch.Tensor) -> torch.Tensor:
     """The tokens of `open_` (bool [batch, N]) whose `values` [batch, N] equal the largest among them."""
     best = values.masked_fill(~open_, -torch.inf).amax(-1, keepdim=True)
     return open_ & (values == best)
 
 
-def select(relevance: torch.Tensor, kernel: torch.Tensor, k: int, weight: float,
+def select(relevance: torch.Tensor, embeds: torch.Tensor, k: int, weight: float,
            sink: torch.Tensor | None = None, priority: torch.Tensor | None = None) -> torch.Tensor:
     """The `k` tokens the greedy relevance-diversity rule keeps -> long [batch, k], ascending.
 
-    `relevance [batch, N]` (higher = keep; +-inf allowed), `kernel [batch, N, N]` (`similarity`), `weight` w >= 0,
-    `sink` bool [batch, N] tokens counted as duplicates, `priority [batch, N]` ranked before anything (an analysis
-    hook, as in `hap.fusion.select_top`). Each step takes, among the unpicked tokens of the highest priority and then
-    of the highest class (+inf relevance, finite, -inf), the largest r + w log d (module docstring)."""
+    `relevance [batch, N]` (higher = keep; +-inf allowed), `embeds [batch, N, D]` the hidden states (the kernel S is
+    their cosine similarity, one row computed per pick), `weight` w >= 0, `sink` bool [batch, N] tokens counted as
+    duplicates, `priority [batch, N]` ranked before anything (an analysis hook, as in `hap.scoring.fusion.select_top`). Each
+    step takes, among the unpicked tokens of the highest priority and then of the highest class (+inf relevance,
+    finite, -inf), the largest r + w log d (module docstring)."""
     batch, n = relevance.shape
     if not 1 <= k <= n:
         raise ValueError(f"k={k} must be in [1, {n}]")
     r = rescaled(relevance)
     rank = torch.where(r.isfinite(), 1, torch.where(r > 0, 2, 0)).float()  # +inf: 2, finite: 1, -inf: 0
+    tiered = priority is not None or not bool(r.isfinite().all())  # else every token is in one tier
     r = r.nan_to_num(0.0, 0.0, 0.0)
+    unit = torch.nn.functional.normalize(embeds.float(), dim=-1).to(r.device)  # [B, N, D]
     residual = torch.ones_like(r)  # d: squared distance from the span of the kept unit vectors
-    basis = torch.zeros(batch, k, n, device=r.device)  # row i: the i-th orthonormal direction's inner products
+    basis = torch.zeros(batch, k, n, device=r.device)  # row i: each token's coordinate on the i-th kept direction
     duplicate = torch.zeros_like(r, dtype=torch.bool) if sink is None else sink.to(r.device)
     open_ = torch.ones(batch, n, dtype=torch.bool, device=r.device)
     picks = torch.empty(batch, k, dtype=torch.long, device=r.device)
     rows = torch.arange(batch, device=r.device)
     for i in range(k):
-        candidates = open_ if priority is None else _tier(priority.to(r.device).float(), open_)
-        candidates = _tier(rank, candidates)
+        candidates = open_
+        if tiered:
+            candidates = open_ if priority is None else _tier(priority.to(r.device).float(), open_)
+            candidates = _tier(rank, candidates)
         d = residual.masked_fill(duplicate, FLOOR).clamp_min(FLOOR)
-        gain = (r + weight * d.log()).masked_fill(~candidates, -torch.inf)
-        j = gain.argmax(-1)
+        j = (r + weight * d.log()).masked_fill(~candidates, -torch.inf).argmax(-1)
         picks[:, i] = j
         open_[rows, j] = False
-        if i + 1 < k:  # Gram-Schmidt: the new direction's inner product with every token
-            e = kernel[rows, j] - (basis[rows, :i, j][:, None] @ basis[:, :i]).squeeze(1)
+        if i + 1 < k:  # Gram-Schmidt: every token's coordinate on the new direction, S[j] less the kept directions
+            e = (unit @ unit[rows, j][..., None]).squeeze(-1) - (basis[rows, :i, j][:, None] @ basis[:, :i]).squeeze(1)
             e = e / residual[rows, j].clamp_min(FLOOR).sqrt()[:, None]
             basis[:, i] = e
             residual = (residual - e * e).clamp_min(0)

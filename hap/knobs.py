@@ -175,7 +175,7 @@ KNOBS: tuple[Knob, ...] = (
          "scores of a cut before layer 0: layer 0's attention (attention), or its q.k without rotary embedding "
          "(prerope: no recency bias), or the vision tower's [CLS] attention (vision; CLIP towers)",
          choices=FIRST_CUTS, paper="attention"),
-    Knob("diversity", float, 0.0,
+    Knob("diversity", float, 0.25,
          "weight w of diversity at a cut: keep, one at a time, the token of largest relevance (rescaled to [0, 1]) + "
          "w log(its squared distance from the span of the kept tokens' unit hidden states), the greedy MAP of a "
          "conditional DPP; detected sinks count as duplicates (0: the relevance top-k)", low=0.0, paper=0.0),

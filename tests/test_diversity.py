@@ -17,6 +17,12 @@ from tiny_models import llava_case
 QUESTION = "what color is the circle ?"
 
 
+def similarity(embeds: torch.Tensor) -> torch.Tensor:
+    """The kernel S, cosine similarities [batch, N, N], computed independently in float64."""
+    unit = embeds.double() / embeds.double().norm(dim=-1, keepdim=True)
+    return unit @ unit.transpose(1, 2)
+
+
 def _case(seed: int, batch: int = 3, n: int = 40, d: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, n, generator=g), torch.randn(batch, n, d, generator=g)
@@ -29,12 +35,12 @@ def test_the_budget_is_kept_exactly_distinct_and_ascending(k, weight):
     scores[0, :5] = -math.inf  # masked sinks: still taken once the finite ones run out (k = 40)
     sink = torch.zeros(3, 40, dtype=torch.bool)
     sink[1, ::3] = True
-    chosen = diversity.select(scores, diversity.similarity(embeds), k, weight, sink)
+    chosen = diversity.select(scores, embeds, k, weight, sink)
     assert chosen.shape == (3, k)
     for row in chosen.tolist():
         assert row == sorted(set(row)) and 0 <= row[0] and row[-1] < 40
     with pytest.raises(ValueError, match=r"k=41 must be in \[1, 40\]"):
-        diversity.select(scores, diversity.similarity(embeds), 41, weight)
+        diversity.select(scores, embeds, 41, weight)
 
 
 def test_weight_zero_is_the_relevance_top_k_ties_by_position():
@@ -42,7 +48,7 @@ def test_weight_zero_is_the_relevance_top_k_ties_by_position():
     scores[:, 10:20] = 0.25  # ten tied tokens straddle the cut at k = 12
     scores[2] = torch.linspace(1, 0, 40)
     for k in (3, 12, 25):
-        assert torch.equal(diversity.select(scores, diversity.similarity(embeds), k, 0.0), select_top(scores, k))
+        assert torch.equal(diversity.select(scores, embeds, k, 0.0), select_top(scores, k))
 
 
 def greedy_logdet(kernel: torch.Tensor, k: int, quality: torch.Tensor | None = None) -> list[int]:
@@ -62,55 +68,50 @@ def greedy_logdet(kernel: torch.Tensor, k: int, quality: torch.Tensor | None = N
 def test_flat_relevance_is_the_greedy_map_of_the_similarity_dpp(weight):
     _, embeds = _case(2)
     flat = torch.full((3, 40), 0.7)
-    kernel = diversity.similarity(embeds)
-    chosen = diversity.select(flat, kernel, 9, weight)
-    assert chosen.tolist() == [greedy_logdet(S, 9) for S in kernel]
+    chosen = diversity.select(flat, embeds, 9, weight)
+    assert chosen.tolist() == [greedy_logdet(S, 9) for S in similarity(embeds)]
     assert not torch.equal(chosen, select_top(flat, 9))  # the diversity rule, not the positional tie order
 
 
 def test_each_step_is_the_conditional_dpps_greedy_step():
     """r + w log d is, times 1 / w, the log-determinant gain of L = diag(q) S diag(q) with q = exp(r / 2w)."""
     scores, embeds = _case(5)
-    kernel = diversity.similarity(embeds)
     for weight in (0.2, 1.0):
-        quality = (diversity.rescaled(scores) / (2 * weight)).exp()
-        assert diversity.select(scores, kernel, 8, weight).tolist() == [
-            greedy_logdet(S, 8, q) for S, q in zip(kernel, quality)]
+        quality = (diversity.rescaled(scores).double() / (2 * weight)).exp()
+        assert diversity.select(scores, embeds, 8, weight).tolist() == [
+            greedy_logdet(S, 8, q) for S, q in zip(similarity(embeds), quality)]
 
 
 def test_diversity_keeps_the_outlier_that_relevance_ranks_low():
     """Tokens 0 and 1 point nearly the same way and are the most relevant; token 2 is orthogonal and less relevant."""
     embeds = torch.tensor([[[1.0, 0.0], [1.0, 0.05], [0.0, 1.0], [0.9, 0.1]]])
     scores = torch.tensor([[1.0, 0.9, 0.2, 0.0]])
-    kernel = diversity.similarity(embeds)
-    assert diversity.select(scores, kernel, 2, 0.0).tolist() == [[0, 1]]
+    assert diversity.select(scores, embeds, 2, 0.0).tolist() == [[0, 1]]
     # beside token 0, r + w log d is 0.9 + w log 0.0025 for token 1, 0.2 + w log 1 for token 2: token 2 from w ~ 0.12
-    assert diversity.select(scores, kernel, 2, 0.1).tolist() == [[0, 1]]
-    assert diversity.select(scores, kernel, 2, 0.25).tolist() == [[0, 2]]
+    assert diversity.select(scores, embeds, 2, 0.1).tolist() == [[0, 1]]
+    assert diversity.select(scores, embeds, 2, 0.25).tolist() == [[0, 2]]
 
 
 def test_a_detected_sink_counts_as_a_duplicate():
     """Token 3 is a massive outlier (another direction, 100 x the norm)."""
     embeds = torch.tensor([[[1.0, 0, 0, 0], [1.0, 0.1, 0, 0], [0.9, 0.2, 0.1, 0], [0, 0, 0, 100.0]]])
     scores = torch.tensor([[1.0, 0.6, 0.5, 0.1]])
-    kernel = diversity.similarity(embeds)
-    assert diversity.select(scores, kernel, 2, 1.0).tolist() == [[0, 3]]
+    assert diversity.select(scores, embeds, 2, 1.0).tolist() == [[0, 3]]
     sink = torch.tensor([[False, False, False, True]])
-    assert diversity.select(scores, kernel, 2, 1.0, sink).tolist() == [[0, 2]]
+    assert diversity.select(scores, embeds, 2, 1.0, sink).tolist() == [[0, 2]]
     # even the most relevant: a sink is kept after every other token, unless the weight is 0
-    assert diversity.select(scores.flip(-1), kernel, 3, 1.0, sink).tolist() == [[0, 1, 2]]
-    assert diversity.select(scores.flip(-1), kernel, 4, 1.0, sink).tolist() == [[0, 1, 2, 3]]
-    assert diversity.select(scores.flip(-1), kernel, 1, 0.0, sink).tolist() == [[3]]
+    assert diversity.select(scores.flip(-1), embeds, 3, 1.0, sink).tolist() == [[0, 1, 2]]
+    assert diversity.select(scores.flip(-1), embeds, 4, 1.0, sink).tolist() == [[0, 1, 2, 3]]
+    assert diversity.select(scores.flip(-1), embeds, 1, 0.0, sink).tolist() == [[3]]
 
 
 def test_sink_ranking_anchors_come_first_and_masked_sinks_last():
     scores, embeds = _case(3, batch=1, n=10)
-    dist = diversity.similarity(embeds)
     anchored = scores.clone()
     anchored[0, 4] = math.inf  # mask_keep_one's anchor
     anchored[0, [0, 1, 2]] = -math.inf  # masked sinks
-    assert 4 in diversity.select(anchored, dist, 1, 5.0)[0].tolist()
-    assert set(diversity.select(anchored, dist, 7, 5.0)[0].tolist()) == set(range(3, 10))
+    assert 4 in diversity.select(anchored, embeds, 1, 5.0)[0].tolist()
+    assert set(diversity.select(anchored, embeds, 7, 5.0)[0].tolist()) == set(range(3, 10))
     rescaled = diversity.rescaled(torch.tensor([[3.0, math.inf, -math.inf, 1.0, 2.0], [2.0, 2.0, 2.0, 2.0, 2.0]]))
     assert rescaled.tolist() == [[1.0, math.inf, -math.inf, 0.0, 0.5], [0.0] * 5]
 
@@ -119,9 +120,9 @@ def test_priority_ranks_first_as_in_select_top():
     scores, embeds = _case(4, batch=2, n=20)
     priority = torch.zeros(2, 20)
     priority[:, [3, 17]] = 1.0
-    chosen = diversity.select(scores, diversity.similarity(embeds), 5, 1.0, priority=priority)
+    chosen = diversity.select(scores, embeds, 5, 1.0, priority=priority)
     assert all({3, 17} <= set(row) for row in chosen.tolist())
-    assert torch.equal(diversity.select(scores, diversity.similarity(embeds), 5, 0.0, priority=priority),
+    assert torch.equal(diversity.select(scores, embeds, 5, 0.0, priority=priority),
                        select_top(scores, 5, priority))
 
 
@@ -149,6 +150,6 @@ def test_the_hap_pruner_selects_on_the_hidden_states_entering_its_cut(monkeypatc
     h = model(**inputs, output_hidden_states=True).hidden_states[0][0]  # [T, D] the decoder's input
     vis = (inputs["input_ids"][0] == model.config.image_token_id).nonzero().flatten()
     k = patch.state.schedule.kept[0]
-    expected = diversity.select(seen[0], diversity.similarity(h[vis][None]), k, 1.0)[0].tolist()
+    expected = diversity.select(seen[0], h[vis][None], k, 1.0)[0].tolist()
     assert len(kept) == k and kept == expected
     assert kept != select_top(seen[0], k)[0].tolist()  # the diversity term changed the kept set

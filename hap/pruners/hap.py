@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..diversity import select as select_diverse, similarity
+from ..diversity import select as select_diverse
 from ..fusion import fuse, fusion_weights, token_scores
 from .base import Pruner, Selection, rank_sinks
 
@@ -59,9 +59,8 @@ class Hap(Pruner):
         if self.diversity == 0:
             return super().select(state, cut)
         scores = self.scores(state, cut).to(state.visual_pos.device)
-        kernel = similarity(cut.embeds.to(scores.device))
         sink = None if cut.sink is None else cut.sink.to(scores.device)
-        chosen = select_diverse(scores, kernel, state.kept_count(cut.index), self.diversity, sink,
+        chosen = select_diverse(scores, cut.embeds, state.kept_count(cut.index), self.diversity, sink,
                                 state.current_priority())
         return Selection(chosen, scores)
 
