@@ -39,7 +39,7 @@ from transformers import (LlavaConfig, LlavaForConditionalGeneration, LlavaProce
                           SiglipImageProcessorPil, SiglipVisionConfig)
 
 from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"

@@ -16,7 +16,7 @@ Every knob of `hap.knobs` but the method and the budget is a flag, shared by eve
 through `hap.patched(..., priority=...)`; a question with no answering patch gets plain uniform) and
 `oracle_causal` (the same with the tokens of highest causal token importance first, `hap.token_importance`: a
 ceiling that needs no scene metadata).
-`--methods all` runs every method of the registry (`hap.keeps.pruning`: the method knob's choices but none), so a
+`--methods all` runs every method of the registry (`hap.runs.keeps.pruning`: the method knob's choices but none), so a
 method added to the registry joins the table by itself. The default budgets are 11.1% and 5.6% and the papers'
 64 / 128 / 192-of-576 equivalents (retain 0.111, 0.222, 0.333), each table column naming the equivalent; the held-out
 table of every method:
@@ -66,13 +66,13 @@ import torch
 import hap
 from hap import causal, utility
 from hap.causal import spearman
-from hap.budget import smallest_retain
-from hap.keeps import pruning, refusal
+from hap.planning.budget import smallest_retain
+from hap.runs.keeps import pruning, refusal
 from hap.knobs import knob
 from hap.methods import load_plugins, pruner_class
 from hap.patch.decoder import decoder_shape
-from hap.run import chat_prompt, template_tail
-from hap.ground_truth import head_grounding
+from hap.runs.run import chat_prompt, template_tail
+from hap.views.ground_truth import head_grounding
 from analysis.scenes import MAX_OBJECTS, MIN_OBJECTS, N_PATCHES, QTYPES, heldout_items
 
 load_plugins()  # the pruners named in HAP_PRUNERS join `--methods` (and `all`)
@@ -266,7 +266,7 @@ def extras_of(model, processor, batch, base: dict, state, tally: Tally) -> torch
 
 def reachable(model, config: hap.HAPConfig) -> bool:
     """Whether `config`'s budget is reachable on `model` (the official methods cannot prune before layer 0, so on the
-    6-layer model layer 0 alone averages 1/6 of the tokens: `hap.budget.smallest_retain`)."""
+    6-layer model layer 0 alone averages 1/6 of the tokens: `hap.planning.budget.smallest_retain`)."""
     shape = decoder_shape(model)
     return config.retain is None or config.retain >= smallest_retain(config, shape, N_PATCHES) - 1e-12
 
@@ -338,7 +338,7 @@ def load_run(args: argparse.Namespace, names: tuple[str, ...]) -> tuple:
 
 
 def chosen(names: list[str]) -> list[str]:
-    """`--methods` with `all` replaced by every method of the registry (`hap.keeps.pruning`), each once, in order."""
+    """`--methods` with `all` replaced by every method of the registry (`hap.runs.keeps.pruning`), each once, in order."""
     return list(dict.fromkeys(m for name in names for m in (pruning() if name == "all" else [name])))
 
 

@@ -4,7 +4,7 @@
     python -m analysis.diversity_cost --device cuda --dtype bfloat16 --layers 32
 
 For each visual-token count and budget, HAP's schedule on LLaVA-1.5-7B's decoder (32 layers,
-`hap.budget.plan`, first_layers 2 at 11.1% and 1 at 5.6%, which 32 layers need; the library's groups) gives
+`hap.planning.budget.plan`, first_layers 2 at 11.1% and 1 at 5.6%, which 32 layers need; the library's groups) gives
 the tokens present and kept at each cut; the selection (`hap.diversity.select` on [1, N, 4096] hidden states) is
 timed at every cut and summed, beside the unpruned prefill of the same decoder width (`analysis.speed.random_vlm`'s
 `llava-7b` shape, random weights) on `--text-tokens` text tokens plus the visual ones. On a CPU the decoder runs at reduced depth (`--layers`) and the
@@ -23,8 +23,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import hap
 from hap.diversity import select
-from hap.budget import plan
-from hap.flops import DecoderShape
+from hap.planning.budget import plan
+from hap.planning.flops import DecoderShape
 from analysis.speed import SHAPES, random_vlm
 
 COUNTS = {"LLaVA-1.5 (576)": 576, "LLaVA-NeXT (2,880)": 2880}

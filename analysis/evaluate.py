@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from analysis.scenes import QTYPES, Question, Scene, heldout_items
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 
 
 @torch.no_grad()

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 import hap
-from hap.heads import HeadStats, classify
+from hap.scoring.heads import HeadStats, classify
 from hap.pruners import pruner_for
 from hap.patch.decoder import decoder_shape
 from hap.lab.plan import Plan, classifier_report, share_plan
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from analysis.benchmark import KNOB_FLAGS, SCHEDULE, load_run, method_run, run_batch, run_parser
 from analysis.scenes import N_PATCHES
 
@@ -74,7 +74,7 @@ def kinds_of(args) -> list[tuple[str, str, int | None]]:
 
 
 def hap_scoring_layers(model, base: dict, retain: float, num_visual: int, text_tokens: int) -> list[int]:
-    """The layers whose prompt-row maps score HAP's cuts with the run's knobs at `retain` (`hap.budget.plan`)."""
+    """The layers whose prompt-row maps score HAP's cuts with the run's knobs at `retain` (`hap.planning.budget.plan`)."""
     config = hap.HAPConfig(method="hap", retain=retain, **base)
     schedule = hap.plan(config, decoder_shape(model), num_visual, text_tokens)
     starts = [0, *schedule.cuts]

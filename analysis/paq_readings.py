@@ -33,7 +33,7 @@ import hap
 from hap import utility
 from hap.causal import paq_spearman, prepare
 from hap.patch import attention_outputs, decoder_of
-from hap.run import template_tail
+from hap.runs.run import template_tail
 from analysis.scenes import QTYPES, heldout_items
 
 NEUTRAL = "what is in the image ?"  # the prompt `contrast` compares a head's map with
@@ -45,7 +45,7 @@ class LayerView:
     """What the readings see of one layer for one question (float64 numpy)."""
 
     layer: int
-    dist: np.ndarray  # [heads, N] each head's prompt-row attention renormalised over the image (hap.heads)
+    dist: np.ndarray  # [heads, N] each head's prompt-row attention renormalised over the image (hap.scoring.heads)
     paq: np.ndarray  # [heads] today's PAQ (focus)
     visual_share: np.ndarray  # [heads] mu
     written: np.ndarray  # [heads, N] ||W_O^h v_v||: the norm of what head h writes from visual token v

@@ -34,8 +34,8 @@ import hap
 from analysis.benchmark import run_batch
 from analysis.scenes import QTYPES, Question, Scene, heldout_items
 from hap import causal
-from hap.heads import HeadStats, classify
-from hap.trace import STATS
+from hap.scoring.heads import HeadStats, classify
+from hap.runs.trace import STATS
 from hap.utility import default_keep
 
 LEARNED = tuple(k for k in QTYPES if k not in ("relation", "letter"))  # at chance on the shipped model (its card)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from hap.ground_truth import GRID, METADATA_KEY, N_PATCHES  # the scene format the app reads: 12x12 = 144 patches
+from hap.views.ground_truth import GRID, METADATA_KEY, N_PATCHES  # the scene format the app reads: 12x12 = 144 patches
 
 PATCH = 14
 IMAGE_SIZE = GRID * PATCH  # 168

@@ -16,9 +16,9 @@ import numpy as np
 from PIL import Image
 
 from hap import HAPConfig, causal, utility, views
-from hap.inputs import InputLimits
+from hap.runs.inputs import InputLimits
 from hap.patch.decoder import decoder_shape
-from hap.run import build_inputs
+from hap.runs.run import build_inputs
 from hap.views import causal as causal_views
 
 CAUSAL = ("causal_text", "causal_heads", "causal_scatter", "causal_tokens", "utility_text", "utility_heads",

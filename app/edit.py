@@ -2,7 +2,7 @@
 
 The page's image input is gradio's ImageEditor (brush, eraser, crop). Its value (`{"background", "layers",
 "composite"}`, files in gradio's upload cache, each path checked by `app.uploads.allowed_path`) becomes one image
-source for `hap.inputs.load_image`, the same checked path as an upload: the background as uploaded when nothing
+source for `hap.runs.inputs.load_image`, the same checked path as an upload: the background as uploaded when nothing
 was drawn, erased or cropped (so a scene keeps the ground truth in its file), else the composite. `EditDiff`
 compares the run on the edited image with the run on the original: answers, head classes, kept tokens per group.
 """
@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from hap import views
-from hap.inputs import InputLimits, load_image
+from hap.runs.inputs import InputLimits, load_image
 
 from .uploads import REFUSED, allowed_path
 
@@ -82,7 +82,7 @@ def image_input(image, limits: InputLimits) -> ImageInput:
 
 
 def load(source, name: str, limits: InputLimits) -> Image.Image:
-    """The checked image as RGB (`hap.inputs.load_image`); ValueError naming the file."""
+    """The checked image as RGB (`hap.runs.inputs.load_image`); ValueError naming the file."""
     try:
         return load_image(source, limits)
     except ValueError as err:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from hap import views
-from hap.features import FeatureCache
+from hap.runs.features import FeatureCache
 from hap.lab.plan import PLAN_KEYS, Plan
 
 from . import conversation as chat
@@ -62,7 +62,7 @@ class Handler:
         empty = none), planted for every run of the request, whose views are then all marked PLANTED and whose
         JSON gains "plant" (the plan, the sink tokens used, the classifier's precision / recall on it, the lab's
         answers); `keeps` (true: opt-in) also runs every pruning method at the budget ("What each method keeps",
-        `hap.keeps`; the JSON gains "keeps"); `request` (gradio's) names the client whose image features are kept
+        `hap.runs.keeps`; the JSON gains "keeps"); `request` (gradio's) names the client whose image features are kept
         (`LoadedModel.feature_cache`).
 
         Returns the outputs by name (`OUTPUTS`): the three answer cards, the layer and head sliders, every view
@@ -77,7 +77,7 @@ class Handler:
     @user_errors
     def sweep(self, image, prompt: str, model_name: str, progress: gr.Progress = gr.Progress(track_tqdm=True),
               request: gr.Request | None = None, **settings) -> dict[str, object]:
-        """Every pruning method at budgets from 1.0 down to the model's smallest (`hap.sweep`); `settings`
+        """Every pruning method at budgets from 1.0 down to the model's smallest (`hap.runs.sweep`); `settings`
         are the knobs but the swept ones (SWEPT) and the processor options, checked as `/analyze` checks them.
         Outputs by name (`SWEEP_OUTPUTS`): the plot and the JSON. Cached per input (image bytes, prompt, model, knobs,
         processor options)."""

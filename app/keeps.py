@@ -1,5 +1,5 @@
 """The page's "What each method keeps" section: every pruning method of the registry at the page's budget, one small
-map per method over the analysed image (`hap.keeps`).
+map per method over the analysed image (`hap.runs.keeps`).
 
 Opt-in, so that `/analyze`'s default cost does not grow: the request field `keeps` (the section's checkbox, which Run
 and follow-ups read, or its own button) runs every method once more at the budget, the answers decoded as one batch

@@ -16,10 +16,10 @@ from functools import partial
 
 import gradio as gr
 
-from hap.inputs import FORMATS, InputLimits
+from hap.runs.inputs import FORMATS, InputLimits
 from hap.knobs import KNOBS, SINK_DETECTORS, Knob
 from hap.options import OPTIONS
-from hap.report import LABELS, TEACHING
+from hap.views.report import LABELS, TEACHING
 from hap.views import VIEW
 
 from . import causal as causal_section

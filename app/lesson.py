@@ -93,8 +93,8 @@ class Numbers:
                    map_share(data.group_maps[0], sorted(sinks)))
 
     def answers_line(self) -> str:
-        """The answers, each cut at its end (`hap.sweep.short_answer`), and the scene's."""
-        from hap.sweep import short_answer
+        """The answers, each cut at its end (`hap.runs.sweep.short_answer`), and the scene's."""
+        from hap.runs.sweep import short_answer
 
         return "; ".join(f"{label}: **{short_answer(answer) or '(empty)'}**" for label, answer in self.answers.items()
                          ) + f" (the scene's answer: **{self.truth}**)"
@@ -176,7 +176,7 @@ STEPS = (
 
 def scene() -> dict:
     """The lesson's scene: its question as its metadata holds it (text, answer, kind, answering patches)."""
-    from hap.ground_truth import file_metadata
+    from hap.views.ground_truth import file_metadata
 
     return file_metadata(EXAMPLES / SCENE)["question"]
 

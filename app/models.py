@@ -18,9 +18,9 @@ from urllib.parse import urlparse
 import huggingface_hub
 
 import hap
-from hap.features import FeatureCache
+from hap.runs.features import FeatureCache
 from hap.options import NO_OPTIONS, ProcessorOptions
-from hap.run import free_memory
+from hap.runs.run import free_memory
 
 from .settings import is_local, resolve
 

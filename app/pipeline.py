@@ -3,15 +3,15 @@
 
 Every request is checked in full here (gradio's own preprocessing is off, so an API call gets the same messages as
 the page): the image must be an upload or a shipped example (`app.uploads`: any other server path refused with one
-message) and goes through `hap.inputs.load_image` (any PIL mode, first frame, EXIF rotation; empty, truncated,
+message) and goes through `hap.runs.inputs.load_image` (any PIL mode, first frame, EXIF rotation; empty, truncated,
 non-image and oversized files refused), every knob through its registry entry (`hap.knobs.Knob.check`, then
 `HAPConfig` for the combination), and the model against the allow-list (`app.settings.check_model`). Bad input, a
 model that fails to load (the previous one stays loaded) and running out of memory (memory is freed) come back to
 that user as a `gr.Error` with the message, never a traceback (`user_errors`); the server keeps serving.
 
 `run_analysis` times the three answers on untraced runs and keeps a separate traced run of the chosen method for the
-figures. On a scene that carries its ground truth (`hap.ground_truth`) for the prompt asked, the run's view data
-gains it. `run_sweep` runs every pruning method over a range of budgets (`hap.sweep`). What they return is drawn by
+figures. On a scene that carries its ground truth (`hap.views.ground_truth`) for the prompt asked, the run's view data
+gains it. `run_sweep` runs every pruning method over a range of budgets (`hap.runs.sweep`). What they return is drawn by
 `app.present`.
 """
 
@@ -32,19 +32,19 @@ from PIL import Image
 import hap
 from hap import views
 from hap.causal import resolve_setting
-from hap.compare import Comparison, compare
-from hap.features import FeatureCache, reusing_features
-from hap.ground_truth import file_metadata, question_for, scene_truth
-from hap.inputs import InputLimits, check_history, clean_conversation
-from hap.keeps import Keeps, pruning
-from hap.keeps import keeps as every_method
+from hap.runs.compare import Comparison, compare
+from hap.runs.features import FeatureCache, reusing_features
+from hap.views.ground_truth import file_metadata, question_for, scene_truth
+from hap.runs.inputs import InputLimits, check_history, clean_conversation
+from hap.runs.keeps import Keeps, pruning
+from hap.runs.keeps import keeps as every_method
 from hap.knobs import KNOBS
 from hap.lab.plan import Plan
 from hap.options import OPTIONS, ProcessorOptions
 from hap.patch import batch
 from hap.patch.processors import option_defaults, processor_options
-from hap.run import free_memory, run
-from hap.sweep import sweep as every_budget
+from hap.runs.run import free_memory, run
+from hap.runs.sweep import sweep as every_budget
 
 from . import causal as causal_section
 from . import zerogpu
@@ -183,8 +183,8 @@ def gpu_compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: 
     traced run, for the figures; the three results to report, for their latencies; with a plan, the head lab's four
     answers: unpruned, uniform, the paper's HAP and HAP+).
 
-    With a `cache` (HAP_APP_SHARE=1) the image is encoded once for every run (`hap.features`), the three answers are
-    decoded as one batch after each run's own prefill (`hap.compare`'s `together`; one by one with a plan planted)
+    With a `cache` (HAP_APP_SHARE=1) the image is encoded once for every run (`hap.runs.features`), the three answers are
+    decoded as one batch after each run's own prefill (`hap.runs.compare`'s `together`; one by one with a plan planted)
     and the method is timed on its traced run, whose latency then includes the attention capture (the card says
     so); without one, every run encodes the image and decodes alone, and the method runs again untraced for its
     latency.
@@ -223,7 +223,7 @@ def gpu_original(image: Image.Image, prompt: str, config: hap.HAPConfig, limits:
 def gpu_keeps(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits,
               history: list[tuple[str, str]], done: dict[str, hap.Result], plan: Plan = Plan(),
               cache: FeatureCache | None = None) -> Keeps:
-    """The GPU part of "What each method keeps" (`hap.keeps.keeps`; see `gpu_compare` for ZeroGPU): every method at
+    """The GPU part of "What each method keeps" (`hap.runs.keeps.keeps`; see `gpu_compare` for ZeroGPU): every method at
     `config`'s budget but those `done`, `plan` planted, the image's features from `cache`."""
     with planted(plan), reusing_features(LOADED.model, cache):
         return every_method(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits, history,
@@ -251,7 +251,7 @@ def sweep_work(call: zerogpu.Call) -> zerogpu.Work:
 def gpu_sweep(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: InputLimits, progress: gr.Progress,
               cache: FeatureCache | None = None):
     """The GPU part of `/sweep` (see `gpu_compare` for ZeroGPU); with a `cache` the image is encoded once and the
-    runs share what `hap.sweep` shares."""
+    runs share what `hap.runs.sweep` shares."""
     with processor_options(LOADED.model, LOADED.processor, LOADED.options), reusing_features(LOADED.model, cache):
         return every_budget(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, limits,
                             lambda fraction, description: progress(0.05 + 0.9 * fraction, desc=description),

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import gradio as gr
 
 from hap import views
-from hap.ground_truth import truth_json
-from hap.keeps import keeps_plotly
+from hap.views.ground_truth import truth_json
+from hap.runs.keeps import keeps_plotly
 from hap.lab.plan import Plan
 from hap.options import ProcessorOptions
-from hap.report import answer_card, explanation, head_text, summary, sweep_title, truth_text
+from hap.views.report import answer_card, explanation, head_text, summary, sweep_title, truth_text
 
 from . import causal as causal_section
 from . import conversation as chat

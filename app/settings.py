@@ -13,7 +13,7 @@
     HAP_APP_MAX_TURNS       earlier turns a follow-up question may carry in `history` (default 8)
     HAP_APP_MAX_CONVERSATION  characters of a conversation's questions and answers together (default 8000)
     HAP_APP_SHARE           1 (default): the runs of a request share work: the image is encoded once per client
-                            and image (`hap.features`), the method's traced run is also the one it is timed on,
+                            and image (`hap.runs.features`), the method's traced run is also the one it is timed on,
                             and a sweep stops each answer at its third word; 0: every run from the pixels, timed
                             on a separate untraced run (the behaviour before the sharing; `analysis.app_speed`
                             measures both)
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from hap.inputs import DEFAULT_LIMITS, InputLimits
+from hap.runs.inputs import DEFAULT_LIMITS, InputLimits
 from hap.knobs import KNOBS, knob
 from hap.patch.processors import options_of
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gradio.utils import get_upload_folder
 
-from hap.inputs import FORMATS
+from hap.runs.inputs import FORMATS
 
 from .settings import EXAMPLES
 

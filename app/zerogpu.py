@@ -8,7 +8,7 @@ is stopped). Without `spaces` (a CPU Space, a workstation, the tests) the functi
 The duration is an upper estimate of the call's GPU time on the loaded model, from its size and the call's work:
 START_S (the worker and the weights moved onto the GPU) plus SAFETY x the work's time, at least MIN_S. The work
 (`Work`) counts full forward passes over the prompt (a backward counts two; a traced run one more for the captured
-rows) and decode steps. A pass over T tokens costs 2 x layers x `hap.flops.layer_flops(T)` FLOPs at FLOPS per
+rows) and decode steps. A pass over T tokens costs 2 x layers x `hap.planning.flops.layer_flops(T)` FLOPs at FLOPS per
 second; a decode step streams the weights once at BANDWIDTH bytes per second, plus STEP_S and LAYER_STEP_S per layer
 of Python and kernel launches (generate, the pruner's hooks). T comes from the processor on the call's own input.
 So a 7B sweep (43 generations of up to 32 tokens, 86 passes) asks for about 200 s, the tiny model's about 50 s.
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from hap import causal, utility
-from hap.flops import layer_flops
-from hap.keeps import pruning
+from hap.planning.flops import layer_flops
+from hap.runs.keeps import pruning
 from hap.patch.decoder import decoder_shape
-from hap.run import build_inputs
-from hap.sweep import POINTS
+from hap.runs.run import build_inputs
+from hap.runs.sweep import POINTS
 
 F = TypeVar("F", bound=Callable)
 FLOPS = 1e14  # bf16 FLOP/s sustained on a ZeroGPU slice (H200 / RTX Pro 6000 class: well below their peak)
@@ -60,12 +60,12 @@ class Call:
 
 def answers(runs: int, traced: int, new_tokens: int, together: bool = False) -> Work:
     """`runs` generations of up to `new_tokens` tokens, `traced` of them traced (every layer's rows captured);
-    `together`: their answers decoded as one batch (`hap.run.run_together`), each step streaming the weights once."""
+    `together`: their answers decoded as one batch (`hap.runs.run.run_together`), each step streaming the weights once."""
     return Work(runs + traced, (1 if together else runs) * new_tokens)
 
 
 def sweep_work(new_tokens: int, shared: bool = False, together: bool = False) -> Work:
-    """`/sweep` (`hap.sweep`): the unpruned answer and every method at POINTS budgets, each generated then its
+    """`/sweep` (`hap.runs.sweep`): the unpruned answer and every method at POINTS budgets, each generated then its
     unpruned answer's probability teacher-forced (an upper estimate where the sweep is `shared`: every generation
     then stops at its answer's end, FORCED_TOKENS tokens at most here, and a forced pass runs only where needed;
     `together`: a method's budgets are decoded, and forced on their own prefills, as one batch)."""

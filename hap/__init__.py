@@ -15,26 +15,27 @@ count (`hap.options`), unset = the checkpoint's own.
 The pipeline, stage by stage (imports flow down this list and never back: `tests/test_architecture.py`):
 
     settings     methods (the method registry, a leaf), knobs, config (HAPConfig), options (processor settings)
-    plan         flops (FLOPs arithmetic, groups, solve_schedule), budget (a method's schedule, asking its pruner)
-    capture      capture (prompt-row attention recomputed from q, k), heads (sink / dispersed / optimal, PAQ)
-    score, pick  fusion (PAQ-weighted fusion, token scores, top-k), diversity (HAP+'s relevance x diversity),
-                 merge, recycle, pruners/ (base: the Pruner interface and the State it reads; one module per method)
-    execute      hooks (extension points), cues (the vision tower's cues), patch/ (decoder: the hooks; state: the
-                 executor's state of one prefill; batch, prefix: shared decoding and layers; one adapter per family;
-                 processors), hub + load (loading, safetensors only)
-    run, result  inputs (checked uploads), run (hap.run and friends), trace (Result), features (one vision pass
-                 per image), compare, keeps (what each method keeps), sweep (every method over the budgets)
-    views        layout (where each token lies on the image), views/ (a run's figures, the sweep's, the causal
-                 ones), report (a comparison's texts), ground_truth (a synthetic scene's truth against a run)
+    planning/    flops (FLOPs arithmetic, groups, solve_schedule), budget (a method's schedule, asking its pruner)
+    scoring/     capture (prompt-row attention recomputed from q, k), heads (sink / dispersed / optimal, PAQ),
+                 fusion (PAQ-weighted fusion, token scores, top-k); diversity (HAP+'s relevance x diversity)
+    pruners/     base (the Pruner interface and the State it reads), one module per method, and what cuts share:
+                 merge, recycle, cues (the vision tower's cues)
+    patch/       execution inside the decoder: decoder (the hooks), state (the executor's state of one prefill),
+                 hooks (extension points), batch and prefix (shared decoding and layers), one adapter per family,
+                 processors; hub + load (loading, safetensors only) beside it
+    runs/        inputs (checked uploads), run (hap.run and friends), trace (Result), features (one vision pass per
+                 image), compare, keeps (what each method keeps), sweep (every method over the budgets)
+    views/       a run's figures, the sweep's and the causal ones, report (a comparison's texts), ground_truth (a
+                 synthetic scene's truth against a run); layout (where each token lies on the image) beside it
     beside       causal, utility (which heads and tokens the answer depends on), lab/ (planted heads: a plug-in
-                 through hooks, imported by nothing of the method), lmms_eval (the plugin), __main__ (the CLI)
+                 through patch.hooks, imported by nothing of the method), lmms_eval (the plugin), __main__ (the CLI)
 """
 
-from .flops import DecoderShape, Schedule, solve_schedule
-from .budget import plan
+from .planning.flops import DecoderShape, Schedule, solve_schedule
+from .planning.budget import plan
 from .causal import head_importance, token_importance
 from .config import HAPConfig
-from .inputs import DEFAULT_LIMITS, InputLimits
+from .runs.inputs import DEFAULT_LIMITS, InputLimits
 from .knobs import KNOBS, METHODS, Knob, knob
 from .hub import ModelLoadError
 from .load import load_model
@@ -43,8 +44,8 @@ from .patch import apply as patch
 from .patch import patched
 from .patch import remove as unpatch
 from .lab.planted import plant
-from .run import run, run_batch, run_together
-from .trace import Group, Maps, Result
+from .runs.run import run, run_batch, run_together
+from .runs.trace import Group, Maps, Result
 from .utility import HeadUtility, head_utility
 
 __all__ = [

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from . import causal, utility
 from .config import HAPConfig
-from .features import FeatureCache, reusing_features
-from .inputs import check_history
+from .runs.features import FeatureCache, reusing_features
+from .runs.inputs import check_history
 from .hub import ModelLoadError
-from .keeps import keeps, keeps_png, panel_title
+from .runs.keeps import keeps, keeps_png, panel_title
 from .knobs import KNOBS, SEED
 from .lab.plan import Plan, plant_line
 from .lab.planted import plant
@@ -20,7 +20,7 @@ from .load import load_model
 from .methods import UNIFORM, load_plugins
 from .options import OPTIONS, ProcessorOptions
 from .patch.processors import option_defaults, processor_options
-from .run import run
+from .runs.run import run
 from .views import ViewData, export_png
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-llava")
@@ -58,13 +58,13 @@ def parser() -> argparse.ArgumentParser:
                         "models, attribution on large ones; the --json result gains 'causal' and 'head_utility'")
     r.add_argument("--keeps", action="store_true",
                    help="also run every pruning method at this budget (one prefill each, the answers decoded as one "
-                        "batch) and show what each keeps (hap.keeps): a line per method, the --json result gains "
+                        "batch) and show what each keeps (hap.runs.keeps): a line per method, the --json result gains "
                         "'keeps', --figures gains keeps.png")
     return p
 
 
 def read_history(path: Path | None) -> list[tuple[str, str]]:
-    """The turns of a `--history` file (`hap.inputs.check_history`); ValueError naming the file."""
+    """The turns of a `--history` file (`hap.runs.inputs.check_history`); ValueError naming the file."""
     if path is None:
         return []
     try:

@@ -30,9 +30,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from .inputs import DEFAULT_LIMITS, InputLimits, load_image
+from .runs.inputs import DEFAULT_LIMITS, InputLimits, load_image
 from .patch import attention_outputs, decoder_of, repeat_decoder_kwargs, visual_tokens
-from .run import build_inputs
+from .runs.run import build_inputs
 
 MODES = ("ablation", "attribution")
 SETTINGS = ("auto", *MODES, "off")  # what a caller asks for; "auto" = `default_mode`

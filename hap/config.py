@@ -12,7 +12,7 @@ class HAPConfig:
     """Configuration of one pruning run; each field is the knob of the same name in `hap.knobs.KNOBS`.
 
     Give `retain` or `flops_ratio` (not both); the other is derived from the FLOPs accounting in
-    `hap.budget` once the sequence is known. Model-dependent defaults are None here and resolve when
+    `hap.planning.budget` once the sequence is known. Model-dependent defaults are None here and resolve when
     the decoder's depth is known (`resolved(n_layers)`, done by the planner): `first_layers` is 2 on
     decoders of 16+ layers, else 0; with neither budget given, `retain` is 0.111 on decoders of 16+
     layers, else 0.25. So `HAPConfig()` runs on every supported model, the 6-layer shipped one included.

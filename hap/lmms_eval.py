@@ -58,7 +58,7 @@ with warnings.catch_warnings():  # lmms-eval's llava_hf modules run a process-wi
     from lmms_eval.models.chat.llava_hf import LlavaHf as _LlavaHfChat
     from lmms_eval.models.simple.llava_hf import LlavaHf as _LlavaHfSimple
 
-from .budget import plan
+from .planning.budget import plan
 from .config import HAPConfig
 from .knobs import KNOBS, SEED, knob
 from .methods import load_plugins, pruner_class
@@ -81,7 +81,7 @@ def config_from_args(args: dict) -> HAPConfig:
 
 def check_budget(model, config: HAPConfig) -> None:
     """Raise now (not per sample, inside lmms-eval's `generate` try/except) when the budget is unreachable
-    on this decoder (`hap.budget.plan`; a retain target depends only on depth and groups). A flops_ratio
+    on this decoder (`hap.planning.budget.plan`; a retain target depends only on depth and groups). A flops_ratio
     target is checked with no text tokens (its least demanding case)."""
     num_visual = int(getattr(model.config, "image_seq_length", None) or 576)
     plan(config, decoder_shape(model), num_visual)

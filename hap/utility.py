@@ -11,7 +11,7 @@ At the same cut (same keep, same rows) two reference lines: the plain average of
 softmax(PAQ / T) weighting (PAQ from the unpruned run, every token present, as HAP's first cut sees it): would
 another weighting have kept the answer?
 
-How it runs: one traced unpruned forward gives the answer token and every head's map (`hap.trace`); then, per
+How it runs: one traced unpruned forward gives the answer token and every head's map (`hap.runs.trace`); then, per
 layer l, the one-cut schedule with its kept set forced through the pruner's `priority` (H + 2 rows: the heads' top
 sets and the two references). The batch-1 input fans out at the cut (`PruneState.start`): the layers before it run
 once for all rows, the layers after it on `batch_size` rows per forward.
@@ -34,12 +34,12 @@ import torch
 
 from .causal import default_mode, head_layout, paq_spearman, prepare
 from .config import HAPConfig
-from .flops import DecoderShape, layer_flops
-from .fusion import select_top
-from .inputs import DEFAULT_LIMITS, InputLimits
+from .planning.flops import DecoderShape, layer_flops
+from .scoring.fusion import select_top
+from .runs.inputs import DEFAULT_LIMITS, InputLimits
 from .methods import RANDOM, UNIFORM
 from .patch import patched
-from .run import conversation, question_lead, template_tail
+from .runs.run import conversation, question_lead, template_tail
 
 UTILITY_BATCH = 34  # pruned variants per forward (a 32-head layer and its two references)
 
@@ -161,7 +161,7 @@ def measure(model, inputs: dict, keep: int | None = None, rows: str = "last", la
 
 def cost(shape: DecoderShape, num_visual: int, text_tokens: int, heads: int, keep: int | None = None,
          layers: Iterable[int] | None = None) -> float:
-    """FLOPs of `measure` in unpruned prefills (`hap.budget` accounting) on a decoder of `shape` and `heads` heads:
+    """FLOPs of `measure` in unpruned prefills (`hap.planning.budget` accounting) on a decoder of `shape` and `heads` heads:
     the traced unpruned forward, then per scored layer l the layers 0..l once and layers l+1.. on keep + text tokens
     for H + 2 variants (the attention capture and the output head left out)."""
     keep = default_keep(num_visual) if keep is None else keep

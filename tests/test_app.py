@@ -18,7 +18,7 @@ from PIL import Image
 import hap
 from hap import views
 from hap.causal import spearman
-from hap.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
+from hap.views.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
 from hap.knobs import KNOBS
 
 UNREACHABLE = "hap-test/no-such-model"  # allow-listed, but neither a folder nor reachable offline
@@ -243,7 +243,7 @@ def sweep(client: Client, model: str, image=SCENE, prompt: str = PROMPT, **chang
 def test_sweep_runs_every_method_over_the_budgets_as_direct_runs_do(client, model_name, loaded, monkeypatch):
     from app import handler
     from app.handler import SWEPT
-    from hap.sweep import own_floor
+    from hap.runs.sweep import own_floor
     from hap.options import OPTIONS
 
     info = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/sweep"]

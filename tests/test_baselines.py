@@ -11,8 +11,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 import hap
 from hap.pruners.visionzip import split_budget
-from hap.flops import DecoderShape
-from hap.budget import plan
+from hap.planning.flops import DecoderShape
+from hap.planning.budget import plan
 from tiny_models import llava_case
 
 QUESTION = "what color is the circle ?"  # several prompt tokens after the image: the last one must score

@@ -1,4 +1,4 @@
-"""Answers decoded as one batch (`hap.patch.batch`, `hap.run.run_together`, the shared sweep): each run's greedy tokens
+"""Answers decoded as one batch (`hap.patch.batch`, `hap.runs.run.run_together`, the shared sweep): each run's greedy tokens
 and logits are those it gets decoded alone, on every family whose layers allow it, for methods that keep positions,
 renumber them, merge with a bias, recycle, or cut before layer 0; the rest decode alone, saying why."""
 
@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache
 
 import hap
 from hap.patch import apply, batch, refusal, remove, visual_tokens
-from hap.run import run, run_batch, run_together
+from hap.runs.run import run, run_batch, run_together
 
 QUESTION = "what color is the square ?"
 BASE = hap.HAPConfig(retain=0.4)

@@ -77,7 +77,7 @@ def test_layer_recall_averages_over_decoder_layers():
     import torch
 
     from analysis.benchmark import layer_recall
-    from hap.flops import Schedule
+    from hap.planning.flops import Schedule
 
     schedule = Schedule(num_visual=6, num_layers=4, cuts=[1, 3], kept=[3, 1])
     cuts = [SimpleNamespace(kept=torch.tensor([[0, 1, 4]]), recycled=None),
@@ -124,7 +124,7 @@ def test_per_kind_rows_add_up_to_the_overall_rows(tmp_path, capsys):
     """`--methods all` runs every registry method; each question kind's and scene kind's accuracy, weighted by its
     questions, gives the overall one; the per-kind tables print from the stored JSON alone (`--by-kind`)."""
     from analysis.benchmark import PAPER_TOKENS, SCENE_KINDS
-    from hap.keeps import pruning
+    from hap.runs.keeps import pruning
 
     report = main(["--model", str(SHIPPED), "--seeds", "500000:500003", "--per-scene", "3", "--out", str(tmp_path),
                    "--methods", "all", "hap", "--retain", "0.333", "0.111", "--accuracy-only"])

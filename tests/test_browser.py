@@ -114,8 +114,8 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from hap.keeps import pruning
-    from hap.sweep import ANSWER_WORDS
+    from hap.runs.keeps import pruning
+    from hap.runs.sweep import ANSWER_WORDS
 
     wait = WebDriverWait(driver, 240)
     driver.set_window_size(1400, 1150)

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from hap import HAPConfig
-from hap.flops import DecoderShape, Schedule, group_cuts, layer_flops, prefill_flops, solve_schedule
-from hap.budget import plan
+from hap.planning.flops import DecoderShape, Schedule, group_cuts, layer_flops, prefill_flops, solve_schedule
+from hap.planning.budget import plan
 
 LLAVA7B = DecoderShape.mha(layers=32, hidden=4096, intermediate=11008)
 

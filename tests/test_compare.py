@@ -1,10 +1,10 @@
-"""hap.compare: the stock model, the chosen method (traced) and uniform averaging at the same budget."""
+"""hap.runs.compare: the stock model, the chosen method (traced) and uniform averaging at the same budget."""
 
 import pytest
 import torch
 
 import hap
-from hap.compare import compare
+from hap.runs.compare import compare
 from tiny_models import noise_image, tiny_llava
 
 PROMPT = "what color is the circle ?"

@@ -10,7 +10,7 @@ import torch
 
 import hap
 from hap import diversity
-from hap.fusion import select_top
+from hap.scoring.fusion import select_top
 from hap.pruners.hap import Hap
 from tiny_models import llava_case
 

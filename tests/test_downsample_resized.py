@@ -14,14 +14,14 @@ from tiny_models import noise_image, qwen_vl_folder
 from tiny_zoo_recent import qwen3_vl
 
 import hap
-from hap.flops import prefill_flops
-from hap.budget import plan
-from hap.inputs import DEFAULT_LIMITS
-from hap.features import FeatureCache, reusing_features
+from hap.planning.flops import prefill_flops
+from hap.planning.budget import plan
+from hap.runs.inputs import DEFAULT_LIMITS
+from hap.runs.features import FeatureCache, reusing_features
 from hap.patch.decoder import decoder_shape
 from hap.patch.processors import processor_options
 from hap.pruners.downsample import resized_size
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 
 PROMPT = "what is in the picture ?"
 IMAGE = noise_image(3, (200, 150))  # width x height
@@ -102,9 +102,9 @@ def test_run_together_and_the_feature_cache_take_the_resized_image_apart(qwen):
 def test_what_cannot_resize_is_refused_by_name(qwen):
     """The checkpoint's pixel floor (min = max pixels) leaves nothing to shrink: a ValueError naming min_pixels, and
     the keeps view lists it refused; a patch alone cannot resize an image; the sweep has it out of reach below 1.0."""
-    from hap.sweep import sweep
+    from hap.runs.sweep import sweep
 
-    from hap.keeps import keeps
+    from hap.runs.keeps import keeps
 
     model, processor = qwen
     config = hap.HAPConfig(method="downsample", retain=0.3)
@@ -127,9 +127,9 @@ def test_the_sweep_runs_downsample_on_the_image_resized_for_each_budget(qwen, sh
     """In the sweep, downsample's runs take the image resized for their budget, batched beside the runs of the
     original image (shorter prompts): each answer is `hap.run`'s, each probability the unpruned answer's forced on
     the resized image's own prefill."""
-    from hap.sweep import answer_probability, short_answer, sweep
+    from hap.runs.sweep import answer_probability, short_answer, sweep
 
-    from hap.run import for_config, prepare
+    from hap.runs.run import for_config, prepare
 
     model, processor = qwen
     config = hap.HAPConfig(first_layers=0, groups=1)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import hap
-from hap.flops import prefill_flops
+from hap.planning.flops import prefill_flops
 from hap.patch.decoder import decoder_of, decoder_shape
 from tiny_zoo import llava_next, llava_onevision, picture
 from tiny_zoo_more import idefics3, internvl

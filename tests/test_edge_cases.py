@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hap
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from tiny_models import CASES, inputs_for, llava_case, noise_image, tiny_llava
 
 QUESTIONS = ["what color is the circle ?", "is there a big red square in the image ?"]

@@ -12,8 +12,8 @@ from PIL import Image
 
 from app.edit import EditDiff, image_input
 from hap import views
-from hap.inputs import InputLimits
-from hap.trace import Group
+from hap.runs.inputs import InputLimits
+from hap.runs.trace import Group
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the triangle ?"

@@ -1,4 +1,4 @@
-"""hap.features: one vision pass per image. With the cache the model's outputs are exactly the uncached ones, the
+"""hap.runs.features: one vision pass per image. With the cache the model's outputs are exactly the uncached ones, the
 tower runs once per image, never hands one image's, dtype's or model's features to another, and the model is
 stock after the block."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hap
-from hap.features import FeatureCache, detached, fingerprint, reusing_features
+from hap.runs.features import FeatureCache, detached, fingerprint, reusing_features
 from tiny_models import CASES, noise_image, tiny_llava
 
 

@@ -16,9 +16,9 @@ from tiny_zoo import llava_next, picture
 from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
 
 import hap
-from hap.budget import plan
+from hap.planning.budget import plan
 from hap.patch.decoder import decoder_shape
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 
 torch.set_num_threads(1)
 SIZES = ((112, 140), (40, 40))  # a 2 x 2 canvas cut to 6 x 8 tokens; a 1 x 2 canvas cut to 4 x 4 (2 x 1 leaves 4 x 4)

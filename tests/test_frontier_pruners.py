@@ -17,11 +17,11 @@ from test_frontier_rules import ref_cdpruner, ref_dart, ref_divprune, ref_grid, 
 from tiny_models import noise_image, qwen_vl_case, tiny_llava
 
 import hap
-from hap.budget import plan
+from hap.planning.budget import plan
 from hap.patch import decoder_of, refusal
 from hap.patch.decoder import decoder_shape
 from hap.pruners import pruner_class
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 
 torch.set_num_threads(1)
 QUESTION = "what colour is the cube left of the red sphere ?"  # words of the tiny CLIP tokenizer

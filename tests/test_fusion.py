@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from hap.fusion import fuse, fusion_weights, group_map, head_fusion, layer_shares, select_top, token_scores
-from hap.heads import head_stats
+from hap.scoring.fusion import fuse, fusion_weights, group_map, head_fusion, layer_shares, select_top, token_scores
+from hap.scoring.heads import head_stats
 from test_heads import N, P, REGION, planted_layer
 
 

@@ -35,7 +35,7 @@ from hap.layout import WHOLE, Layout, seen_share
 from hap.patch import layout
 from hap.patch.llava import input_box
 from hap.patch.llava_next import tiling
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from hap.views import VIEW_PIXELS, ViewData, model_view, single_view, view_image
 from tiny_models import qwen_vl_model
 from tiny_zoo import VISION, _text, llava_next, llava_onevision

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from analysis import speed
-from hap.keeps import pruning
+from hap.runs.keeps import pruning
 from app import gpu_check
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 
 BINDING = {"speedup", "ideal", "peak_memory_bytes", "seconds"}
 

@@ -6,7 +6,7 @@ from PIL import Image
 import hap
 from analysis.scenes import make_questions, make_scene, save_scene
 from hap.causal import spearman
-from hap.ground_truth import (answering_cut, file_metadata, head_grounding, kept_recall, patch_mask, question_for,
+from hap.views.ground_truth import (answering_cut, file_metadata, head_grounding, kept_recall, patch_mask, question_for,
                               read_metadata, scene_truth, truth_json)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hap.heads import head_stats, classify, sink_tokens
+from hap.scoring.heads import head_stats, classify, sink_tokens
 
 N, P = 64, 5
 SINKS = [0, 1]  # two massive-activation tokens

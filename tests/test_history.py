@@ -9,9 +9,9 @@ import torch
 
 import hap
 from hap.__main__ import main
-from hap.inputs import InputLimits, check_history, clean_conversation
+from hap.runs.inputs import InputLimits, check_history, clean_conversation
 from hap.patch.state import PruneState
-from hap.run import build_inputs, chat_prompt, question_lead, template_tail
+from hap.runs.run import build_inputs, chat_prompt, question_lead, template_tail
 from tiny_models import noise_image, tiny_llava
 
 FIRST, ANSWER, FOLLOW_UP = "what color is the triangle ?", "purple", "what shape is it ?"
@@ -48,7 +48,7 @@ def _rows(processor, history, rows: str) -> str:
     """The tokens the pruner takes its prompt rows from, for `rows`, decoded."""
     inputs, _, _ = build_inputs(processor, noise_image(), FOLLOW_UP, InputLimits(), history)
     ids = inputs["input_ids"]
-    shape = hap.flops.DecoderShape.mha(layers=2, hidden=8, intermediate=16)
+    shape = hap.planning.flops.DecoderShape.mha(layers=2, hidden=8, intermediate=16)
     st = PruneState.start(hap.HAPConfig(retain=0.5, groups=1, rows=rows), ids == processor.tokenizer.convert_tokens_to_ids(
         processor.image_token), None, shape, trace=False, tail=template_tail(processor),
         lead=question_lead(processor, history))

@@ -1,5 +1,5 @@
 """Every kind of image and prompt a user can send: converted, or refused with a message that names
-the problem and what is allowed. Driven through `hap.inputs` and through `hap.run`."""
+the problem and what is allowed. Driven through `hap.runs.inputs` and through `hap.run`."""
 
 import io
 import math
@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import hap
-from hap.inputs import InputLimits, clean_prompt, load_image
+from hap.runs.inputs import InputLimits, clean_prompt, load_image
 from tiny_models import noise_image, tiny_llava
 
 

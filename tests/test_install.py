@@ -36,7 +36,7 @@ def outside(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_installed_package_imports_nothing_from_analysis_or_app(installed, tmp_path):
-    code = ("import sys, hap, hap.__main__, hap.views, hap.compare; print(hap.__file__); "
+    code = ("import sys, hap, hap.__main__, hap.views, hap.runs.compare; print(hap.__file__); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'analysis', 'app'}))")
     out = outside(installed, tmp_path, "-c", code)
     assert out.returncode == 0, out.stderr

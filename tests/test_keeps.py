@@ -1,4 +1,4 @@
-"""What each method keeps (`hap.keeps`): every registry method at one budget, one map per method titled with its
+"""What each method keeps (`hap.runs.keeps`): every registry method at one budget, one map per method titled with its
 answer and overlap with HAP's, the answering patches outlined on a scene; refusals named, never run; on the shipped
 model, a random Qwen2-VL and a tiled LLaVA-NeXT; through `/analyze` (opt-in `keeps`) and the CLI."""
 
@@ -17,8 +17,8 @@ from tiny_models import qwen_vl_folder
 
 import hap
 from hap import views
-from hap.ground_truth import read_metadata, scene_truth
-from hap.keeps import REFERENCE, keeps, keeps_panels, keeps_plotly, keeps_png, overlap, panel_title, pruning
+from hap.views.ground_truth import read_metadata, scene_truth
+from hap.runs.keeps import REFERENCE, keeps, keeps_panels, keeps_plotly, keeps_png, overlap, panel_title, pruning
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"  # the question saved with scene_600000
@@ -82,14 +82,14 @@ def test_at_the_full_budget_every_method_keeps_every_token(shipped):
 
 
 def test_the_image_is_encoded_once_for_every_method_that_does_not_read_the_tower(shipped):
-    from hap.features import FeatureCache, reusing_features
+    from hap.runs.features import FeatureCache, reusing_features
 
     model, processor, _, _ = shipped
     cache = FeatureCache(1)
     with reusing_features(model, cache):
         found = keeps(model, processor, Image.open(SCENE), PROMPT, hap.HAPConfig(retain=0.2, first_layers=0),
                       max_new_tokens=2)
-    # one vision pass, read by every method but those reading the tower's [CLS] cues (`hap.features.needs_tower`)
+    # one vision pass, read by every method but those reading the tower's [CLS] cues (`hap.runs.features.needs_tower`)
     assert cache.misses == 1 and 0 < cache.hits < len(found.methods)
 
 
@@ -183,7 +183,7 @@ def test_the_cli_draws_the_view_and_writes_its_json(tmp_path, model_name):
 
 def test_the_sweep_its_grid_and_the_benchmark_take_every_registry_method():
     from analysis import benchmark
-    from hap import sweep
+    from hap.runs import sweep
 
     assert set(sweep.grid_methods()) <= set(pruning())
     assert set(pruning()) <= set(benchmark.CHOICES) and benchmark.chosen(["all"]) == pruning()

@@ -10,7 +10,7 @@ from app_model import default_model
 from app import lesson
 from app.lab import map_share
 from hap import views
-from hap.sweep import short_answer
+from hap.runs.sweep import short_answer
 
 FAKE = lesson.Numbers(
     question="what color is the square ?", truth="yellow", strength=0.75, layers=[2, 3],

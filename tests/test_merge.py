@@ -1,11 +1,11 @@
-"""Merging dropped tokens with proportional attention (hap/merge.py, docs/method.md §10): the merge arithmetic,
+"""Merging dropped tokens with proportional attention (hap/pruners/merge.py, docs/method.md §10): the merge arithmetic,
 the bias = copies identity, and the patched model's prefill and decode steps agreeing with each other."""
 
 import pytest
 import torch
 
 import hap
-from hap.merge import add_key_bias, key_bias, merge_dropped
+from hap.pruners.merge import add_key_bias, key_bias, merge_dropped
 from tiny_models import CASES
 
 QUESTION = "what color is the circle ?"

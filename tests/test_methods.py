@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hap import HAPConfig
-from hap.fusion import fusion_weights, group_map, token_scores
+from hap.scoring.fusion import fusion_weights, group_map, token_scores
 from hap.knobs import knob
 from hap.pruners import METHODS, pruner_class, pruner_for
 from hap.pruners.base import Cut, rank_sinks

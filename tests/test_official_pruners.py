@@ -14,12 +14,12 @@ import torch
 
 import hap
 from analysis.training.tiny_vlm import build_config, build_processor
-from hap import recycle
+from hap.pruners import recycle
 from hap.pruners import autoprune, sparsevlm
-from hap.flops import DecoderShape
-from hap.budget import official_schedule, plan, smallest_retain
+from hap.planning.flops import DecoderShape
+from hap.planning.budget import official_schedule, plan, smallest_retain
 from hap.patch import refusal
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from tiny_models import llava_case, llava_qwen2_case, noise_image, qwen_vl_case
 from transformers import LlavaForConditionalGeneration
 

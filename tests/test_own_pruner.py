@@ -17,12 +17,12 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 import hap
-from hap.keeps import keeps, pruning
+from hap.runs.keeps import keeps, pruning
 from hap.methods import unregister
 from hap.patch.decoder import decoder_of, decoder_shape
 from hap.pruners.base import Pruner
-from hap.run import chat_prompt
-from hap.sweep import sweep
+from hap.runs.run import chat_prompt
+from hap.runs.sweep import sweep
 
 SHIPPED = "assets/tiny-llava"
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"

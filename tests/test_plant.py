@@ -13,7 +13,7 @@ from hap.causal import ablation, gradients
 from hap.patch import attention_outputs, decoder_of
 from hap.lab.plan import (MASSIVE_RATIO, Plan, classifier_report, massive_activation, massive_dims, plant_attention,
                           precision_recall, redundant_tokens, share_plan)
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from tiny_models import llava_case, qwen_vl_case
 from tiny_zoo import picture
 from tiny_zoo_recent import gemma3

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import hap
-from hap.flops import DecoderShape
-from hap.heads import consensus_sinks, detect_sinks
+from hap.planning.flops import DecoderShape
+from hap.scoring.heads import consensus_sinks, detect_sinks
 from hap.knobs import KNOBS
 from hap.patch.state import PruneState
-from hap.run import chat_prompt, template_tail
+from hap.runs.run import chat_prompt, template_tail
 from tiny_models import llava_case, noise_image, tiny_llava
 
 QUESTION = "what color is the circle ?"

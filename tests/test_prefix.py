@@ -1,4 +1,4 @@
-"""`hap.prefix.sharing_layers`: the feed-forward blocks before a run's first cut computed once for every run of one
+"""`hap.patch.prefix.sharing_layers`: the feed-forward blocks before a run's first cut computed once for every run of one
 input, with the same numbers as without the block, and the model as it was after it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hap
-from hap.prefix import BLOCKS, sharing_layers
+from hap.patch.prefix import BLOCKS, sharing_layers
 from tiny_models import inputs_for, qwen_vl_case, tiny_llava
 
 RUNS = [("none", None), ("hap", 0.6), ("uniform", 0.4), ("fastv", 0.5), ("divprune", 0.4), ("hap", 0.45)]

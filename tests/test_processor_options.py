@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import hap
-from hap.features import FeatureCache, reusing_features
+from hap.runs.features import FeatureCache, reusing_features
 from hap.options import OPTIONS, ProcessorOptions
 from hap.patch.processors import option_defaults, processor_options
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from tiny_zoo import NEXT_PINPOINTS, TILE, llava_next, llava_onevision, picture
 from tiny_zoo_more import INTERNVL_MAX, SMOL_LONGEST, idefics3, internvl
 from tiny_zoo_recent import gemma3, qwen3_vl

@@ -8,9 +8,9 @@ import torch
 from PIL import Image
 
 import hap
-from hap.flops import DecoderShape
+from hap.planning.flops import DecoderShape
 from hap.patch.state import PruneState
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 
 SHAPE = DecoderShape.mha(layers=4, hidden=8, intermediate=16)
 SHIPPED = Path(__file__).resolve().parent.parent / "assets"

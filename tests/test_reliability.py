@@ -37,7 +37,7 @@ from app.present import OUTPUTS
 from app.layout import SWEEP_KNOBS
 from app.settings import knob_defaults
 from app.uploads import REFUSED
-from hap.inputs import InputLimits
+from hap.runs.inputs import InputLimits
 from hap.knobs import KNOBS
 from hap.options import OPTIONS
 

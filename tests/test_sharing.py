@@ -16,7 +16,7 @@ from app.models import LOADED
 from app.pipeline import staged
 from app.settings import Settings, knob_defaults
 from hap import utility, views
-from hap.features import FeatureCache
+from hap.runs.features import FeatureCache
 from hap.patch.decoder import decoder_shape
 from tiny_models import tiny_llava
 

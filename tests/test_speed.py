@@ -5,7 +5,7 @@ import json
 import pytest
 
 from analysis.speed import GRID, main, table
-from hap.flops import DecoderShape, Schedule, layer_flops
+from hap.planning.flops import DecoderShape, Schedule, layer_flops
 
 
 def test_speed_script_prints_ratios_for_each_method(capsys):
@@ -39,7 +39,7 @@ def test_table_ratios_come_from_the_timings_and_the_flops():
 
 def test_causal_speed_reports_the_gradient_pass_and_head_utility_as_prefills():
     from analysis.causal_speed import main as causal_speed
-    from hap.flops import DecoderShape
+    from hap.planning.flops import DecoderShape
     from hap.utility import cost
 
     report = causal_speed(["--layers", "2", "--repeats", "1", "--text-tokens", "8"])

@@ -1,4 +1,4 @@
-"""hap.sweep: the budgets every method reaches on a decoder (no model), then a sweep on a tiny random model."""
+"""hap.runs.sweep: the budgets every method reaches on a decoder (no model), then a sweep on a tiny random model."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from PIL import Image
 from tiny_models import CASES, tiny_llava
 
 import hap
-from hap.features import FeatureCache, reusing_features
-from hap.inputs import DEFAULT_LIMITS
-from hap.keeps import pruning
-from hap.run import prepare
-from hap.sweep import (AnswerEnd, answer_probability, budgets, grid_methods, keeps_everything, refused, short_answer,
+from hap.runs.features import FeatureCache, reusing_features
+from hap.runs.inputs import DEFAULT_LIMITS
+from hap.runs.keeps import pruning
+from hap.runs.run import prepare
+from hap.runs.sweep import (AnswerEnd, answer_probability, budgets, grid_methods, keeps_everything, refused, short_answer,
                        smallest_retain, sweep)
 
 LLAVA = hap.DecoderShape.mha(32, 4096, 11008)
@@ -98,7 +98,7 @@ def test_sweep_on_a_tiny_model_matches_direct_runs():
 def test_every_probability_is_of_the_unpruned_answer(monkeypatch):
     """A planted bug scored each pruned run's own answer: the probability must be the unpruned answer's, whatever
     each pruned run answers (here every run answers something else)."""
-    import hap.sweep as sweep_module
+    from hap.runs import sweep as sweep_module
 
     model, processor = tiny_llava(layers=4)
     real_run, forced = hap.run, []
@@ -183,7 +183,7 @@ def test_the_runs_share_the_layers_before_their_first_drop_or_rewrite():
     """`full_layers`: at a high budget HAP's first group keeps every token, so its runs share the layers up to its
     second cut; FastV drops at its cut; the official schedules and the methods that write tokens change the tokens at
     their first cut even where the count stays; a cut before layer 0 shares nothing."""
-    from hap.sweep import full_layers
+    from hap.runs.sweep import full_layers
 
     shape = hap.DecoderShape(24, 896, 4864, 128)
     hap_high = hap.HAPConfig(method="hap", retain=0.61)

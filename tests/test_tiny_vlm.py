@@ -6,7 +6,7 @@ import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from analysis.evaluate import evaluate
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from analysis.scenes import TRAIN_SEED_START, heldout_items, make_questions, make_scene
 from analysis.training.tiny_vlm import build_config, build_processor
 

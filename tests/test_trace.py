@@ -1,13 +1,13 @@
-"""The trace (hap/trace.py): maps on the original grid, the tracer's records, and a Result from hand-made records."""
+"""The trace (hap/runs/trace.py): maps on the original grid, the tracer's records, and a Result from hand-made records."""
 
 import math
 
 import torch
 
 from hap import HAPConfig
-from hap.flops import DecoderShape, Schedule
-from hap.heads import head_stats
-from hap.trace import CutTrace, Outcome, Tracer, on_grid, to_result
+from hap.planning.flops import DecoderShape, Schedule
+from hap.scoring.heads import head_stats
+from hap.runs.trace import CutTrace, Outcome, Tracer, on_grid, to_result
 
 NAN = math.nan
 

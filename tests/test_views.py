@@ -283,7 +283,7 @@ def test_grounding_is_grey_and_unknown_where_the_answering_patches_were_cut():
     assert np.asarray(grey.text)[3, 0] == "answering patches were cut before layer 3"
     assert "unknown" in grey.hovertemplate
     assert len(heatmaps(V.VIEW["grounding"].figure(data(truth=TRUTH)))) == 1  # nothing cut: no grey layer
-    from hap.report import head_text, truth_text
+    from hap.views.report import head_text, truth_text
 
     assert "| grounding | unknown: answering patches were cut before layer 3 |" in head_text(
         data(truth=cut).at_layer(3), 0)

@@ -84,7 +84,7 @@ def test_visionzip_on_a_tower_without_cls_is_refused(arch):
 def test_visionzip_refuses_a_budget_of_one_token_by_name_and_keeps_one_image_token_at_two():
     """retain=1/144 would keep [CLS] alone (a traced run crashed on no visual token); it is refused naming the knob
     and its smallest value, which the sweep's floor follows, and that smallest value keeps one image token."""
-    from hap.budget import plan, smallest_retain
+    from hap.planning.budget import plan, smallest_retain
     from hap.patch.decoder import decoder_shape
     from tiny_models import noise_image, tiny_llava
 

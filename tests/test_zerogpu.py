@@ -18,8 +18,8 @@ from analysis.speed import random_vlm
 from app import zerogpu
 from app.pipeline import MAX_NEW_TOKENS
 from app.settings import Settings, knob_defaults
-from hap.inputs import DEFAULT_LIMITS, load_image
-from hap.run import build_inputs
+from hap.runs.inputs import DEFAULT_LIMITS, load_image
+from hap.runs.run import build_inputs
 
 SHIPPED = "assets/tiny-llava"
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"

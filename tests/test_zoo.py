@@ -9,12 +9,12 @@ from PIL import Image
 
 import hap
 from hap import views
-from hap.flops import DecoderShape, layer_flops, prefill_flops
+from hap.planning.flops import DecoderShape, layer_flops, prefill_flops
 from hap.knobs import METHODS
 from hap.layout import Layout
 from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from tiny_zoo import SIZES, ZOO, inputs
 from tiny_zoo_more import ZOO as MORE
 from tiny_zoo_recent import gemma3, qwen3_vl

@@ -8,13 +8,13 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
 
 import hap
-from hap.flops import DecoderShape, layer_flops, prefill_flops
+from hap.planning.flops import DecoderShape, layer_flops, prefill_flops
 from hap.knobs import METHODS
 from hap.layout import Layout
 from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.gemma3 import crop_boxes
 from hap.patch.decoder import decoder_shape
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from test_zoo import check_cli, check_planted_square, check_unpruned_is_stock, greedy, square_image
 from tiny_zoo import picture
 from tiny_zoo_recent import decode_loop_error, fanned_out_error, gemma3, recomputed_rows_error

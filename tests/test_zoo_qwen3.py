@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hap
-from hap.flops import prefill_flops
+from hap.planning.flops import prefill_flops
 from hap.knobs import METHODS
 from hap.layout import Layout
 from hap.patch import decoder_of, refusal, visual_tokens

@@ -11,7 +11,7 @@ import hap
 from hap.knobs import METHODS
 from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from test_zoo import (QUESTION, check_batch_selects_as_alone, check_cli, check_cut_to_budget, check_method,
                       check_pipeline, check_planted_square, check_unpruned_is_stock, square_image)
 from tiny_zoo import inputs

@@ -23,7 +23,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from analysis.training.tiny_vlm import build_config, build_processor, build_qwen_processor
 
 Inputs = Callable[[list[str], list[int] | None], dict]

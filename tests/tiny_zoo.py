@@ -27,7 +27,7 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
 
 from analysis.training.tiny_vlm import CHAT_TEMPLATE, build_tokenizer
 from hap.patch.processors import OnevisionImageProcessor
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 
 TILE, PATCH = 56, 14
 NEXT_PINPOINTS = [[TILE * a, TILE * b] for a, b in ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))]  # llava-v1.6's, scaled

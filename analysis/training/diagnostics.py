@@ -31,10 +31,10 @@ import torch
 
 from analysis.scenes import MARKER_PATCH, Question, Scene
 from hap.causal import spearman
-from hap.fusion import fusion_weights
-from hap.ground_truth import head_grounding
-from hap.heads import classify, consensus_sinks, head_stats, sink_tokens, visual_distribution
-from hap.run import chat_prompt
+from hap.scoring.fusion import fusion_weights
+from hap.views.ground_truth import head_grounding
+from hap.scoring.heads import classify, consensus_sinks, head_stats, sink_tokens, visual_distribution
+from hap.runs.run import chat_prompt
 
 PROBE_TOKENS = 8
 PROBE_TEMPERATURE = 0.1

@@ -49,7 +49,7 @@ from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProc
 from transformers.utils import logging as hf_logging
 
 from analysis.evaluate import evaluate
-from hap.run import chat_prompt
+from hap.runs.run import chat_prompt
 from analysis.training.diagnostics import diagnose
 from analysis.scenes import (AUX_KINDS, COLORS, GRID, LETTERS, MIN_OBJECTS, N_PATCHES, QTYPES, SHAPES,
                              TRAIN_SEED_START, Question, Scene, heldout_items, make_questions, make_scene)

@@ -4,10 +4,10 @@ instance for a block, on every forward (prefill, decode, pruned or not, with or 
 Where it acts: the input of each planted layer's attention output projection (`o_proj`), which holds the query
 heads' outputs side by side. For a planted head the hook recomputes, from the layer's own q projection and the keys
 and values the layer attended over (its KV cache, or its input without one), the head's stock attention rows
-(`hap.capture.prompt_attention`: causal, padding and any merge bias, grouped-query heads expanded), plants them
+(`hap.scoring.capture.prompt_attention`: causal, padding and any merge bias, grouped-query heads expanded), plants them
 (`hap.lab.plan.plant_attention`) and writes the planted output `A' V'` for the rows after the image (the sink
 tokens' values zeroed for a planted sink). HAP's capture of the prompt rows at that layer (`decoder._record`)
-applies the same `plant_attention` through `hap.hooks.ROWS`, so the pruner scores what the model runs, under
+applies the same `plant_attention` through `hap.patch.hooks.ROWS`, so the pruner scores what the model runs, under
 SDPA or eager alike. Which keys are visual or sink tokens is known by their unpruned positions: those of the
 running `hap.patch` prefill's kept tokens (`PruneState.key_origins`), else the keys in order.
 
@@ -28,8 +28,8 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from .. import hooks
-from ..capture import prompt_attention
+from ..patch import hooks
+from ..scoring.capture import prompt_attention
 from ..patch import adapter_for
 from ..patch.decoder import _cached_keys, _heads, _take, decoder_of, layer_windows
 from .plan import (DEFAULT_SINK_COUNT, Plan, classifier_report, massive_activation, plant_attention,
@@ -84,11 +84,11 @@ class Planting:
         hooks.detach(self.model, self)
 
     def unshared(self) -> str | None:
-        """Its runs decode one at a time: its hooks follow one run's kept tokens (`hap.hooks.Plugin`)."""
+        """Its runs decode one at a time: its hooks follow one run's kept tokens (`hap.patch.hooks.Plugin`)."""
         return "a head-lab plan is planted (its hooks follow one run's kept tokens)"
 
     def annotate(self, result) -> None:
-        """The plan and what the run's head classes found of it, as `result.plant` (`hap.hooks.Plugin`)."""
+        """The plan and what the run's head classes found of it, as `result.plant` (`hap.patch.hooks.Plugin`)."""
         result.plant = self.report(result.head_class)
 
     def model_pre_hook(self, module, args, kwargs) -> None:

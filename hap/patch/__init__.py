@@ -48,7 +48,7 @@ def family_of(model) -> str:
 
 def resizes_image(model, config: HAPConfig) -> bool:
     """Whether `config`'s method shrinks the image itself on `model` before the processor (`Pruner.resizes_image`:
-    downsample on dynamic resolution; `hap.run.for_config`)."""
+    downsample on dynamic resolution; `hap.runs.run.for_config`)."""
     return pruner_for(config).resizes_image(family_of(model))
 
 
@@ -98,8 +98,8 @@ def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor 
     `priority [batch, visual]` (analysis only, e.g. an oracle): at every cut the visual tokens are ranked by
     it first (by original visual index, row-major), by the method's scores among equal priorities; with a batch-1
     input, V > 1 rows run V variants of it, sharing the layers before the first cut (a prefill only, `hap.utility`).
-    `tail`: tokens of the chat template after the question (`hap.run.template_tail(processor)`), needed by
-    rows="question". `lead`: tokens between the image and the question (`hap.run.question_lead(processor, history)`),
+    `tail`: tokens of the chat template after the question (`hap.runs.run.template_tail(processor)`), needed by
+    rows="question". `lead`: tokens between the image and the question (`hap.runs.run.question_lead(processor, history)`),
     the earlier turns of a follow-up, which no prompt row is taken from. `question`: the raw question (no chat
     template), for a pruner that reads it (`cdpruner`; one question for every prompt of a batch). A method the model's family does not take is refused first,
     naming the method, the model class and the reason. A method that resizes the image on this family

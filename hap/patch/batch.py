@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .. import hooks
+from . import hooks
 from .decoder import Patch, decoder_of, decoder_shape
 
 MASKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D additive mask

@@ -43,12 +43,12 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from ..capture import prompt_attention
+from ..scoring.capture import prompt_attention
 from ..config import HAPConfig
-from ..cues import VisionCues
-from ..flops import DecoderShape
-from ..hooks import captured_rows
-from ..merge import add_key_bias
+from ..pruners.cues import VisionCues
+from ..planning.flops import DecoderShape
+from .hooks import captured_rows
+from ..pruners.merge import add_key_bias
 from ..pruners import pruner_for
 from .state import PruneState
 
@@ -375,7 +375,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
     check_decoder(model, kinds)
     if tail is None and pruner_for(config).rows == "question":
         raise ValueError("rows='question' needs the chat template's tail after the question: "
-                         "hap.patched(model, config, tail=hap.run.template_tail(processor))")
+                         "hap.patched(model, config, tail=hap.runs.run.template_tail(processor))")
     attention = getattr(decoder_of(model).config, "_attn_implementation", None) or ""
     if pruner_for(config).merge == "proportional" and "flash" in attention:
         raise ValueError(f"merge='proportional' adds a bias to the attention mask, which {attention} does not take: "

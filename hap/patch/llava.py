@@ -25,7 +25,7 @@ from ..layout import WHOLE, Box, Layout, seen_share
 from ..hub import ModelLoadError
 from ..hub import load_clip as clip_loader
 from ..pruners import cls_user, pruner_for
-from ..cues import VisionCues
+from ..pruners.cues import VisionCues
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 

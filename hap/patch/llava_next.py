@@ -43,7 +43,7 @@ from transformers.models.llava_next.modeling_llava_next import unpad_image
 from ..config import HAPConfig
 from ..layout import Layout, Span, TokenView, tile_spans
 from ..pruners import cls_user, pruner_for
-from ..cues import VisionCues
+from ..pruners.cues import VisionCues
 from . import decoder
 from .llava import clip_projection, cls_cues, cls_layer
 from .decoder import attention_outputs, decoder_of, remove_patch

@@ -237,7 +237,7 @@ def processor_options(model, processor, options: ProcessorOptions | dict | None 
     """Inside the block, every call of `processor` takes `options` (`option_settings`'s kwargs, as its own
     `images_kwargs` defaults) and the processor and model hold the settings they read themselves (LLaVA-NeXT's
     pinpoints, OneVision's `vision_aspect_ratio`); `model._hap_options` records every option in effect (an outer
-    block's too) for the feature cache (`hap.features`). Yields the kwargs. No options: nothing changes (an outer
+    block's too) for the feature cache (`hap.runs.features`). Yields the kwargs. No options: nothing changes (an outer
     block's stay in effect). Everything is restored after, even on error. `options` may be a dict by name
     (`ProcessorOptions.of`)."""
     options = options if isinstance(options, ProcessorOptions) else ProcessorOptions.of(options)

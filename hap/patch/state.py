@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..budget import plan
+from ..planning.budget import plan
 from ..config import HAPConfig
-from ..cues import VisionCues
-from ..flops import DecoderShape, Schedule
-from ..heads import HeadStats, detect_sinks, head_stats
-from ..merge import key_bias, merge_dropped
+from ..pruners.cues import VisionCues
+from ..planning.flops import DecoderShape, Schedule
+from ..scoring.heads import HeadStats, detect_sinks, head_stats
+from ..pruners.merge import key_bias, merge_dropped
 from ..pruners import pruner_for
 from ..pruners.base import Cut, Pruner
-from ..recycle import recycle
-from ..trace import CutTrace, Tracer
+from ..pruners.recycle import recycle
+from ..runs.trace import CutTrace, Tracer
 
 
 @dataclass
@@ -98,7 +98,7 @@ class PruneState:
         image_mask bool [batch, T]: every token of the image, the visual ones and those the pruner keeps whole
         (LLaVA-NeXT's newline tokens): the prompt rows start after its last one (default: `visual_mask`);
         grids: the (rows, cols) of each view's token grid in token order (every sample's), for a pruner that reads them
-        (`Pruner.views`): they plan its count (`hap.budget.plan`) and its cut pools them. ValueError where the batch
+        (`Pruner.views`): they plan its count (`hap.planning.budget.plan`) and its cut pools them. ValueError where the batch
         exceeds the pruner's `max_batch`.
 
         The state keeps `config` with its model-dependent defaults resolved for `shape`."""
@@ -301,7 +301,7 @@ class PruneState:
 
     def _recycle(self, visual_embeds: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor,
                  kept_positions: torch.Tensor, T: int, orig_before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Recycle the cut's dropped tokens (`hap.recycle`) right after the kept visual tokens: updates the visual
+        """Recycle the cut's dropped tokens (`hap.pruners.recycle`) right after the kept visual tokens: updates the visual
         lists (`orig_before` long [B, N_prev]: the original indices before the cut, for the centres) and leaves the
         tokens in `appended`. Returns (order, source), long [B, T']: the new sequence as indices into the T current
         tokens, T + j for the j-th recycled one; and the same with each recycled token read as the last kept visual

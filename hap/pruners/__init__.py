@@ -28,7 +28,7 @@ needs captured, where it cuts, how it selects and how positions continue:
 layer l with layer l's own norm, q/k projections and RoPE applied to the tokens about to enter it, and both
 renumber positions 0..T'-1 after a drop (RoPE distances between the remaining tokens shrink); HAP and the
 other methods keep each token's original position. `sparsevlm` (v1.5) and `autoprune` follow theirs too
-(`hap.pruners.sparsevlm`, `hap.pruners.autoprune`, `hap.recycle`): each cut is scored by the attention of the layer
+(`hap.pruners.sparsevlm`, `hap.pruners.autoprune`, `hap.pruners.recycle`): each cut is scored by the attention of the layer
 that just ran, averaged over heads and then over the scoring rows (not the L2 norm over rows), its dropped tokens
 are partly recycled into cluster means placed after the kept ones, and positions are renumbered. `pdrop_ours` is
 our earlier PyramidDrop variant, reported as ours: FastV's rule at every cut of the pyramid (the last token's

@@ -10,7 +10,7 @@ all layers, layer 0 counted at S, recycled tokens included):
   kp_l = 0.75 / (1 + exp(k (l - x0 - k))) for l = 1..L-1, scaled by one common factor found by the official
   bisection so the budget is met (`keep_fractions`);
 - after every layer l >= 1: the top min(ceil((S - 1) kp_l), V) by layer l's attention (mean over heads, then over
-  all text rows) stay, the dropped ones are recycled (`hap.recycle`); positions are renumbered after every drop.
+  all text rows) stay, the dropped ones are recycled (`hap.pruners.recycle`); positions are renumbered after every drop.
 
 MI(a) of one head's rows a [n, V] (softmax rows, not renormalised over the visual columns): p(x) = 1/n,
 p(x, y) = a / n, p(y) = sum_x p(x, y), MI = sum p(x, y) log2 max(p(x, y) / (p(x) p(y) + 1e-6), 1e-6).
@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..flops import Schedule
-from ..recycle import cluster_count
+from ..planning.flops import Schedule
+from .recycle import cluster_count
 from .base import Official
 
 X0, K0, GAMMA = 14.9, 0.4, 0.2  # the official defaults for every budget, benchmark and model size

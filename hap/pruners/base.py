@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from ..fusion import fuse, fusion_weights, row_mean, select_top, token_scores
+from ..scoring.fusion import fuse, fusion_weights, row_mean, select_top, token_scores
 
 if TYPE_CHECKING:
     from ..config import HAPConfig
-    from ..cues import VisionCues
-    from ..flops import Schedule
+    from .cues import VisionCues
+    from ..planning.flops import Schedule
 
 
 class State(Protocol):
@@ -130,7 +130,7 @@ class Pruner:
     official: ClassVar[bool] = False  # its official code's schedule, solved on its budget T (`official_schedule`)
     # how it selects
     writes_tokens: ClassVar[bool] = False  # the kept slots carry tokens it builds (`Selection.tokens`)
-    recycle: ClassVar[bool] = False  # the dropped tokens' cluster means join the kept ones (`hap.recycle`)
+    recycle: ClassVar[bool] = False  # the dropped tokens' cluster means join the kept ones (`hap.pruners.recycle`)
     # how positions continue
     renumber: ClassVar[bool] = False  # positions 0..T'-1 after each cut (their official code), else original
 
@@ -185,7 +185,7 @@ class Pruner:
     def resizes_image(self, family: str) -> bool:
         """Whether, on the models of adapter `family`, the method shrinks the image itself before the processor rather
         than cutting tokens (downsample on dynamic resolution): `hap.run` then gives the processor the image resized
-        to the budget (`hap.run.for_config`) and the decoder runs every token of it, no cut."""
+        to the budget (`hap.runs.run.for_config`) and the decoder runs every token of it, no cut."""
         return False
 
     def image_size(self, height: int, width: int, budget: int, settings: tuple) -> tuple[int, int]:
@@ -261,7 +261,7 @@ class BeforeDecoder(Pruner):
 class Official(Pruner):
     """SparseVLM and AutoPrune: their official schedule solved on their budget T, each cut scored by the head-mean
     attention of the layer that just ran averaged over the scoring rows `fixed_rows` (not their L2 norm), the
-    dropped tokens recycled (`hap.recycle`), positions renumbered."""
+    dropped tokens recycled (`hap.pruners.recycle`), positions renumbered."""
 
     fixed_rows = "prompt"
     fixed_cuts = 1  # a placeholder: the official schedule sets the cuts

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..diversity import select as select_diverse
-from ..fusion import fuse, fusion_weights, token_scores
+from ..scoring.fusion import fuse, fusion_weights, token_scores
 from .base import Pruner, Selection, rank_sinks
 
 

@@ -5,7 +5,7 @@
   "Text" is everything after the visual block (the chat template's tail included).
 - Cuts after layers 2, 6 and 15 of LLaVA's 32: each scored by that layer's own attention probabilities, averaged
   over all heads, then over the raters' rows; the top min(K_s, V - 1) stay in order, the dropped ones are recycled
-  (`hap.recycle`), positions are renumbered 0..T'-1.
+  (`hap.pruners.recycle`), positions are renumbered 0..T'-1.
 - K_s comes from fixed lists per budget T (the "retained tokens" of the paper: visual tokens after each layer's drop,
   averaged over the 32 layers, recycled ones included): 64 -> 66/30/17, 128 -> 303/110/36, 192 -> 300/200/110.
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..flops import Schedule
-from ..recycle import cluster_count
+from ..planning.flops import Schedule
+from .recycle import cluster_count
 from .base import Official
 
 REFERENCE_LAYERS = 32  # LLaVA-1.5's decoder, where the official layers are defined

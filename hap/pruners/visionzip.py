@@ -12,7 +12,7 @@ order], projected like any image feature, at consecutive positions. The tokens s
 layer-averaged retained count is simply dominant + contextual.
 
 Pure tensor functions, then the pruner (`VisionZip`): one cut before the decoder, positions renumbered 0..T'-1 as
-the official decoder only sees the shorter sequence; the adapter supplies the cues (`hap.cues.VisionCues`) of one
+the official decoder only sees the shorter sequence; the adapter supplies the cues (`hap.pruners.cues.VisionCues`) of one
 prefill.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cues import VisionCues
+from .cues import VisionCues
 from .base import BeforeDecoder, Selection
 
 DOMINANT_SHARE = 54 / 64  # the published 54 dominant ([CLS] included) + 10 contextual split of 64 tokens

@@ -16,7 +16,7 @@ from .data import CLASSES, HeadGrid, Panels, ViewData, scored_layers
 
 
 def top_k(scores: np.ndarray, k: int) -> set[int]:
-    """Indices of the k highest finite scores of `[V]`, ties broken by position (as `hap.fusion.select_top`)."""
+    """Indices of the k highest finite scores of `[V]`, ties broken by position (as `hap.scoring.fusion.select_top`)."""
     finite = np.where(np.isnan(scores), -np.inf, scores)
     return set(np.argsort(-finite, kind="stable")[:k].tolist())
 

@@ -83,7 +83,7 @@ class HeadGrid:
 
 @dataclass
 class Truth:
-    """What a scene's ground truth says about one run, as plain arrays (computed by hap.ground_truth)."""
+    """What a scene's ground truth says about one run, as plain arrays (computed by hap.views.ground_truth)."""
 
     question: str  # the question the truth is for
     patches: np.ndarray  # bool [V] the patches that answer it (outlined on every map; none for a text question)

@@ -10,16 +10,16 @@ from dataclasses import dataclass, replace
 import torch
 from PIL import Image
 
-from .flops import Schedule
-from .budget import plan
-from .config import HAPConfig
+from ..planning.flops import Schedule
+from ..planning.budget import plan
+from ..config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
-from .options import ProcessorOptions
-from .patch import adapter_for, apply, batch, layout, remove, resizes_image, visual_tokens
-from .patch.decoder import decoder_shape
-from . import hooks
-from .patch.processors import processor_options
-from .pruners import pruner_for
+from ..options import ProcessorOptions
+from ..patch import adapter_for, apply, batch, layout, remove, resizes_image, visual_tokens
+from ..patch.decoder import decoder_shape
+from ..patch import hooks
+from ..patch.processors import processor_options
+from ..pruners import pruner_for
 from .trace import CutTrace, Outcome, Result, to_result
 
 
@@ -68,7 +68,7 @@ def question_lead(processor, history: Sequence[tuple[str, str]] = ()) -> int:
 def build_inputs(processor, image: Image.Image, prompt: str, limits: InputLimits,
                  history: Sequence[tuple[str, str]] = ()) -> tuple[dict, str, list[str]]:
     """Chat-template the cleaned conversation (`history`'s turns, then the prompt) with one image slot in the first
-    turn and run the processor; `history` is checked by `hap.inputs.check_history`."""
+    turn and run the processor; `history` is checked by `hap.runs.inputs.check_history`."""
     prompt, history, notes = conversation(processor, prompt, history, limits)
     return *encode(processor, image, prompt, history), notes
 
@@ -80,7 +80,7 @@ def encode(processor, image: Image.Image, prompt: str, history: Sequence[tuple[s
 
 
 def conversation(processor, prompt: str, history, limits: InputLimits) -> tuple[str, list[tuple[str, str]], list[str]]:
-    """(prompt, history, notes) cleaned of the processor's special tokens (`hap.inputs.clean_conversation`)."""
+    """(prompt, history, notes) cleaned of the processor's special tokens (`hap.runs.inputs.clean_conversation`)."""
     tok = processor.tokenizer
     specials = {t for t in (*tok.all_special_tokens, getattr(processor, "image_token", None)) if t}
     return clean_conversation(prompt, history, specials, limits)
@@ -140,7 +140,7 @@ class Resized:
     original: dict  # the processor's output on the original image (its layout is the one drawn)
     num_visual: int  # N: the original image's visual tokens
     prompt_len: int  # T: the original image's prompt tokens
-    planned: int  # the budget's count of the N (`hap.budget.plan`)
+    planned: int  # the budget's count of the N (`hap.planning.budget.plan`)
     kept: list[int]  # [N'] per visual token of the resized image (raster order), the original one under its top-left
     #                  corner (`Pruner.resized_kept`)
 
@@ -198,7 +198,7 @@ def on_device(model, inputs: dict) -> dict:
 def for_config(model, processor, p: Prepared, config: HAPConfig) -> Prepared:
     """`p` as `config` runs it: `p` itself, except for a method that resizes the image on this model
     (`Pruner.resizes_image`: downsample on dynamic resolution), whose processor is given the image resized so that it
-    emits the budget's count of visual tokens (`hap.budget.plan`'s count on the original image, within one token
+    emits the budget's count of visual tokens (`hap.planning.budget.plan`'s count on the original image, within one token
     row: `Pruner.image_size` at the processor's settings in effect, `image_settings` of the adapter). The decoder
     then runs every token of the smaller image; each is reported at the original token under its top-left corner
     (`Resized`). Needs the processor options of the run in effect; ValueError where the processor's pixel bounds
@@ -290,7 +290,7 @@ def run_prepared(model, processor, jobs: Sequence[tuple[Prepared, HAPConfig, boo
                  max_new_tokens: int = 32) -> list[Result]:
     """`run` of each `(prepared input, config, trace)` job, the inputs already prepared (`prepare`, then `for_config`
     for its config, under the run's processor options): each prefilled alone, the answers decoded as one batch where
-    the model allows, as `run_together` does; for a caller that needed the prepared input first (`hap.keeps`)."""
+    the model allows, as `run_together` does; for a caller that needed the prepared input first (`hap.runs.keeps`)."""
     for _, config, _ in jobs:
         config.validate()
     _check_new_tokens(max_new_tokens)

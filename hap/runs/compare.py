@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from .config import HAPConfig
+from ..config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
-from .methods import NONE, UNIFORM
+from ..methods import NONE, UNIFORM
 from .run import run, run_together
 from .trace import Result
 
@@ -38,8 +38,8 @@ def compare(
     together: bool = False,
 ) -> Comparison:
     """Run the stock model, `config` (traced) and uniform averaging with `config`'s budget, each on the
-    conversation `history` then `prompt` (`hap.run.run`); `together`: prepared once, each prefilled alone and the
-    answers decoded as one batch where the model allows (`hap.run.run_together`: the same answers).
+    conversation `history` then `prompt` (`hap.runs.run.run`); `together`: prepared once, each prefilled alone and the
+    answers decoded as one batch where the model allows (`hap.runs.run.run_together`: the same answers).
 
     `on_stage(fraction, description)` is called before each run (a progress bar). A run the
     chosen method already is (method "none" or "uniform") is not repeated.

@@ -29,7 +29,7 @@ class Plugin(Protocol):
         """Why runs of the model cannot be decoded as one batch while it is attached, or None."""
 
     def annotate(self, result) -> None:
-        """Add the plug-in's record of a run to its `hap.trace.Result`."""
+        """Add the plug-in's record of a run to its `hap.runs.trace.Result`."""
 
 
 def attach(model, plugin: Plugin) -> None:

@@ -24,7 +24,7 @@ def prompt_attention(
     q_rows [batch, heads, P, d_h] (post-RoPE queries of the rows); keys [batch, kv_heads, T, d_h]
     (post-RoPE); row_pos long [P] or [batch, P], each row's index in the T keys (causal: a row sees
     keys at index <= its own); key_valid bool [batch, T] or None (False = padding); bias float [batch, T] or None:
-    added to every row's logits per key (proportional attention after a merge, hap/merge.py); window: a
+    added to every row's logits per key (proportional attention after a merge, hap/pruners/merge.py); window: a
     sliding-window layer's width, a row seeing only the keys at index > its own - window (None: every earlier key).
     Returns [batch, heads, P, T]; every row sums to 1 over the keys it may see.
     """

@@ -26,7 +26,7 @@ from weakref import WeakSet
 
 import torch
 
-from .patch.decoder import decoder_of
+from .decoder import decoder_of
 
 BLOCKS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp")  # a decoder
 #   layer's projections and feed-forward block, as every family here names them (one a layer lacks is not memoised)

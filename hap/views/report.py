@@ -1,4 +1,4 @@
-"""The text that explains one comparison (`hap.compare`: the stock model, the chosen method and uniform
+"""The text that explains one comparison (`hap.runs.compare`: the stock model, the chosen method and uniform
 head averaging at the same budget): `answer_card`, `explanation` and `summary` turn the results into
 the app's answer cards, teaching panel and JSON, and say what the ground truth, one inspected head and a
 budget sweep show. Nothing here touches a model.
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 import hap
-from hap.compare import Comparison
-from hap.fusion import fusion_weights
+from hap.runs.compare import Comparison
+from hap.scoring.fusion import fusion_weights
 from hap.methods import DEFAULT, UNIFORM
 from hap.views import STATS, Truth, ViewData, class_counts, default_layer
 

@@ -25,7 +25,7 @@ from functools import wraps
 
 import torch
 
-from .pruners import pruner_for
+from ..pruners import pruner_for
 
 FEATURES = "get_image_features"  # the multimodal model's method that runs the vision tower and the projector
 

@@ -2,8 +2,8 @@
 
 `keeps(model, processor, image, prompt, config)` runs every method that prunes (`PRUNING`: the method knob's choices
 but `none`) at `config`'s budget, its other knobs unchanged, prepared once and the answers decoded as one batch
-(`hap.run.run_prepared`, as `hap.run.run_together` runs them; the image encoded once where the caller holds a
-`hap.features` cache). A method the model refuses (`hap.patch.refusal`: VisionZip without a [CLS] token,
+(`hap.runs.run.run_prepared`, as `hap.runs.run.run_together` runs them; the image encoded once where the caller holds a
+`hap.runs.features` cache). A method the model refuses (`hap.patch.refusal`: VisionZip without a [CLS] token,
 PyramidDrop on M-RoPE, ...) is listed with the reason, never run. Runs the caller already has (the page's chosen
 method and uniform averaging) are reused, not repeated.
 
@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import HAPConfig
+from ..config import HAPConfig
 from .inputs import DEFAULT_LIMITS, InputLimits
-from .methods import DEFAULT, METHODS, NONE
-from .budget import plan
-from .patch import refusal as patch_refusal
-from .patch import visual_tokens
-from .patch.decoder import decoder_shape
+from ..methods import DEFAULT, METHODS, NONE
+from ..planning.budget import plan
+from ..patch import refusal as patch_refusal
+from ..patch import visual_tokens
+from ..patch.decoder import decoder_shape
 from .run import for_config, prepare, run_prepared
 from .trace import Result
-from .views import PNG_DPI, Panels, ViewData, panels_draw, panels_plotly
+from ..views import PNG_DPI, Panels, ViewData, panels_draw, panels_plotly
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -122,7 +122,7 @@ def keeps(model, processor, image, prompt: str, config: HAPConfig, max_new_token
     untraced, prepared once and decoded as one batch where the model allows; `done`: results of some of them already
     run on this input at this budget (reused). A method the model refuses, or whose budget it cannot reach
     (`refusal`; downsample on dynamic resolution: an image the processor's pixel bounds cannot shrink to it,
-    `hap.run.for_config`), is listed in `refused` with the reason, before any run; the others run, the input
+    `hap.runs.run.for_config`), is listed in `refused` with the reason, before any run; the others run, the input
     prepared once (the resized image once for a method that resizes it)."""
     methods = pruning() if methods is None else list(methods)
     done = dict(done)
@@ -152,7 +152,7 @@ def keeps(model, processor, image, prompt: str, config: HAPConfig, max_new_token
 def refusal(model, config: HAPConfig, num_visual: int | None = None, text_tokens: int = 0) -> str | None:
     """Why `config` does not run on `model`: the model refuses the method (`hap.patch.refusal`; a file the method needs
     that does not load), or, for an input of `num_visual` visual and `text_tokens` text tokens (None: not checked),
-    its budget is out of the method's reach on this decoder (`hap.budget.plan`); None when it runs."""
+    its budget is out of the method's reach on this decoder (`hap.planning.budget.plan`); None when it runs."""
     try:
         why = patch_refusal(model, config)
         if why is None and num_visual is not None:

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
-from .flops import FLOPS_CONVENTION, DecoderShape, Schedule
-from .config import HAPConfig
-from .fusion import group_map, head_fusion, token_scores
-from .heads import HeadStats, classify, visual_distribution
+from ..planning.flops import FLOPS_CONVENTION, DecoderShape, Schedule
+from ..config import HAPConfig
+from ..scoring.fusion import group_map, head_fusion, token_scores
+from ..scoring.heads import HeadStats, classify, visual_distribution
 
 STATS = ("sink_share", "dispersion", "visual_share", "paq")
 GRIDDED = ("head_maps", "head_attention", "fused_map", "uniform_map")  # the `LayerTrace` fields [batch, ..., N]

@@ -1,14 +1,14 @@
 """Planning a run's schedule with its method's pruner (docs/method.md §4, §7): the one planner of the executor, the
 lmms-eval plugin, the sweep and the speed script. The arithmetic it solves with (FLOPs, groups, `solve_schedule`) is
-`hap.flops`; here the pruner says where it cuts (`groups`, `before_decoder`, `min_full_layers`), whether its official
+`hap.planning.flops`; here the pruner says where it cuts (`groups`, `before_decoder`, `min_full_layers`), whether its official
 code sets its own schedule (`official`) and what its rule really keeps (`realised`, `min_tokens`).
 """
 
 from __future__ import annotations
 
-from .config import HAPConfig
+from ..config import HAPConfig
 from .flops import DecoderShape, Schedule, group_cuts, prefill_flops, solve_schedule
-from .pruners import pruner_class, pruner_for
+from ..pruners import pruner_class, pruner_for
 
 
 def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: int = 0,

@@ -1,5 +1,5 @@
 """FLOPs accounting, layer groups and per-group visual-token budgets (docs/method.md §4, §8): the arithmetic, which
-knows no method (planning a method's schedule with its pruner is `hap.budget`).
+knows no method (planning a method's schedule with its pruner is `hap.planning.budget`).
 
 One convention for every method: per decoder layer and n tokens in the sequence, multiply-accumulates
 
@@ -66,7 +66,7 @@ class Schedule:
 
     `cuts[g]` is the first layer of group g; group g spans layers [cuts[g], cuts[g+1]) (the last
     one ends at the last layer) and keeps `kept[g]` of the visual tokens present before it, plus `recycled[g]`
-    cluster means of the dropped ones (SparseVLM, AutoPrune; `hap.recycle`).
+    cluster means of the dropped ones (SparseVLM, AutoPrune; `hap.pruners.recycle`).
     """
 
     num_visual: int

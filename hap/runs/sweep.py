@@ -5,11 +5,11 @@ with the reason.
 
 The budget is `retain` (the layer-averaged fraction of visual tokens kept, §4.1); the other knobs stay as
 given. The smallest budget is the one every method can honour on this decoder: the first K layers keep every
-token and every later layer at least one (`hap.budget.smallest_retain` on the model's shape). SparseVLM and
+token and every later layer at least one (`hap.planning.budget.smallest_retain` on the model's shape). SparseVLM and
 AutoPrune run their official schedules and DART reads the layer before its cut (`own_floor`): their first cut comes
 after layer 0, so their floor is at least 1 / layers: they do not set the grid, and at a budget below their floor
 they have no answer (None, "out of reach"). Downsample on dynamic resolution (the Qwen2-VL family) runs on the image
-resized for each budget (`hap.run.for_config`); a budget the processor's pixel bounds cannot shrink the image to is
+resized for each budget (`hap.runs.run.for_config`); a budget the processor's pixel bounds cannot shrink the image to is
 out of reach too. The answer comes from
 `hap.run` (untraced), cut at its end (`short_answer`: end of sequence, end of line, or `ANSWER_WORDS` words), the
 unpruned one included, since a pruned run may ramble on until the token limit. The probability of the
@@ -21,8 +21,8 @@ test_sweep.py` compares the two): each generation stops once its cut answer is c
 greedy answer begins with the unpruned answer's tokens, their probability is read from the same generation's logits
 (the forced pass would compute exactly those logits again); and at a budget where a method's schedule keeps every
 visual token in every layer (`keeps_everything`), its run is the stock model's, whose answer and probability are
-the unpruned ones. The image's features come from the caller's `hap.features` cache where there is one, and the
-layers before each run's first cut are computed once (`hap.prefix.sharing_layers`). Where the model allows a batch
+the unpruned ones. The image's features come from the caller's `hap.runs.features` cache where there is one, and the
+layers before each run's first cut are computed once (`hap.patch.prefix.sharing_layers`). Where the model allows a batch
 (`hap.patch.batch.refusal`), every method's budgets are prefilled one by one and their answers continued as batches
 of as many runs as `DECODE_BYTES` of padded KV cache holds (`batch_rows`), not one batch per method: a decode step
 streams the weights once for every run in it.
@@ -38,15 +38,15 @@ import numpy as np
 import torch
 
 import hap
-from hap.budget import plan
-from hap.budget import smallest_retain as floor_retain
-from hap.inputs import InputLimits
-from hap.keeps import pruning, refusal
+from hap.planning.budget import plan
+from hap.planning.budget import smallest_retain as floor_retain
+from hap.runs.inputs import InputLimits
+from hap.runs.keeps import pruning, refusal
 from hap.patch import batch, visual_tokens
 from hap.pruners import pruner_class, pruner_for
 from hap.patch.decoder import decoder_shape
-from hap.prefix import sharing_layers
-from hap.run import Prepared, eos_ids, for_config, generate, prefill_then_decode, prepare
+from hap.patch.prefix import sharing_layers
+from hap.runs.run import Prepared, eos_ids, for_config, generate, prefill_then_decode, prepare
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 ANSWER_WORDS = 3  # an answer is cut after this many words
@@ -61,7 +61,7 @@ def own_floor(method: str) -> bool:
 
 
 def grid_methods() -> list[str]:
-    """The methods whose floors set the grid's smallest budget: every method that prunes (`hap.keeps.pruning`, read
+    """The methods whose floors set the grid's smallest budget: every method that prunes (`hap.runs.keeps.pruning`, read
     from the registry, registered pruners included) but those with their `own_floor`."""
     return [m for m in pruning() if not own_floor(m)]
 
@@ -78,7 +78,7 @@ def short_answer(text: str, words: int = ANSWER_WORDS) -> str:
 def smallest_retain(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int,
                     methods: Sequence[str] | None = None) -> float:
     """The smallest retain every method of `methods` (default: `grid_methods`) reaches on `shape`: the largest of
-    their floors (the first K full layers keep every token, every later layer one; `hap.budget.smallest_retain`)."""
+    their floors (the first K full layers keep every token, every later layer one; `hap.planning.budget.smallest_retain`)."""
     methods = grid_methods() if methods is None else methods
     return max(floor_retain(replace(config, method=m, retain=None, flops_ratio=None), shape, num_visual)
                for m in methods)
@@ -92,7 +92,7 @@ def budgets(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, poi
 
 
 def refused(model, config: hap.HAPConfig) -> dict[str, str]:
-    """{method: why} for the methods that prune (`hap.keeps.pruning`) that `model` does not take (`hap.keeps.refusal`: visionzip without a [CLS] token,
+    """{method: why} for the methods that prune (`hap.runs.keeps.pruning`) that `model` does not take (`hap.runs.keeps.refusal`: visionzip without a [CLS] token,
     pdrop on Qwen2-VL's M-RoPE, a file a method needs that does not load)."""
     configs = {m: replace(config, method=m, retain=None, flops_ratio=None) for m in pruning()}
     why = {m: refusal(model, c) for m, c in configs.items()}
@@ -133,7 +133,7 @@ def keeps_everything(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual:
 
 def answer_probability(model, p: Prepared, config: hap.HAPConfig, answer_ids: list[int]) -> float | None:
     """Probability the model pruned by `config` gives the tokens `answer_ids` after the prompt of `p` (as
-    `hap.run.for_config` prepares it for `config`), each token forced in turn on the pruned cache; None for an empty
+    `hap.runs.run.for_config` prepares it for `config`), each token forced in turn on the pruned cache; None for an empty
     answer."""
     if not answer_ids:
         return None
@@ -151,7 +151,7 @@ def forced_probability(logits, answer_ids: list[int]) -> float:
 
 def generated_answer(model, processor, p: Prepared, config: hap.HAPConfig, max_new_tokens: int
                      ) -> tuple[str, list[int], tuple]:
-    """One generation of `config` on `p` (as `hap.run.for_config` prepares it) stopped at its answer's end
+    """One generation of `config` on `p` (as `hap.runs.run.for_config` prepares it) stopped at its answer's end
     (`AnswerEnd`): (the cut answer, the generated token ids, the logits of each step, `[1, vocab]` each)."""
     start = p.prompt_len
     _, out, _ = generate(model, p, config, False, max_new_tokens, output_logits=True, return_dict_in_generate=True,
@@ -213,7 +213,7 @@ def reference_config(config: hap.HAPConfig) -> hap.HAPConfig:
 def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_tokens: int, limits: InputLimits,
           on_step: Callable[[float, str], None] | None = None, shared: bool = False) -> dict:
     """`{"retain": [R], "methods": {name: {"answers": [R], "answer_prob": [R]}}, "unpruned": {...}, "refused": {name:
-    why}}` for every method that prunes (`hap.keeps.pruning`) the model takes (`refused`) at `budgets(...)`, `config`'s other knobs unchanged
+    why}}` for every method that prunes (`hap.runs.keeps.pruning`) the model takes (`refused`) at `budgets(...)`, `config`'s other knobs unchanged
     (its method and budget are replaced); None for both where a budget is below a method's floor (out of reach).
     `shared`: the same figures for less work (module docstring)."""
     step = on_step or (lambda fraction, description: None)
@@ -293,7 +293,7 @@ def sweep(model, processor, image, prompt: str, config: hap.HAPConfig, max_new_t
 
 @dataclass
 class Job:
-    """One pruned run of the sweep: a method at a budget, on its prepared input (`hap.run.for_config`)."""
+    """One pruned run of the sweep: a method at a budget, on its prepared input (`hap.runs.run.for_config`)."""
 
     method: str
     retain: float
@@ -304,7 +304,7 @@ class Job:
 
 def full_layers(config: hap.HAPConfig, shape: hap.DecoderShape, num_visual: int, text_tokens: int) -> int:
     """How many leading decoder layers run the stock model's tokens under `config`'s schedule: the layers its runs may
-    share with the others of the input (`hap.prefix`): those before its first drop, or before its first cut where
+    share with the others of the input (`hap.patch.prefix`): those before its first drop, or before its first cut where
     the cuts write tokens of their own (`Pruner.rewrites`: VisionZip's, downsample's pooled ones below a budget of
     every token) or an official schedule recycles the dropped ones; 0 for a cut before layer 0; every layer for the
     stock model's run."""
