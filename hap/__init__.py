@@ -31,19 +31,19 @@ The pipeline, stage by stage (imports flow down this list and never back: `tests
                  through patch.hooks, imported by nothing of the method), lmms_eval (the plugin), __main__ (the CLI)
 """
 
-from .planning.flops import DecoderShape, Schedule, solve_schedule
-from .planning.budget import plan
 from .causal import head_importance, token_importance
 from .config import HAPConfig
-from .runs.inputs import DEFAULT_LIMITS, InputLimits
-from .knobs import KNOBS, METHODS, Knob, knob
 from .hub import ModelLoadError
+from .knobs import KNOBS, METHODS, Knob, knob
+from .lab.planted import plant
 from .load import load_model
 from .options import ProcessorOptions
 from .patch import apply as patch
 from .patch import patched
 from .patch import remove as unpatch
-from .lab.planted import plant
+from .planning.budget import plan
+from .planning.flops import DecoderShape, Schedule, solve_schedule
+from .runs.inputs import DEFAULT_LIMITS, InputLimits
 from .runs.run import run, run_batch, run_together
 from .runs.trace import Group, Maps, Result
 from .utility import HeadUtility, head_utility

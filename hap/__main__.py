@@ -9,10 +9,7 @@ from pathlib import Path
 
 from . import causal, utility
 from .config import HAPConfig
-from .runs.features import FeatureCache, reusing_features
-from .runs.inputs import check_history
 from .hub import ModelLoadError
-from .runs.keeps import keeps, keeps_png, panel_title
 from .knobs import KNOBS, SEED
 from .lab.plan import Plan, plant_line
 from .lab.planted import plant
@@ -20,6 +17,9 @@ from .load import load_model
 from .methods import UNIFORM, load_plugins
 from .options import OPTIONS, ProcessorOptions
 from .patch.processors import option_defaults, processor_options
+from .runs.features import FeatureCache, reusing_features
+from .runs.inputs import check_history
+from .runs.keeps import keeps, keeps_png, panel_title
 from .runs.run import run
 from .views import ViewData, export_png
 

@@ -30,8 +30,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from .runs.inputs import DEFAULT_LIMITS, InputLimits, load_image
 from .patch import attention_outputs, decoder_of, repeat_decoder_kwargs, visual_tokens
+from .runs.inputs import DEFAULT_LIMITS, InputLimits, load_image
 from .runs.run import build_inputs
 
 MODES = ("ablation", "attribution")

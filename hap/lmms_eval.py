@@ -58,12 +58,12 @@ with warnings.catch_warnings():  # lmms-eval's llava_hf modules run a process-wi
     from lmms_eval.models.chat.llava_hf import LlavaHf as _LlavaHfChat
     from lmms_eval.models.simple.llava_hf import LlavaHf as _LlavaHfSimple
 
-from .planning.budget import plan
 from .config import HAPConfig
 from .knobs import KNOBS, SEED, knob
 from .methods import load_plugins, pruner_class
 from .patch import apply as _apply_patch
 from .patch.decoder import decoder_shape
+from .planning.budget import plan
 
 load_plugins()  # the pruners named in HAP_PRUNERS join the method list before lmms-eval reads any model_args
 MODEL_NAME = "llava_hf_hap"

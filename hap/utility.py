@@ -34,12 +34,12 @@ import torch
 
 from .causal import default_mode, head_layout, paq_spearman, prepare
 from .config import HAPConfig
-from .planning.flops import DecoderShape, layer_flops
-from .scoring.fusion import select_top
-from .runs.inputs import DEFAULT_LIMITS, InputLimits
 from .methods import RANDOM, UNIFORM
 from .patch import patched
+from .planning.flops import DecoderShape, layer_flops
+from .runs.inputs import DEFAULT_LIMITS, InputLimits
 from .runs.run import conversation, question_lead, template_tail
+from .scoring.fusion import select_top
 
 UTILITY_BATCH = 34  # pruned variants per forward (a 32-head layer and its two references)
 

@@ -28,12 +28,18 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from ..patch import hooks
-from ..scoring.capture import prompt_attention
-from ..patch import adapter_for
+from ..patch import adapter_for, hooks
 from ..patch.decoder import _cached_keys, _heads, _take, decoder_of, layer_windows
-from .plan import (DEFAULT_SINK_COUNT, Plan, classifier_report, massive_activation, plant_attention,
-                   planted_values, redundant_tokens)
+from ..scoring.capture import prompt_attention
+from .plan import (
+    DEFAULT_SINK_COUNT,
+    Plan,
+    classifier_report,
+    massive_activation,
+    plant_attention,
+    planted_values,
+    redundant_tokens,
+)
 
 PLANTS: WeakKeyDictionary = WeakKeyDictionary()  # model -> its `Planting` while a plan is planted
 

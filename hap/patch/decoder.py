@@ -43,15 +43,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from ..scoring.capture import prompt_attention
 from ..config import HAPConfig
-from ..pruners.cues import VisionCues
 from ..planning.flops import DecoderShape
-from .hooks import captured_rows
-from ..pruners.merge import add_key_bias
 from ..pruners import pruner_for
+from ..pruners.cues import VisionCues
+from ..pruners.merge import add_key_bias
+from ..scoring.capture import prompt_attention
+from .hooks import captured_rows
 from .state import PruneState
-
 
 Positions = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None
 # (input_ids [batch, T], the multimodal model's kwargs) -> (visual, image) bool [batch, T]: the tokens the pruner may

@@ -20,10 +20,9 @@ from transformers.image_transforms import get_resize_output_image_size
 from transformers.image_utils import ChannelDimension
 
 from ..config import HAPConfig
+from ..hub import ModelLoadError, load_clip as clip_loader
 from ..knobs import knob
 from ..layout import WHOLE, Box, Layout, seen_share
-from ..hub import ModelLoadError
-from ..hub import load_clip as clip_loader
 from ..pruners import cls_user, pruner_for
 from ..pruners.cues import VisionCues
 from . import decoder

@@ -45,8 +45,8 @@ from ..layout import Layout, Span, TokenView, tile_spans
 from ..pruners import cls_user, pruner_for
 from ..pruners.cues import VisionCues
 from . import decoder
-from .llava import clip_projection, cls_cues, cls_layer
 from .decoder import attention_outputs, decoder_of, remove_patch
+from .llava import clip_projection, cls_cues, cls_layer
 
 __all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "token_masks", "view_grids"]
 

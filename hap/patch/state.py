@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..planning.budget import plan
 from ..config import HAPConfig
-from ..pruners.cues import VisionCues
+from ..planning.budget import plan
 from ..planning.flops import DecoderShape, Schedule
-from ..scoring.heads import HeadStats, detect_sinks, head_stats
-from ..pruners.merge import key_bias, merge_dropped
 from ..pruners import pruner_for
 from ..pruners.base import Cut, Pruner
+from ..pruners.cues import VisionCues
+from ..pruners.merge import key_bias, merge_dropped
 from ..pruners.recycle import recycle
 from ..runs.trace import CutTrace, Tracer
+from ..scoring.heads import HeadStats, detect_sinks, head_stats
 
 
 @dataclass

@@ -7,8 +7,8 @@ code sets its own schedule (`official`) and what its rule really keeps (`realise
 from __future__ import annotations
 
 from ..config import HAPConfig
-from .flops import DecoderShape, Schedule, group_cuts, prefill_flops, solve_schedule
 from ..pruners import pruner_class, pruner_for
+from .flops import DecoderShape, Schedule, group_cuts, prefill_flops, solve_schedule
 
 
 def plan(config: HAPConfig, shape: DecoderShape, num_visual: int, text_tokens: int = 0,

@@ -20,7 +20,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
 FLOPS_CONVENTION = ("MACs per layer: 2nd*d_q + 2n*d*d_kv + 2n*min(n, w)*d_q + 3ndm (= 4nd^2+2n^2d+3ndm without "
                     "GQA, with d_q = d and no sliding window w)")
 

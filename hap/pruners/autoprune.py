@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..planning.flops import Schedule
-from .recycle import cluster_count
 from .base import Official
+from .recycle import cluster_count
 
 X0, K0, GAMMA = 14.9, 0.4, 0.2  # the official defaults for every budget, benchmark and model size
 PRIOR_WEIGHT = 0.3  # weight of the MI-scaled text score at the layer-0 cut

@@ -24,8 +24,8 @@ from ..scoring.fusion import fuse, fusion_weights, row_mean, select_top, token_s
 
 if TYPE_CHECKING:
     from ..config import HAPConfig
-    from .cues import VisionCues
     from ..planning.flops import Schedule
+    from .cues import VisionCues
 
 
 class State(Protocol):

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..planning.flops import Schedule
-from .recycle import cluster_count
 from .base import Official
+from .recycle import cluster_count
 
 REFERENCE_LAYERS = 32  # LLaVA-1.5's decoder, where the official layers are defined
 REFERENCE_TOKENS = 576  # LLaVA-1.5's visual tokens, where the official lists are defined

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .cues import VisionCues
 from .base import BeforeDecoder, Selection
+from .cues import VisionCues
 
 DOMINANT_SHARE = 54 / 64  # the published 54 dominant ([CLS] included) + 10 contextual split of 64 tokens
 MIN_TOKENS = 2  # [CLS] and one image token: [CLS] alone would leave the decoder no patch of the image

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..config import HAPConfig
-from .inputs import DEFAULT_LIMITS, InputLimits
 from ..methods import NONE, UNIFORM
+from .inputs import DEFAULT_LIMITS, InputLimits
 from .run import run, run_together
 from .trace import Result
 

@@ -31,15 +31,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..config import HAPConfig
-from .inputs import DEFAULT_LIMITS, InputLimits
 from ..methods import DEFAULT, METHODS, NONE
-from ..planning.budget import plan
-from ..patch import refusal as patch_refusal
-from ..patch import visual_tokens
+from ..patch import refusal as patch_refusal, visual_tokens
 from ..patch.decoder import decoder_shape
+from ..planning.budget import plan
+from ..views import PNG_DPI, Panels, ViewData, panels_draw, panels_plotly
+from .inputs import DEFAULT_LIMITS, InputLimits
 from .run import for_config, prepare, run_prepared
 from .trace import Result
-from ..views import PNG_DPI, Panels, ViewData, panels_draw, panels_plotly
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

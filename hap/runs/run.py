@@ -10,16 +10,15 @@ from dataclasses import dataclass, replace
 import torch
 from PIL import Image
 
-from ..planning.flops import Schedule
-from ..planning.budget import plan
 from ..config import HAPConfig
-from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
 from ..options import ProcessorOptions
-from ..patch import adapter_for, apply, batch, layout, remove, resizes_image, visual_tokens
+from ..patch import adapter_for, apply, batch, hooks, layout, remove, resizes_image, visual_tokens
 from ..patch.decoder import decoder_shape
-from ..patch import hooks
 from ..patch.processors import processor_options
+from ..planning.budget import plan
+from ..planning.flops import Schedule
 from ..pruners import pruner_for
+from .inputs import DEFAULT_LIMITS, InputLimits, clean_conversation, load_image
 from .trace import CutTrace, Outcome, Result, to_result
 
 

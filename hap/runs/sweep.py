@@ -38,14 +38,13 @@ import numpy as np
 import torch
 
 import hap
-from hap.planning.budget import plan
-from hap.planning.budget import smallest_retain as floor_retain
-from hap.runs.inputs import InputLimits
-from hap.runs.keeps import pruning, refusal
 from hap.patch import batch, visual_tokens
-from hap.pruners import pruner_class, pruner_for
 from hap.patch.decoder import decoder_shape
 from hap.patch.prefix import sharing_layers
+from hap.planning.budget import plan, smallest_retain as floor_retain
+from hap.pruners import pruner_class, pruner_for
+from hap.runs.inputs import InputLimits
+from hap.runs.keeps import pruning, refusal
 from hap.runs.run import Prepared, eos_ids, for_config, generate, prefill_then_decode, prepare
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale

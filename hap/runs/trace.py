@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
-from ..planning.flops import FLOPS_CONVENTION, DecoderShape, Schedule
 from ..config import HAPConfig
+from ..planning.flops import FLOPS_CONVENTION, DecoderShape, Schedule
 from ..scoring.fusion import group_map, head_fusion, token_scores
 from ..scoring.heads import HeadStats, classify, visual_distribution
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-
 _EPS = 1e-12
 
 

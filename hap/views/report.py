@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 import hap
+from hap.methods import DEFAULT, UNIFORM
 from hap.runs.compare import Comparison
 from hap.scoring.fusion import fusion_weights
-from hap.methods import DEFAULT, UNIFORM
 from hap.views import STATS, Truth, ViewData, class_counts, default_layer
 
 LABELS = {"unpruned": "Unpruned", "pruned": "Pruned", UNIFORM: "Uniform averaging"}
