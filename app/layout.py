@@ -384,6 +384,8 @@ def build_demo(
         out["layer"].input(show_layer, stored, [out["head_maps"], *inspector], api_visibility="private",
                            trigger_mode="always_last")
         out["head"].input(show_head, stored, inspector, api_name="inspect", trigger_mode="always_last")
+        out["summary"].change(keeps_section.refused_text, out["summary"], out["keeps_refused"],
+                              api_visibility="private")  # every run, and a picked turn, shows its refusals
         model.change(model_defaults, model, [knobs[name] for name in RULED], api_visibility="private")
         model.change(model_options, model, list(options.values()), api_visibility="private")
     demo.queue(max_size=settings.queue_size)

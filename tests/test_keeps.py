@@ -18,7 +18,8 @@ from tiny_models import qwen_vl_folder
 import hap
 from hap import views
 from hap.views.ground_truth import read_metadata, scene_truth
-from hap.runs.keeps import REFERENCE, keeps, keeps_panels, keeps_plotly, keeps_png, overlap, panel_title, pruning
+from hap.runs.keeps import (REFERENCE, keeps, keeps_draw, keeps_panels, keeps_plotly, keeps_png, overlap, panel_title,
+                            pruning)
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"  # the question saved with scene_600000
@@ -113,7 +114,8 @@ def test_the_view_has_a_titled_panel_per_method_with_the_answering_patches_outli
     figure = keeps_plotly(data, found)
     outlines = [t for t in figure.data if t.type == "scatter" and t.line.color == views.OUTLINE_COLOR]
     assert len(outlines) == len(found.methods)
-    assert all(f"{m} refused" in figure.layout.title.text for m in found.refused)
+    assert found.refused and "refused" not in figure.layout.title.text  # the figure holds the maps
+    assert [t.get_text() for t in keeps_draw(data, found).texts if "refused" in t.get_text()]  # a file: under the title
     assert not [t for t in keeps_plotly(replace(data, truth=None), found).data if t.type == "scatter"]
     assert keeps_png(data, found, tmp_path).stat().st_size > 0
 
@@ -150,6 +152,7 @@ def test_analyze_runs_every_method_only_when_asked(model_name):
     from test_edit import file
 
     from app.handler import Handler
+    from app.keeps import NOT_RUN, refused_text
     from app.settings import Settings, knob_defaults
 
     handler = Handler(Settings(models=[model_name]))
@@ -165,6 +168,9 @@ def test_analyze_runs_every_method_only_when_asked(model_name):
     assert len(entry["methods"]["fastv"]["kept"]) == 15 and 0 < entry["methods"]["fastv"]["flops_ratio"] < 1
     assert out["keeps"].layout.title.text.startswith("What each method keeps at retain 0.111")
     assert set(OFFICIAL_FLOOR) <= set(entry["refused"])  # named, not run, and the request goes on
+    side = refused_text(out["summary"])  # beside the figure, one line each, none in it
+    assert all(f"- {m} refused: {why}" in side for m, why in entry["refused"].items())
+    assert "refused" not in out["keeps"].layout.title.text and refused_text(plain["summary"]) == NOT_RUN
     with pytest.raises(gr.Error, match="keeps='yes' must be true or false"):
         handler.analyze(file(SCENE), PROMPT, model_name, keeps="yes", **knobs)
 

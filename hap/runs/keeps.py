@@ -193,20 +193,26 @@ def keeps_panels(data: ViewData, found: Keeps) -> Panels:
 
 
 def title(found: Keeps) -> str:
-    """The figure's title: the budget, then each refused method with its reason (lines joined by "<br>")."""
-    lines = [TITLE.format(budget=budget_text(found.budget))]
-    lines += [line for m, why in found.refused.items() for line in textwrap.wrap(f"{m} refused: {why}", TITLE_CHARS)]
-    return "<br>".join(lines)
+    """The figure's title: the budget. The refused methods are no part of it (`refused_lines`)."""
+    return TITLE.format(budget=budget_text(found.budget))
+
+
+def refused_lines(refused: Mapping[str, str]) -> list[str]:
+    """One line per refused method with its reason: "cdpruner refused: ..." (the `refused` of `Keeps` or of its
+    JSON)."""
+    return [f"{m} refused: {why}" for m, why in refused.items()]
 
 
 def keeps_plotly(data: ViewData, found: Keeps) -> go.Figure:
-    """The page's figure of `keeps_panels`."""
+    """The page's figure of `keeps_panels`: the maps only (the page lists `refused_lines` beside it)."""
     return panels_plotly(keeps_panels(data, found), title(found))
 
 
 def keeps_draw(data: ViewData, found: Keeps) -> Figure:
-    """The matplotlib figure of `keeps_panels` (refusals on their own lines)."""
-    return panels_draw(keeps_panels(data, found), title(found).replace("<br>", "\n"))
+    """The matplotlib figure of `keeps_panels`, the refused methods under the title (a file has no side text), each
+    line wrapped at TITLE_CHARS."""
+    lines = [line for refused in refused_lines(found.refused) for line in textwrap.wrap(refused, TITLE_CHARS)]
+    return panels_draw(keeps_panels(data, found), "\n".join([title(found), *lines]))
 
 
 def keeps_png(data: ViewData, found: Keeps, folder: str | Path) -> Path:
