@@ -16,6 +16,11 @@ under the plan. `validate` prints, per scene, the answers and the answering patc
 the lesson's scene is the one where uniform averaging's answer changed under the plan and HAP's did not, shipped as
 assets/examples/lesson_400009.png (`analysis.scenes.save_scene`, its question in the metadata; not among the page's
 examples).
+
+One scene is one case, so each step also quotes the held-out figure for the same comparison (`HeldOut`): accuracy
+at RETAIN of the paper's HAP, uniform averaging and HAP+ over 120 held-out questions with the same kind of plan, from
+a committed `analysis.heterogeneity` run (numbers quoted here, with the command, and checked against the committed
+JSON by tests/test_lesson.py: results/ does not ship to a Space); where the scene goes the other way, the text says so.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hap import views
-from hap.knobs import KNOBS
+from hap.knobs import KNOBS, knob
 from hap.lab.plan import Plan, share_plan
 
 from .settings import EXAMPLES
@@ -45,7 +50,8 @@ INTRO = ("## Guided lesson: what sink heads do to pruning\n"
          "Four steps on one scene asked its own question (its answering patches outlined on every map; chosen on "
          "validation scenes, docs/app.md), at "
          f"a budget of {RETAIN:.1%} of the visual tokens, with the paper's HAP settings. Each button runs one step "
-         "on the shipped model; the text under it is written from that run's numbers.")
+         "on the shipped model; the text under it is written from that run's numbers, then gives the held-out "
+         "figure for the same comparison: one scene is one case, the held-out questions the rule.")
 
 
 @dataclass(frozen=True)
@@ -93,11 +99,13 @@ class Numbers:
                    map_share(data.group_maps[0], sorted(sinks)))
 
     def answers_line(self) -> str:
-        """The answers, each cut at its end (`hap.runs.sweep.short_answer`), and the scene's."""
-        from hap.runs.sweep import short_answer
-
-        return "; ".join(f"{label}: **{short_answer(answer) or '(empty)'}**" for label, answer in self.answers.items()
+        """The answers as the answer cards show them (`hap.views.report.answer_card`), and the scene's."""
+        return "; ".join(f"{label}: **{answer or '(empty answer)'}**" for label, answer in self.answers.items()
                          ) + f" (the scene's answer: **{self.truth}**)"
+
+    def right(self, label: str) -> bool:
+        """Whether the answer of `label` (of ANSWERS') starts with the scene's answer, as `validate` scores it."""
+        return (self.answers[label].split() or [""])[0].lower() == self.truth.lower()
 
     def first_cut_objects(self) -> str:
         """What the first cut keeps of the answering patches, uniform averaging's top k against HAP's."""
@@ -131,7 +139,7 @@ def paq_text(n: Numbers) -> str:
     sink = n.classifier["sink"]
     precision = "-" if sink["precision"] is None else f"{sink['precision']:.0%}"
     more = n.paq_answering - n.uniform_answering
-    verdict = (f"HAP keeps {more} more answering patch{'es' * (more > 1)} than uniform averaging." if more > 0 else
+    verdict = (f"On this run HAP keeps {more} more answering patch{'es' * (more > 1)} than uniform averaging." if more > 0 else
                "On this run HAP keeps no more of the answering patches than uniform averaging." if more == 0 else
                f"On this run HAP keeps {-more} fewer answering patch{'es' * (more < -1)} than uniform averaging.")
     return (f"**Step 3 · the classifier and PAQ.** The same plan. The paper's norm test "
@@ -152,6 +160,73 @@ def dispersed_text(n: Numbers) -> str:
             f"head down. At the first cut {n.first_cut_objects()}.")
 
 
+HELD_OUT_COMMAND = ("python -m analysis.heterogeneity --seeds 500000:500060 --per-scene 2 --kinds sink "
+                    "--sink-tokens 4 --retain 0.111 0.056 --methods hap uniform hap_paper --diversity 0.25 "
+                    "--out results/diversity/sink_lab/w0.25")
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out figure of a step's comparison: accuracy at RETAIN over held-out questions with the same kind of
+    plan (`plan`: in `share` of the heads of the layers scoring HAP's cuts), quoted from the committed run `source`
+    (its entry `kind` / `share`) that `command` reproduces."""
+
+    plan: str  # in words ("nothing planted" where `share` is 0)
+    source: str
+    kind: str  # the run's plan kind: "sink_4" (4 massive sink tokens per image) or "dispersed"
+    share: float  # of the scoring layers' heads planted
+    command: str
+    unpruned: float  # with the plan
+    paper: float  # the paper's HAP (`hap_paper`)
+    uniform: float
+    plus: float  # HAP+ (`hap`) with `diversity`
+    diversity: float
+    questions: int = 120
+    seeds: str = "500000:500060"
+    layers: tuple[int, ...] = (0, 1, 3)  # the scoring layers the plan plants in
+
+    def text(self, n: Numbers) -> str:
+        """The held-out figure, then whether the scene `n` goes the same way (the paper's HAP against uniform)."""
+        default = knob("diversity").default
+        now = "" if self.diversity == default else f"; the library's default is now {default:g}"
+        plan = (f"{self.share:.0%} of the heads of the layers scoring HAP's cuts ({', '.join(map(str, self.layers))}) "
+                f"planted as {self.plan}") if self.share else self.plan
+        line = (f"**Held-out:** over {self.questions} held-out questions (seeds {self.seeds}) with the same kind of "
+                f"plan ({plan}), at retain {RETAIN:.1%} the paper's HAP answers {self.paper:.1%} right, uniform "
+                f"averaging {self.uniform:.1%}, HAP+ (diversity {self.diversity:g}{now}) {self.plus:.1%}; unpruned "
+                f"{'with the plan ' if self.share else ''}{self.unpruned:.1%} (`{self.command}`, {self.source}).")
+        return f"{line} {self.verdict(n)}"
+
+    def verdict(self, n: Numbers) -> str:
+        """Whether the scene's answers go the way the held-out figure does: the paper's HAP against uniform averaging."""
+        paper, uniform = n.right(ANSWERS["pruned"]), n.right(ANSWERS["uniform"])
+        gap = abs(self.paper - self.uniform) * 100
+        rule = (f"the paper's HAP answers {gap:.1f} points {'below' if self.paper < self.uniform else 'above'} "
+                "uniform averaging" if self.paper != self.uniform else "the two answer alike")
+        if paper == uniform:
+            return (f"On this scene both answer {'right' if paper else 'wrong'}, so the scene cannot tell them apart; "
+                    f"over the held-out questions {rule}.")
+        if (paper > uniform) == (self.paper > self.uniform):
+            return f"The scene goes the way of the held-out figure: {rule}."
+        won = "the paper's HAP answers right and uniform averaging does not" if paper else \
+            "uniform averaging answers right and the paper's HAP does not"
+        return (f"**The scene and the held-out figure disagree:** on this scene {won}, while over the held-out "
+                f"questions {rule}. The scene is one case, not the rule.")
+
+
+SINKS_SOURCE = "results/diversity/sink_lab/w0.25/heterogeneity.json"
+HELD_OUT = {  # by step kind; checked against the committed JSON by tests/test_lesson.py
+    "own": HeldOut("nothing planted", SINKS_SOURCE, "sink_4", 0.0, HELD_OUT_COMMAND,
+                   unpruned=0.858, paper=0.433, uniform=0.625, plus=0.833, diversity=0.25),
+    "sinks": HeldOut("sink heads parked on 4 massive sink tokens per image, strength 0.9", SINKS_SOURCE, "sink_4", 0.5,
+                     HELD_OUT_COMMAND, unpruned=0.558, paper=0.183, uniform=0.325, plus=0.833, diversity=0.25),
+    "dispersed": HeldOut("dispersed heads, strength 0.9", "results/heterogeneity/heterogeneity.json", "dispersed", 0.5,
+                         "python -m analysis.heterogeneity --seeds 500000:500060 --per-scene 2 --out "
+                         "results/heterogeneity", unpruned=0.858, paper=0.500, uniform=0.617, plus=0.750,
+                         diversity=0.0),
+}
+
+
 @dataclass(frozen=True)
 class Step:
     """One step of the lesson: its button, its plan, the views it shows (of `app.lab.LAB_VIEWS`) and its text."""
@@ -160,17 +235,20 @@ class Step:
     plan: Plan
     views: tuple[str, ...]
     text: Callable[[Numbers], str]
+    held_out: HeldOut
 
     def say(self, numbers: Numbers) -> str:
-        """The step's text on a run, then the run's answers."""
-        return f"{self.text(numbers)}\n\n- Answers: {numbers.answers_line()}."
+        """The step's text on a run, the run's answers, then the held-out figure for the same comparison."""
+        return f"{self.text(numbers)}\n\n- Answers: {numbers.answers_line()}.\n\n{self.held_out.text(numbers)}"
 
 
 STEPS = (
-    Step("1 · The model's own heads", Plan(), ("head_classes", "uniform_vs_paq"), own_text),
-    Step("2 · Plant sinks: uniform averaging", SINKS, ("uniform_vs_paq", "kept_masks"), uniform_text),
-    Step("3 · The classifier, PAQ and HAP", SINKS, ("head_classes", "uniform_vs_paq", "kept_masks"), paq_text),
-    Step("4 · Dispersed heads", DISPERSED, ("head_classes", "uniform_vs_paq"), dispersed_text),
+    Step("1 · The model's own heads", Plan(), ("head_classes", "uniform_vs_paq"), own_text, HELD_OUT["own"]),
+    Step("2 · Plant sinks: uniform averaging", SINKS, ("uniform_vs_paq", "kept_masks"), uniform_text,
+         HELD_OUT["sinks"]),
+    Step("3 · The classifier, PAQ and HAP", SINKS, ("head_classes", "uniform_vs_paq", "kept_masks"), paq_text,
+         HELD_OUT["sinks"]),
+    Step("4 · Dispersed heads", DISPERSED, ("head_classes", "uniform_vs_paq"), dispersed_text, HELD_OUT["dispersed"]),
 )
 
 

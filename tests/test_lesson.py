@@ -1,16 +1,19 @@
 """The guided lesson (`app.lesson`): its table of steps, texts written from a run's numbers, and every step run on the
-shipped model with its text checked against that run (about 6 s a step on a CPU)."""
+shipped model with its text checked against that run (about 6 s a step on a CPU); the held-out figures each step
+quotes checked against the committed runs they come from."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
-from app_model import default_model
+from app_model import ROOT, default_model
 
 from app import lesson
 from app.lab import map_share
+from app.present import CARDS
 from hap import views
-from hap.runs.sweep import short_answer
 
 FAKE = lesson.Numbers(
     question="what color is the square ?", truth="yellow", strength=0.75, layers=[2, 3],
@@ -34,8 +37,38 @@ def test_the_steps_are_a_small_table_and_each_text_says_its_numbers():
     assert "(layers 2, 3; PLANTED on every view): they park 75% of their attention" in texts[1]
     assert "classed 7 of the 8 planted sink heads sink (precision 88%)" in texts[2]
     assert "13% of the PAQ-weighted map (uniform: 49%)" in texts[2]
-    assert "HAP keeps 3 more answering patches than uniform averaging" in texts[2]
+    assert "On this run HAP keeps 3 more answering patches than uniform averaging" in texts[2]
     assert "classed 5 of them dispersed" in texts[3] and "heads (layers 2, 3) spread 75%" in texts[3]
+
+
+def test_each_step_quotes_its_held_out_figure_and_says_where_the_scene_disagrees():
+    texts = [step.say(FAKE) for step in lesson.STEPS]  # FAKE: the paper's HAP right, uniform averaging wrong
+    for step, text in zip(lesson.STEPS, texts):
+        held = step.held_out
+        assert "**Held-out:** over 120 held-out questions" in text and held.command in text
+        assert all(f"{v:.1%}" in text for v in (held.paper, held.uniform, held.plus, held.unpruned))
+        assert held.paper < held.uniform  # the committed runs: below uniform at 5.6% with each plan
+        assert "The scene and the held-out figure disagree" in text
+    assert "the library's default is now 0.25" in texts[3] and "default is now" not in texts[2]
+    both = lesson.Numbers(**{**FAKE.__dict__, "answers": {**FAKE.answers, "uniform averaging": "yellow"}})
+    assert "so the scene cannot tell them apart" in lesson.STEPS[1].say(both)
+    against = lesson.Numbers(**{**FAKE.__dict__, "answers": {**both.answers, "HAP (the paper's)": "red"}})
+    assert "The scene goes the way of the held-out figure" in lesson.STEPS[1].say(against)
+
+
+@pytest.mark.parametrize("name", sorted(lesson.HELD_OUT))
+def test_the_held_out_figures_are_the_committed_runs(name):
+    import json
+
+    held = lesson.HELD_OUT[name]
+    run = json.loads((ROOT / held.source).read_text())
+    accuracy, retain = run["accuracy"][held.kind][str(held.share)], str(lesson.RETAIN)
+    quoted = {"hap_paper": held.paper, "uniform": held.uniform, "hap": held.plus}
+    assert all(accuracy[m][retain] == pytest.approx(v, abs=5e-4) for m, v in quoted.items()), (accuracy, quoted)
+    assert run["unpruned"][held.kind][str(held.share)] == pytest.approx(held.unpruned, abs=5e-4)
+    assert run["config"].get("diversity", 0.0) == held.diversity and run["n_questions"] == held.questions
+    assert run["seeds"] == held.seeds and tuple(run["scoring_layers"]) == held.layers and run["strength"] == 0.9
+    assert f"--out {str(Path(held.source).parent)}" in held.command and run["massive"]
 
 
 @pytest.fixture(scope="module")
@@ -69,5 +102,7 @@ def test_each_step_runs_on_the_shipped_model_and_its_text_is_that_runs(server, i
     assert text == step.say(numbers)
     if not step.plan.empty:
         assert numbers.strength == step.plan.strength and numbers.layers == step.plan.layers
-    for label, answer in numbers.answers.items():
-        assert f"{label}: **{short_answer(answer) or '(empty)'}**" in text
+    shown = {card: out[card].splitlines()[1] for card in CARDS}  # "**answer**": the answer as its card shows it
+    for key, label in lesson.ANSWERS.items():
+        assert f"{label}: {shown[key]}" in text, (label, shown[key])
+    assert "**Held-out:**" in text and step.held_out.verdict(numbers) in text
