@@ -10,6 +10,7 @@ import pytest
 from app_model import ROOT, default_model, free_port
 from gradio_client import Client, handle_file
 
+import hap
 from app.lab import NO_PLAN, PLANTED_LABEL, TEACHING_PLAN, plan_from_share
 from hap import views
 from hap.lab.plan import Plan, classifier_report
@@ -163,7 +164,9 @@ def test_analyze_plants_a_plan_on_a_random_qwen2_vl(qwen_folder):
 
     server = Handler(Settings(models=[qwen_folder], allow_local=True))
     upload = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
-    knobs = {**{k.name: k.resolve(4) for k in KNOBS}, "sink_detector": "consensus"}
+    # diversity=0: the classifier finds a planted sink head only where its sink tokens survive the cut before layer 0,
+    # which HAP+'s diversity drops as duplicates (docs/method.md §10; `test_the_default_drops_the_planted_sink_tokens`)
+    knobs = {**{k.name: k.resolve(4) for k in KNOBS}, "sink_detector": "consensus", "diversity": 0.0}
     out = server.analyze(upload, PROMPT, qwen_folder, causal="off", plant=json.dumps(QWEN_PLAN), **knobs)
     plant = out["summary"]["plant"]
     assert out["state"].grid == (6, 6) and plant["sink"] == QWEN_PLAN["sink"]
@@ -179,11 +182,25 @@ def test_the_cli_plants_a_plan_file_on_a_random_qwen2_vl(qwen_folder, tmp_path, 
     plan, out = tmp_path / "plan.json", tmp_path / "out.json"
     plan.write_text(json.dumps(QWEN_PLAN))
     assert main(["run", "--model", qwen_folder, "--image", str(SCENE), "--prompt", PROMPT, "--plant", str(plan),
-                 "--sink-detector", "consensus", "--max-new-tokens", "2", "--json", str(out)]) == 0
+                 "--sink-detector", "consensus", "--diversity", "0", "--max-new-tokens", "2", "--json", str(out)]) == 0
     assert "PLANTED heads (hap.plant, not the model's own): 2 sink, 1 dispersed" in capsys.readouterr().out
     report = json.loads(out.read_text())["plant"]
     assert report["classifier"]["sink"]["found"] == QWEN_PLAN["sink"] and report["dispersed"] == [[2, 0]]
     assert report["classifier"]["sink"]["precision"] == 1.0 and len(report["sink_tokens_used"]) == 1
+
+
+def test_the_default_drops_the_planted_sink_tokens(qwen_folder):
+    """HAP+'s diversity counts the detected sink tokens as duplicates: the cut before layer 0 keeps none of them, so
+    no later head can park on them and the classifier finds no planted sink head; relevance top-k keeps them."""
+    model, processor = hap.load_model(qwen_folder, device="cpu")
+    with hap.plant(model, **{k: QWEN_PLAN[k] for k in ("sink", "dispersed", "strength", "massive")}):
+        runs = {w: hap.run(model, processor, str(SCENE), PROMPT, hap.HAPConfig(sink_detector="consensus", diversity=w),
+                           max_new_tokens=2) for w in (hap.knobs.knob("diversity").default, 0.0)}
+    for w, result in runs.items():
+        sinks, kept = set(result.plant["sink_tokens_used"]), set(result.groups[0].kept)
+        assert result.groups[0].layers[0] == 0 and sinks
+        assert (sinks & kept == set()) if w else (sinks <= kept), w
+    assert runs[hap.knobs.knob("diversity").default].plant["classifier"]["sink"]["found"] == []
 
 
 # --- picking by clicking: the pictures and their inverses --------------------------------------------------------

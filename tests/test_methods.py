@@ -24,7 +24,7 @@ from hap.pruners.uniform import Uniform
 
 @pytest.mark.parametrize(
     "method, expected",
-    [("hap", Hap(4, "last", False, 0.3, merge="proportional")), ("uniform", Uniform(4, "last", True, math.inf)),
+    [("hap", Hap(4, "last", False, 0.3, merge="proportional", diversity=knob("diversity").default)), ("uniform", Uniform(4, "last", True, math.inf)),
      ("pdrop", PDrop(4, "last")), ("fastv", FastV(1, "last")), ("pdrop_ours", PDropOurs(4, "last")),
      ("random", Random(4, "last")), ("none", NoPruning(0, "last"))],
 )

@@ -309,7 +309,9 @@ def test_hap_scores_what_the_planted_model_runs(case):
     inputs = make(["what color is the circle ?"], [0])
     _logits(model, inputs)  # transformers adds its own output-capturing hooks on the first forward
     hooks = _hooks(model)
-    config = hap.HAPConfig(retain=0.5, first_layers=1, groups=2)
+    # relevance top-k (diversity=0): HAP+'s diversity counts the flagged sink token as a duplicate and drops it at the
+    # cut (docs/method.md §10), and layer 2's planted head could then park on nothing
+    config = hap.HAPConfig(retain=0.5, first_layers=1, groups=2, diversity=0.0)
     with hap.plant(model, sink=[(0, 1), (2, 2)], sink_tokens=[3], strength=0.9, massive=False) as lab:
         with hap.patched(model, config, trace=True) as patch, torch.no_grad():
             model.generate(**inputs, max_new_tokens=3, do_sample=False)
