@@ -227,6 +227,11 @@ def lab_text(report: dict, data: views.ViewData, answers: dict, config: hap.HAPC
                      f"{map_share(data.group_uniform[0], tokens):.1%} of the uniform-average map and "
                      f"{map_share(data.group_maps[0], tokens):.1%} of the PAQ-fused map; {len(kept)} of "
                      f"{len(tokens)} sink tokens were kept among {len(g.kept)} tokens.")
+        if config.diversity > 0 and not kept and report["classifier"]["sink"]["missed"]:
+            lines.append(f"- HAP+'s diversity (diversity={config.diversity:g}) keeps detected sink tokens last "
+                         "(docs/method.md §10): with none left after the cut, the planted sink heads have nothing to "
+                         "park on and run as stock heads, so the classifier, reading this pruned run, cannot class "
+                         "them sink. Set diversity to 0 (the relevance top-k) to see them classed.")
     lines.append("- Answers at this budget with the plan: " + "; ".join(f"{k}: **{v or '(empty)'}**"
                                                                         for k, v in answers.items()) + ".")
     return "\n".join(lines)

@@ -11,12 +11,15 @@ token j (the log-determinant it adds) is, up to the factor 1 / w,
 - r_j: the cut's relevance (HAP's scores) rescaled to [0, 1] over the sample's finite scores (flat scores: all 0); a
   score of +inf (an anchor of `sink_ranking`) is taken before any finite one, -inf (a masked sink) after them all;
 - d_j: the squared distance of token j's unit hidden state from the span of those already kept (1 before the first
-  pick, 0 for a duplicate; floored at FLOOR), the Gram-Schmidt residual of S (one row of S computed per pick);
+  pick, 0 for a duplicate; floored at FLOOR), the Gram-Schmidt residual of S (one row of S computed per pick, the
+  residuals accumulated in float64: in float32 the cancellation in 1 - sum e^2 leaves ~1e-7 of noise, which log d
+  turns into gains that flip picks between a batch and its samples alone);
 - w: the weight of diversity (w = 0: the relevance top-k; relevance flat: the greedy MAP of the DPP of kernel S).
 
-Detected sink tokens count as duplicates of the kept ones (d = FLOOR): a massive activation makes a sink the largest
-outlier of the hidden states, which the determinant would pick first; here a sink is kept only after every other token
-(or first as `sink_ranking`'s anchor). Ties go to the lowest index. Pure tensor functions; the `hap` pruner calls
+Detected sink tokens (w > 0) form a tier of their own, after every other token of finite relevance: a massive
+activation makes a sink the largest outlier of the hidden states, which the determinant would pick first; here a sink
+is kept only once the other tokens run out (or first as `sink_ranking`'s anchor, or last as its mask). A floor does
+not do it: a sink at the floor ties with the near-duplicates there and outranks them by its relevance. Ties go to the lowest index. Pure tensor functions; the `hap` pruner calls
 `select`.
 """
 
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import torch
 
-FLOOR = 1e-6  # the smallest residual d: log FLOOR is the gain of a duplicate of the kept tokens
+FLOOR = 1e-3  # the smallest residual d, log FLOOR the gain of a duplicate of the kept tokens: below it two tokens
+#               differ less than half precision resolves (bfloat16 hidden states move unit-vector dot products by
+#               ~1e-3), so such near-duplicates tie and relevance ranks them (validation: docs/method.md §10)
 
 
 def rescaled(scores: torch.Tensor) -> torch.Tensor:
@@ -49,21 +54,23 @@ def select(relevance: torch.Tensor, embeds: torch.Tensor, k: int, weight: float,
     """The `k` tokens the greedy relevance-diversity rule keeps -> long [batch, k], ascending.
 
     `relevance [batch, N]` (higher = keep; +-inf allowed), `embeds [batch, N, D]` the hidden states (the kernel S is
-    their cosine similarity, one row computed per pick), `weight` w >= 0, `sink` bool [batch, N] tokens counted as
-    duplicates, `priority [batch, N]` ranked before anything (an analysis hook, as in `hap.scoring.fusion.select_top`). Each
+    their cosine similarity, one row computed per pick), `weight` w >= 0, `sink` bool [batch, N] tokens kept after
+    every other finite-relevance one where w > 0, `priority [batch, N]` ranked before anything (an analysis hook, as in `hap.scoring.fusion.select_top`). Each
     step takes, among the unpicked tokens of the highest priority and then of the highest class (+inf relevance,
-    finite, -inf), the largest r + w log d (module docstring)."""
+    finite, a detected sink's finite relevance, -inf), the largest r + w log d (module docstring)."""
     batch, n = relevance.shape
     if not 1 <= k <= n:
         raise ValueError(f"k={k} must be in [1, {n}]")
     r = rescaled(relevance)
-    rank = torch.where(r.isfinite(), 1, torch.where(r > 0, 2, 0)).float()  # +inf: 2, finite: 1, -inf: 0
-    tiered = priority is not None or not bool(r.isfinite().all())  # else every token is in one tier
+    rank = torch.where(r.isfinite(), 2, torch.where(r > 0, 3, 0)).float()  # +inf: 3, finite: 2, -inf: 0
+    if sink is not None and weight > 0:  # a detected sink: after every other finite token (module docstring)
+        rank = torch.where(sink.to(r.device) & r.isfinite(), 1.0, rank)
+    tiered = priority is not None or bool((rank != 2).any())  # else every token is in one tier
     r = r.nan_to_num(0.0, 0.0, 0.0)
-    unit = torch.nn.functional.normalize(embeds.float(), dim=-1).to(r.device)  # [B, N, D]
-    residual = torch.ones_like(r)  # d: squared distance from the span of the kept unit vectors
-    basis = torch.zeros(batch, k, n, device=r.device)  # row i: each token's coordinate on the i-th kept direction
-    duplicate = torch.zeros_like(r, dtype=torch.bool) if sink is None else sink.to(r.device)
+    unit = torch.nn.functional.normalize(embeds.double(), dim=-1).to(r.device)  # [B, N, D], float64 (module docstring)
+    residual = torch.ones_like(r, dtype=torch.float64)  # d: squared distance from the span of the kept unit vectors
+    basis = torch.zeros(batch, k, n, dtype=torch.float64, device=r.device)  # row i: each token's coordinate on the
+    #                                                                         i-th kept direction
     open_ = torch.ones(batch, n, dtype=torch.bool, device=r.device)
     picks = torch.empty(batch, k, dtype=torch.long, device=r.device)
     rows = torch.arange(batch, device=r.device)
@@ -72,8 +79,8 @@ def select(relevance: torch.Tensor, embeds: torch.Tensor, k: int, weight: float,
         if tiered:
             candidates = open_ if priority is None else _tier(priority.to(r.device).float(), open_)
             candidates = _tier(rank, candidates)
-        d = residual.masked_fill(duplicate, FLOOR).clamp_min(FLOOR)
-        j = (r + weight * d.log()).masked_fill(~candidates, -torch.inf).argmax(-1)
+        d = residual.clamp_min(FLOOR)
+        j = (r + weight * d.log()).masked_fill(~candidates, -torch.inf).argmax(-1)  # float64
         picks[:, i] = j
         open_[rows, j] = False
         if i + 1 < k:  # Gram-Schmidt: every token's coordinate on the new direction, S[j] less the kept directions

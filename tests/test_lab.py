@@ -47,7 +47,8 @@ def analyze(client, model, **changes) -> dict:
 
 @pytest.mark.slow
 def test_a_planted_run_is_marked_on_every_view_and_reports_the_classifier(client, model_name):
-    out = analyze(client, model_name, plant=json.dumps(PLAN), sink_detector="consensus")
+    # diversity=0: HAP+'s diversity drops the sink tokens at the cut, and the heads then have none to park on (below)
+    out = analyze(client, model_name, plant=json.dumps(PLAN), sink_detector="consensus", diversity=0.0)
     plant = out["summary"]["plant"]
     assert plant["sink"] == PLAN["sink"] and plant["strength"] == 0.9 and len(plant["sink_tokens_used"]) == 1
     assert plant["classifier"]["sink"]["recall"] == 1.0  # the consensus detector sees 2 planted of 8 heads
@@ -129,6 +130,15 @@ def test_the_share_helper_and_the_teaching_plan():
     assert len(TEACHING_PLAN.sink) == 12
 
 
+def test_the_lab_says_why_hap_plus_finds_no_planted_sink_head(client, model_name):
+    """Under HAP+'s default diversity the cut keeps none of the sink tokens; the lab text says why the classifier,
+    reading the pruned run, then finds no planted sink head."""
+    out = analyze(client, model_name, plant=json.dumps(PLAN), sink_detector="consensus")
+    plant = out["summary"]["plant"]
+    assert plant["classifier"]["sink"]["recall"] == 0.0 and "0 of 1 sink tokens were kept" in out["lab"]
+    assert "HAP+'s diversity (diversity=0.25) keeps detected sink tokens last" in out["lab"]
+
+
 def test_the_cli_plants_a_plan_file(tmp_path, capsys):
     from hap.__main__ import main
 
@@ -136,7 +146,7 @@ def test_the_cli_plants_a_plan_file(tmp_path, capsys):
     plan.write_text(json.dumps(PLAN))
     out = tmp_path / "out.json"
     assert main(["run", "--image", str(SCENE), "--prompt", PROMPT, "--plant", str(plan), "--sink-detector",
-                 "consensus", "--max-new-tokens", "2", "--json", str(out)]) == 0
+                 "consensus", "--diversity", "0", "--max-new-tokens", "2", "--json", str(out)]) == 0
     assert "PLANTED heads (hap.plant, not the model's own): 4 sink, 1 dispersed" in capsys.readouterr().out
     report = json.loads(out.read_text())["plant"]
     assert report["classifier"]["sink"]["recall"] == 1.0 and report["dispersed"] == [[3, 2]]
