@@ -2,7 +2,16 @@
 (ground truth, head inspector, budget sweep included), and save screenshots: the top of the page
 (test-artifacts/app.png, committed as the README's docs/app.png) and the whole page (app-full.png); the
 "Is PAQ right?" section on a scene and on a photograph (causal.png, causal_photo.png, head utility included), checked
-against `/analyze`."""
+against `/analyze`; the keeps grid with the refused methods beside it.
+
+Every wait is on the state it checks, never a fixed sleep: the page is used once its image editor is set up
+(`open_page`), Run once the editor holds the image (`pick_example`, `upload`), and a run's result is awaited with
+its error toast watched (`until_shown`: a failed run fails the test at once, with the message). In Gradio 6.31's
+ImageEditor an upload does not wait for the editor's `ready`, and before it the image tool has no context ("Cannot
+read properties of undefined (reading 'dimensions')", the upload lost; read from Gradio's source, not reproduced
+here): a test that uploaded as soon as the file input existed could press Run on no image and time out, and the
+next test, reading the browser log the first had left unread, reported the error (`fresh_log` now reads it before
+each test; docs/app.md)."""
 
 from __future__ import annotations
 
@@ -53,6 +62,62 @@ def driver():
     browser.quit()
 
 
+WAIT_S = 240  # the longest a run may take on a loaded CI machine
+EDITOR_READY = ("const done = arguments[arguments.length - 1]; const wait = () => window.editor ? "
+                "window.editor.ready.then(() => done(true)) : setTimeout(wait, 50); wait();")
+HOLDS_IMAGE = "return !!window.editor && window.editor.command_manager.contains('AddImage')"  # Gradio's own test
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(request):
+    """Read (and drop) the browser log before each test that drives the page: its errors are its own."""
+    if "driver" in request.fixturenames:
+        request.getfixturevalue("driver").get_log("browser")
+
+
+def console_errors(driver) -> list[dict]:
+    """The SEVERE lines the page logged since the last read."""
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def open_page(driver, url: str) -> None:
+    """Load the page and wait until its image editor is set up (Gradio's ImageEditor `ready`: its canvases and
+    tools; an upload before that is lost)."""
+    driver.get(url)
+    driver.set_script_timeout(WAIT_S)
+    driver.execute_async_script(EDITOR_READY)
+
+
+def pick_example(driver, wait) -> str:
+    """Click the first scene example; wait until the prompt and the editor hold it. Returns the prompt."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+
+    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()
+    wait.until(lambda d: d.execute_script(HOLDS_IMAGE))
+    return wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value"))
+
+
+def upload(driver, wait, path: Path) -> None:
+    """Upload `path` into the image editor; wait until the editor holds it."""
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.CSS_SELECTOR, "#image-editor input[type=file]").send_keys(str(path))
+    wait.until(lambda d: d.execute_script(HOLDS_IMAGE))
+
+
+def until_shown(driver, wait, elem_id: str, text: str) -> None:
+    """Wait until element `elem_id` shows `text`; an error toast (a refused or failed run) fails at once, with it."""
+    from selenium.webdriver.common.by import By
+
+    def shown_or_failed(d):
+        toasts = [t.text for t in d.find_elements(By.CSS_SELECTOR, ".toast-body.error")]
+        return toasts or text in d.find_element(By.ID, elem_id).text
+
+    found = wait.until(shown_or_failed)
+    assert found is True, f"waiting for {text!r} in #{elem_id}, the page showed an error: {found}"
+
+
 def set_slider(driver, elem_id: str, value: int) -> None:
     """Type `value` into the number box of the slider `elem_id` (an input event, as a user's)."""
     from selenium.webdriver.common.by import By
@@ -68,13 +133,12 @@ def test_example_run_shows_every_panel(page_url, driver):
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    wait = WebDriverWait(driver, 240)
-    driver.get(page_url)
-    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()  # the first scene example
-    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value"))
+    wait = WebDriverWait(driver, WAIT_S)
+    open_page(driver, page_url)
+    pick_example(driver, wait)
     driver.find_element(By.ID, "run").click()
     for key in ("unpruned", "pruned", "uniform"):
-        wait.until(EC.text_to_be_present_in_element((By.ID, f"answer-{key}"), "visual tokens"))
+        until_shown(driver, wait, f"answer-{key}", "visual tokens")
     for name in PLOTS:
         wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{name} .js-plotly-plot .main-svg")))
     heads = "#plot-head_maps .js-plotly-plot"
@@ -102,7 +166,7 @@ def test_example_run_shows_every_panel(page_url, driver):
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1400, height)
     driver.save_screenshot(str(ARTIFACTS / "app-full.png"))  # every panel
-    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    errors = console_errors(driver)
     assert not errors, errors
 
 
@@ -117,12 +181,11 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     from hap.runs.keeps import pruning
     from hap.runs.sweep import ANSWER_WORDS
 
-    wait = WebDriverWait(driver, 240)
+    wait = WebDriverWait(driver, WAIT_S)
     driver.set_window_size(1400, 1150)
-    driver.get(page_url)
-    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()
+    open_page(driver, page_url)
+    pick_example(driver, wait)
     prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
-    wait.until(lambda d: prompt.get_attribute("value"))
     prompt.clear()
     prompt.send_keys("how many red objects ?")
     driver.find_element(By.ID, "sweep").click()
@@ -138,7 +201,29 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     ARTIFACTS.mkdir(exist_ok=True)
     driver.execute_script("arguments[0].scrollIntoView()", plot)
     plot.screenshot(str(ARTIFACTS / "sweep.png"))
-    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    errors = console_errors(driver)
+    assert not errors, errors
+
+
+def test_the_keeps_grid_holds_the_maps_and_lists_the_refused_beside_it(page_url, driver):
+    """"Compare every method" on the first scene example: a map per method that ran, the figure's own text without
+    any refusal, the refused methods (CDPruner on the shipped model) beside it with their reasons."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, WAIT_S)
+    driver.set_window_size(NARROW, 900)
+    open_page(driver, page_url)
+    pick_example(driver, wait)
+    driver.find_element(By.ID, "keeps-run").click()
+    until_shown(driver, wait, "keeps-refused", "Not in the figure")
+    wait.until(EC.text_to_be_present_in_element((By.ID, "plot-keeps"), "What each method keeps at"))
+    figure = driver.find_element(By.ID, "plot-keeps").text
+    assert "refused" not in figure and "hap: " in figure and "fastv: " in figure, figure
+    side = driver.find_element(By.ID, "keeps-refused").text
+    assert "cdpruner refused:" in side and "cdpruner" not in figure, side
+    errors = console_errors(driver)
     assert not errors, errors
 
 
@@ -175,34 +260,30 @@ def test_causal_section_matches_the_json(page_url, driver):
 
     from app.present import OUTPUTS
 
-    wait = WebDriverWait(driver, 240)
+    wait = WebDriverWait(driver, WAIT_S)
     client = Client(page_url, verbose=False)
     driver.set_window_size(1400, 1150)
-    for name, upload, question in CAUSAL_SHOTS:
-        driver.get(page_url)
-        if upload is None:
-            wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()  # the first scene example
-            prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
-            wait.until(lambda d: prompt.get_attribute("value") == question)
-            upload = ROOT / "assets" / "examples" / "scene_600000.png"
+    for name, image, question in CAUSAL_SHOTS:
+        open_page(driver, page_url)
+        if image is None:
+            assert pick_example(driver, wait) == question  # the first scene example
+            image = ROOT / "assets" / "examples" / "scene_600000.png"
         else:
-            wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#image-editor input[type=file]"))
-                       ).send_keys(str(upload))
-            wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#image-editor canvas")))
+            upload(driver, wait, image)
             prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
             prompt.clear()
             prompt.send_keys(question)
         driver.find_element(By.ID, "run").click()
-        wait.until(EC.text_to_be_present_in_element((By.ID, "causal-text"), "Causal truth"))
-        wait.until(EC.text_to_be_present_in_element((By.ID, "utility-text"), "Head utility"))
+        until_shown(driver, wait, "causal-text", "Causal truth")
+        until_shown(driver, wait, "utility-text", "Head utility")
         for plot in ("causal_heads", "causal_scatter", "causal_tokens", "utility_heads", "utility_scatter",
                      "utility_layers"):
             wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{plot} .js-plotly-plot .main-svg")))
-        width, height = Image.open(upload).size  # the editor sends an upload re-encoded as PNG (RGBA)
+        width, height = Image.open(image).size  # the editor sends an upload re-encoded as PNG (RGBA)
         assert f"{width} x {height} pixels" in driver.find_element(By.ID, "explanation").text
         shown = causal_numbers(driver.find_element(By.ID, "causal-text").text)
         model = driver.find_element(By.CSS_SELECTOR, "input[aria-label^='Model (loaded']").get_attribute("value")
-        out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(upload)), prompt=question, model_name=model,
+        out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(image)), prompt=question, model_name=model,
                                                api_name="/analyze")))  # the page's defaults: the API's
         entry = out["summary"]["causal"]
         assert shown["answer"] == entry["answer_text"].strip(), (shown, entry["answer_text"])
@@ -226,7 +307,7 @@ def test_causal_section_matches_the_json(page_url, driver):
             "x": 0, "y": top[0] - 16, "width": 1400, "height": end[1] - top[0] + 32, "scale": 1}})
         ARTIFACTS.mkdir(exist_ok=True)
         (ARTIFACTS / name).write_bytes(base64.b64decode(shot["data"]))
-    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    errors = console_errors(driver)
     assert not errors, errors
 
 
@@ -271,19 +352,18 @@ def test_the_head_lab_by_clicking(page_url, driver):
 
     from app.lab_pick import MARGIN, cell_px
 
-    wait = WebDriverWait(driver, 240)
+    wait = WebDriverWait(driver, WAIT_S)
     driver.set_window_size(NARROW, 1000)  # every figure legible at a 1280-px-wide window
-    driver.get(page_url)
+    open_page(driver, page_url)
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#lab-heads img")))
     cell = cell_px((6, 8))
     for layer, head in ((0, 1), (1, 5)):
         click_picture(driver, "lab-heads", MARGIN + head * cell + cell // 2, MARGIN + layer * cell + cell // 2)
         wait.until(EC.text_to_be_present_in_element((By.ID, "plant"), f"[{layer}, {head}]"))
     assert '"sink": [[0, 1], [1, 5]]' in driver.find_element(By.ID, "plant").text
-    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()  # the first scene example
-    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value"))
+    pick_example(driver, wait)
     driver.find_element(By.ID, "lab-run").click()
-    wait.until(EC.text_to_be_present_in_element((By.ID, "lab-answers"), "HAP+"))
+    until_shown(driver, wait, "lab-answers", "HAP+")
     wait.until(EC.text_to_be_present_in_element((By.ID, "lab"), "recall"))
     for name in ("lab_head_classes", "lab_uniform_vs_paq", "lab_kept_masks"):
         wait.until(EC.text_to_be_present_in_element((By.ID, f"plot-{name}"), "PLANTED"))
@@ -296,7 +376,7 @@ def test_the_head_lab_by_clicking(page_url, driver):
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(NARROW, height)
     driver.save_screenshot(str(ARTIFACTS / "lab-full.png"))  # every view of the planted run, at 1280 px
-    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    errors = console_errors(driver)
     assert not errors, errors
 
 
@@ -310,15 +390,17 @@ def test_the_guided_lesson_step_by_step(page_url, driver):
 
     from app import lesson
 
-    wait = WebDriverWait(driver, 300)
+    wait = WebDriverWait(driver, WAIT_S)
     driver.set_window_size(NARROW, 1000)
-    driver.get(page_url)
+    open_page(driver, page_url)
     for index, step in enumerate(lesson.STEPS, 1):
         button = wait.until(EC.element_to_be_clickable((By.ID, f"lesson-{index}")))
         driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", button)
         button.click()
-        wait.until(EC.text_to_be_present_in_element((By.ID, "lesson-text"), f"Step {index} ·"))
-        assert f"the scene's answer: {lesson.scene()['answer']}" in driver.find_element(By.ID, "lesson-text").text
+        until_shown(driver, wait, "lesson-text", f"Step {index} ·")
+        text = driver.find_element(By.ID, "lesson-text").text
+        assert f"the scene's answer: {lesson.scene()['answer']}" in text
+        assert "Held-out: over 120 held-out questions" in text and f"{step.held_out.paper:.1%}" in text
         for name in ("head_classes", "uniform_vs_paq", "kept_masks"):
             plot = f"#plot-lesson_{name} .js-plotly-plot .main-svg"
             if name in step.views:
@@ -328,5 +410,5 @@ def test_the_guided_lesson_step_by_step(page_url, driver):
             else:
                 assert not any(e.is_displayed() for e in driver.find_elements(By.CSS_SELECTOR, plot)), (index, name)
         shoot(driver, f"lesson-{index}", f"plot-lesson_{step.views[-1]}", f"lesson-{index}.png")
-    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    errors = console_errors(driver)
     assert not errors, errors

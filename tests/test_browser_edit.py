@@ -5,7 +5,8 @@ and test-artifacts/edit.png (committed as the README's docs/conversation.png and
 from __future__ import annotations
 
 import pytest
-from test_browser import ARTIFACTS, driver, page_url  # noqa: F401 (fixtures)
+from test_browser import (ARTIFACTS, WAIT_S, console_errors, driver, fresh_log, open_page,  # noqa: F401 (fixtures)
+                          page_url, pick_example, until_shown)
 
 pytestmark = pytest.mark.browser
 
@@ -32,18 +33,17 @@ def test_follow_up_then_edit_and_rerun(page_url, driver):  # noqa: F811
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    wait = WebDriverWait(driver, 240)
+    wait = WebDriverWait(driver, WAIT_S)
     driver.set_window_size(1400, 1150)
-    driver.get(page_url)
-    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()  # the first scene example
-    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value"))
+    open_page(driver, page_url)
+    pick_example(driver, wait)
     driver.find_element(By.ID, "run").click()
-    wait.until(EC.text_to_be_present_in_element((By.ID, "conversation"), "turn 1"))
+    until_shown(driver, wait, "conversation", "turn 1")
     prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
     prompt.clear()
     prompt.send_keys(FOLLOW_UP)
     driver.find_element(By.ID, "follow-up").click()
-    wait.until(EC.text_to_be_present_in_element((By.ID, "conversation"), f"turn 2: {FOLLOW_UP}"))
+    until_shown(driver, wait, "conversation", f"turn 2: {FOLLOW_UP}")
     wait.until(EC.text_to_be_present_in_element((By.ID, "explanation"), "Follow-up after 1 earlier turn"))
     assert "since turn 1: group 0" in driver.find_element(By.ID, "conversation").text
     ARTIFACTS.mkdir(exist_ok=True)
@@ -55,12 +55,12 @@ def test_follow_up_then_edit_and_rerun(page_url, driver):  # noqa: F811
     show(driver, "image-editor")
     paint(driver)
     driver.find_element(By.ID, "run").click()  # a new conversation on the edited image
-    wait.until(EC.text_to_be_present_in_element((By.ID, "edit-diff"), "Answer on the original"))
+    until_shown(driver, wait, "edit-diff", "Answer on the original")
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#plot-edit_diff .js-plotly-plot .main-svg")))
     assert "edited in the editor" in driver.find_element(By.ID, "ground-truth").text
     assert "turn 2" not in driver.find_element(By.ID, "conversation").text
     show(driver, "edit-diff")
     driver.execute_script("window.scrollBy(0, -120)")
     driver.save_screenshot(str(ARTIFACTS / "edit.png"))
-    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    errors = console_errors(driver)
     assert not errors, errors
