@@ -178,7 +178,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("diversity", float, 0.25,
          "weight w of diversity at a cut: keep, one at a time, the token of largest relevance (rescaled to [0, 1]) + "
          "w log(its squared distance from the span of the kept tokens' unit hidden states), the greedy MAP of a "
-         "conditional DPP; detected sinks count as duplicates (0: the relevance top-k)", low=0.0, paper=0.0),
+         "conditional DPP; detected sinks kept after every other token (0: the relevance top-k)", low=0.0, paper=0.0),
     Knob("clip_model", str, "openai/clip-vit-large-patch14-336",
          "cdpruner: the CLIP checkpoint whose text tower and projections pair with the vision tower (a hub id, or a "
          "local folder holding a CLIPModel and its tokenizer)"),

@@ -1,6 +1,6 @@
 """HAP+'s relevance-diversity selection (`hap.diversity`, the `diversity` knob, docs/method.md §10): the budget kept
 exactly, weight 0 = the relevance top-k, flat relevance = the greedy MAP of the DPP (by determinants), the gain of a
-conditional DPP, detected sinks counted as duplicates, the sink-ranking anchors, and the `hap` pruner reading the
+conditional DPP, detected sinks kept after every other token, the sink-ranking anchors, and the `hap` pruner reading the
 hidden states entering its cut."""
 
 import math
@@ -92,7 +92,7 @@ def test_diversity_keeps_the_outlier_that_relevance_ranks_low():
     assert diversity.select(scores, embeds, 2, 0.25).tolist() == [[0, 2]]
 
 
-def test_a_detected_sink_counts_as_a_duplicate():
+def test_a_detected_sink_is_kept_after_every_other_token():
     """Token 3 is a massive outlier (another direction, 100 x the norm)."""
     embeds = torch.tensor([[[1.0, 0, 0, 0], [1.0, 0.1, 0, 0], [0.9, 0.2, 0.1, 0], [0, 0, 0, 100.0]]])
     scores = torch.tensor([[1.0, 0.6, 0.5, 0.1]])

@@ -55,7 +55,7 @@ class Hap(Pruner):
 
     def select(self, state, cut):
         """The relevance top-k (`Pruner.select`), or with a diversity weight the greedy conditional DPP of
-        `hap.diversity.select` on the hidden states entering the cut, detected sinks counted as duplicates."""
+        `hap.diversity.select` on the hidden states entering the cut, detected sinks kept after every other token."""
         if self.diversity == 0:
             return super().select(state, cut)
         scores = self.scores(state, cut).to(state.visual_pos.device)
