@@ -40,7 +40,7 @@ the same inputs (docs/method.md §7); their rules are pure tensor functions in t
 the cues they name (`Pruner.embeds`, `cls_cues`, `clip`, `layer_states`), and a family a rule does not carry over to
 is refused before any work (`Pruner.refuses`, the adapters' [CLS] and M-RoPE refusals).
 
-HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`, `merge`,
+HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`, `merge`, `diversity`,
 `first_cut`) shape the `hap` pruner only; the baselines score as published (`rows` applies to `uniform` too).
 
 Adding a method to the package: its module here (a `Pruner` subclass named by `PRUNER`), its test, and its name in
