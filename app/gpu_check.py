@@ -46,6 +46,7 @@ from analysis.training.tiny_vlm import build_processor, build_qwen_processor  # 
 from app import handler, pipeline  # noqa: E402
 from app.models import LOADED  # noqa: E402
 from app.settings import Settings  # noqa: E402
+from app.uploads import file_data  # noqa: E402
 from hap.knobs import KNOBS  # noqa: E402
 from hap.patch.decoder import decoder_shape  # noqa: E402
 
@@ -93,7 +94,7 @@ def app_stage(model, processor, name: str, device: str, new_tokens: int) -> tupl
     what they reported."""
     layers = decoder_shape(model).layers
     knobs = {k.name: k.resolve(layers) for k in KNOBS}
-    image = {"path": str(SCENE), "orig_name": SCENE.name, "meta": {"_type": "gradio.FileData"}}
+    image = file_data(SCENE)
     server = handler.Handler(Settings(models=[name]))
     LOADED.model, LOADED.processor, LOADED.name = model, processor, name
     try:

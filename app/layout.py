@@ -4,8 +4,12 @@ Each knob of hap/knobs.py is a control named after it (label = the knob's name, 
 a slider where the knob has both bounds, a number box otherwise, a radio for choices; the values are
 the registry's defaults, per-model ones resolved for the chosen model (`app.settings.knob_defaults`).
 Each is an `/analyze` parameter of the same name (`Handler.endpoint`), and a `/sweep` one unless the sweep
-varies it (`SWEPT`). The page's sections: the request and answers, head heterogeneity (with the ground
-truth on scenes), the maps with the head inspector, and the budget sweep.
+varies it (`SWEPT`). The page: the request (image, prompt, model, settings, Run, the examples) in a column on the
+left, and beside it one tab per task (`TABS`), each opening on its main figure: what the method does on this
+image (answers, conversation, kept tokens, head classes, PAQ, the maps before and after fusion), comparing methods
+(what each method keeps, the budget sweep), checking PAQ (ground truth, causal truth, head utility, the per-head
+maps and the inspector) and the head lab (the guided lesson, then the free lab). One Run feeds every tab; a tab's
+costly work (keeps, sweep, causal) stays opt-in or its own setting.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import gradio as gr
 
@@ -152,11 +157,12 @@ def request_column(names: list[str]) -> tuple[list[gr.components.Component], dic
 
 
 def answer_column() -> dict[str, gr.components.Component]:
-    """The right column: the answer cards, the kept tokens and the explanation, by output name."""
+    """The top of the "this image" tab: the answer cards, the kept tokens, the conversation, the tokens per layer
+    and the explanation, by output name."""
     with gr.Row(equal_height=True):
         out = {k: gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}", container=True) for k in CARDS}
+    out["kept_masks"] = plot("kept_masks")  # the tab's main figure, under the answers
     out.update(conversation_section())
-    out["kept_masks"] = plot("kept_masks")
     out["token_counts"] = plot("token_counts")  # beside the groups: what each layer ran on (AutoPrune: its curve)
     with gr.Accordion("What am I looking at?", open=True):
         out["explanation"] = gr.Markdown(TEACHING, elem_id="explanation")
@@ -182,34 +188,50 @@ def edit_section() -> dict[str, gr.components.Component]:
             "edit_diff_plot": gr.Plot(label="Kept tokens after the edit", elem_id="plot-edit_diff", visible=False)}
 
 
+def example_label(row: list) -> str:
+    """What an example shows, as its button says it: "scene 600000 · what color is the square ?"."""
+    return f"{Path(row[0]).stem.replace('_', ' ')} · {row[1]}"
+
+
 def example_rows(names: list[str], request: list[gr.components.Component]) -> None:
-    """Clickable examples that fill image, prompt and model."""
+    """Clickable examples that fill image, prompt and model: one compact button each (`example_label`)."""
     scenes, photos = examples(names)
-    with gr.Row():
-        if scenes:
-            gr.Examples(scenes, request, label="Synthetic scenes (the shipped tiny model)")
-        if photos:
-            gr.Examples(photos, request, label="Photographs (real checkpoints; need the weights)")
+    if scenes:
+        gr.Examples(scenes, request, label="Synthetic scenes (the shipped tiny model)",
+                    example_labels=[example_label(r) for r in scenes])
+    if photos:
+        gr.Examples(photos, request, label="Photographs (real checkpoints; need the weights)",
+                    example_labels=[example_label(r) for r in photos])
 
 
-def analysis_sections() -> dict[str, gr.components.Component]:
-    """Head heterogeneity beside the ground truth, the maps over the image (with the layer slider and the head
-    inspector) and the raw JSON, by output name."""
+def method_sections() -> dict[str, gr.components.Component]:
+    """The "this image" tab under the answers: head heterogeneity (classes, PAQ) and the maps after head and layer
+    fusion, uniform against PAQ, by output name."""
     gr.Markdown("## Head heterogeneity")
     with gr.Row():
-        out = {"head_classes": plot("head_classes"),
-               "ground_truth": gr.Markdown("**Ground truth.** (no run yet)", elem_id="ground-truth")}
-    with gr.Row():  # PAQ beside the truth it is checked against
-        out.update({name: plot(name) for name in ("paq", "grounding")})
-    gr.Markdown("## Attention maps over the image")
+        out = {name: plot(name) for name in ("head_classes", "paq")}
+    gr.Markdown("## Attention maps over the image, after fusion")
+    out.update({name: plot(name) for name in ("layer_maps", "group_maps", "uniform_vs_paq")})
+    return out
+
+
+def check_sections() -> tuple[gr.Radio, dict[str, gr.components.Component]]:
+    """The "check PAQ" tab: the ground truth beside each head's grounding, the causal truth and head utility
+    (`app.causal`), the per-head maps with the layer slider and the head inspector, and the raw JSON: (the causal
+    setting, the outputs by name)."""
+    with gr.Row():
+        out = {"ground_truth": gr.Markdown("**Ground truth.** (no run yet)", elem_id="ground-truth"),
+               "grounding": plot("grounding")}
+    setting, causal_out = causal_section.section()
+    out.update(causal_out)
+    gr.Markdown("## Each head over the image")
     out["layer"] = gr.Slider(0, 1, value=0, step=1, label="Layer (per-head maps and head inspector)",
                              interactive=False, elem_id="layer-slider")
     out["head_maps"] = plot("head_maps")
     out.update(inspector_section())
-    out.update({name: plot(name) for name in ("layer_maps", "group_maps", "uniform_vs_paq")})
     with gr.Accordion("Raw result (JSON)", open=False):
         out["summary"] = gr.JSON(label="Result")
-    return out
+    return setting, out
 
 
 def inspector_section() -> dict[str, gr.components.Component]:
@@ -293,6 +315,15 @@ def sweep_section() -> tuple[gr.Button, dict[str, gr.components.Component]]:
     return button, dict(zip(SWEEP_OUTPUTS, (figure, data)))
 
 
+TABS = {"image": "What it does on this image", "compare": "Compare methods", "check": "Check PAQ",
+        "lab": "Head lab"}  # tab id -> label; each tab's elem_id is tab-<id> (its button: tab-<id>-button)
+
+
+def tab(name: str) -> gr.Tab:
+    """The tab `name` of TABS."""
+    return gr.Tab(TABS[name], id=name, elem_id=f"tab-{name}")
+
+
 def build_demo(
     models: list[str] | None = None,
     *,
@@ -314,24 +345,29 @@ def build_demo(
             with gr.Column(scale=1, min_width=320):
                 request, knobs, run = request_column(settings.models)
                 options = {o.name: knobs.pop(o.name) for o in OPTIONS}  # the API's last parameters, after the knobs'
-            with gr.Column(scale=2):
-                out = answer_column()
-        example_rows(settings.models, request)
-        out.update(edit_section())
-        out.update(analysis_sections(), state=gr.State(), turns=gr.State())
-        lesson_steps, lesson_out = lesson_section()
-        lab, lab_out = lab_section()
-        out.update(lab_out)
-        if examples(settings.models)[0]:
-            gr.Examples([[*examples(settings.models)[0][0], json.dumps(TEACHING_PLAN.to_json()), LAB_DETECTOR]],
-                        [*request, lab["plant"], lab["detector"]],
-                        label="Head lab teaching example: sinks planted in half the heads of the scoring layers "
-                              "(layers 0, 1, 3), found by the consensus detector; press Run with this plan")
-        causal_setting, causal_out = causal_section.section()
-        out.update(causal_out)
-        keeps_box, keeps_ticked, keeps_run, keeps_out = keeps_section.section()
-        out.update(keeps_out)
-        sweep, sweep_out = sweep_section()
+                example_rows(settings.models, request)
+            with gr.Column(scale=3), gr.Tabs(elem_id="tabs"):
+                with tab("image"):
+                    out = answer_column()
+                    out.update(edit_section())
+                    out.update(method_sections(), state=gr.State(), turns=gr.State())
+                with tab("compare"):
+                    keeps_box, keeps_ticked, keeps_run, keeps_out = keeps_section.section()
+                    out.update(keeps_out)
+                    sweep, sweep_out = sweep_section()
+                with tab("check"):
+                    causal_setting, check_out = check_sections()
+                    out.update(check_out)
+                with tab("lab"):
+                    lesson_steps, lesson_out = lesson_section()
+                    lab, lab_out = lab_section()
+                    out.update(lab_out)
+                    if examples(settings.models)[0]:
+                        gr.Examples([[*examples(settings.models)[0][0], json.dumps(TEACHING_PLAN.to_json()),
+                                      LAB_DETECTOR]], [*request, lab["plant"], lab["detector"]],
+                                    label="Head lab teaching example: sinks planted in half the heads of the scoring "
+                                          "layers (layers 0, 1, 3), found by the consensus detector; press Run with "
+                                          "this plan")
         outputs = [out[name] for name in OUTPUTS]
         _, prompt, model = request
         # The API's image is a file, as an upload (gradio_client: handle_file); the page sends the editor's value
@@ -351,13 +387,13 @@ def build_demo(
         new = {**lane, "js": unset_zeros(len(request), tuple(inputs), reset=(history_at,))}
         analyze = handler.endpoint(handler.analyze, out, (*knobs, *options))
         api.click(analyze, api_request, outputs, api_name="analyze", **lane)
-        run.click(analyze, request, outputs, api_visibility="private", **new)
-        prompt.submit(analyze, request, outputs, api_visibility="private", **new)
-        out["follow_up"].click(analyze, request, outputs, api_visibility="private", **lane)
         lab_lane = {**new, "inputs_kwargs": {**new["inputs_kwargs"], "sink_detector": lab["detector"]}}
-        lab["run"].click(analyze, request, outputs, api_visibility="private", **lab_lane)
         keeps_lane = {**new, "inputs_kwargs": {**new["inputs_kwargs"], "keeps": keeps_ticked}}
-        keeps_run.click(analyze, request, outputs, api_visibility="private", **keeps_lane)
+        refusals = dict(fn=keeps_section.refused_text, inputs=out["summary"], outputs=out["keeps_refused"],
+                        api_visibility="private")  # after every run, and a picked turn: the keeps grid's refusals
+        for event, kwargs in ((run.click, new), (prompt.submit, new), (out["follow_up"].click, lane),
+                              (lab["run"].click, lab_lane), (keeps_run.click, keeps_lane)):
+            event(analyze, request, outputs, api_visibility="private", **kwargs).then(**refusals)
         pickers = dict(fn=handler.lab_pickers, inputs=[model, lab["plant"], out["state"], out["lab_report"]],
                        outputs=[out["lab_heads"], out["lab_tokens"], lab["sink_tokens"]], api_visibility="private")
         lab["plant"].change(**pickers)
@@ -378,14 +414,12 @@ def build_demo(
         api.click(sweeper, api_request, sweep_outputs, api_name="sweep", **sweep_lane)
         sweep.click(sweeper, request, sweep_outputs, api_visibility="private", **sweep_lane)
         out["turn"].input(show_turn, [out["turns"], out["turn"]], [out[name] for name in TURN_OUTPUTS],
-                          api_visibility="private")
+                          api_visibility="private").then(**refusals)
         stored = [out["state"], out["layer"], out["head"]]
         inspector = [out[name] for name in INSPECTOR]
         out["layer"].input(show_layer, stored, [out["head_maps"], *inspector], api_visibility="private",
                            trigger_mode="always_last")
         out["head"].input(show_head, stored, inspector, api_name="inspect", trigger_mode="always_last")
-        out["summary"].change(keeps_section.refused_text, out["summary"], out["keeps_refused"],
-                              api_visibility="private")  # every run, and a picked turn, shows its refusals
         model.change(model_defaults, model, [knobs[name] for name in RULED], api_visibility="private")
         model.change(model_options, model, list(options.values()), api_visibility="private")
     demo.queue(max_size=settings.queue_size)

@@ -194,8 +194,8 @@ class HeldOut:
         line = (f"**Held-out:** over {self.questions} held-out questions (seeds {self.seeds}) with the same kind of "
                 f"plan ({plan}), at retain {RETAIN:.1%} the paper's HAP answers {self.paper:.1%} right, uniform "
                 f"averaging {self.uniform:.1%}, HAP+ (diversity {self.diversity:g}{now}) {self.plus:.1%}; unpruned "
-                f"{'with the plan ' if self.share else ''}{self.unpruned:.1%} (`{self.command}`, {self.source}).")
-        return f"{line} {self.verdict(n)}"
+                f"{'with the plan ' if self.share else ''}{self.unpruned:.1%}.")
+        return f"{line} {self.verdict(n)} From {self.source}, written by `{self.command}`."
 
     def verdict(self, n: Numbers) -> str:
         """Whether the scene's answers go the way the held-out figure does: the paper's HAP against uniform averaging."""
@@ -266,8 +266,9 @@ def request(model_name: str, step: Step) -> dict:
 
     knobs = {**knob_defaults(model_name), **{k.name: k.paper for k in KNOBS if k.paper is not None},
              "retain": RETAIN, "flops_ratio": None, "sink_detector": SINK_DETECTOR}
-    image = {"path": str(EXAMPLES / SCENE), "orig_name": SCENE, "meta": {"_type": "gradio.FileData"}}
-    return dict(image=image, prompt=scene()["text"], model_name=model_name, causal="off",
+    from .uploads import file_data
+
+    return dict(image=file_data(EXAMPLES / SCENE), prompt=scene()["text"], model_name=model_name, causal="off",
                 plant=json.dumps(step.plan.to_json()) if not step.plan.empty else "", **knobs)
 
 

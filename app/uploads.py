@@ -23,6 +23,11 @@ REFUSED = (f"the image must be a file uploaded to this server or one of its exam
            "handle_file(path))")
 
 
+def file_data(path: Path) -> dict:
+    """A shipped file as the page sends an upload: gradio's FileData dict of `path`."""
+    return {"path": str(path), "orig_name": path.name, "meta": {"_type": "gradio.FileData"}}
+
+
 def allowed_roots() -> tuple[Path, ...]:
     """The folders a request's file may lie in, resolved: gradio's upload cache and the shipped examples."""
     return Path(get_upload_folder()).resolve(), EXAMPLES.resolve()

@@ -5,8 +5,8 @@
 against `/analyze`; the keeps grid with the refused methods beside it.
 
 Every wait is on the state it checks, never a fixed sleep: the page is used once its image editor is set up
-(`open_page`), Run once the editor holds the image (`pick_example`, `upload`), and a run's result is awaited with
-its error toast watched (`until_shown`: a failed run fails the test at once, with the message). In Gradio 6.31's
+(`open_page`), a tab once it is shown (`show_tab`), Run once the editor holds the new image (`pick_example`,
+`upload`), and a run's result is awaited with its error toast watched (`until_shown`: a failed run fails the test at once, with the message). In Gradio 6.31's
 ImageEditor an upload does not wait for the editor's `ready`, and before it the image tool has no context ("Cannot
 read properties of undefined (reading 'dimensions')", the upload lost; read from Gradio's source, not reproduced
 here): a test that uploaded as soon as the file input existed could press Run on no image and time out, and the
@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from app_model import ROOT, default_model, free_port
+from app_model import ROOT, SHIPPED, default_model, free_port
 
 pytestmark = pytest.mark.browser
 
@@ -29,9 +29,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1150"]
 ARTIFACTS = ROOT / "test-artifacts"
 NARROW = 1280  # the window width the lab and the lesson are checked at
-# elem_id plot-<name> of the gr.Plot outputs: one per view of hap.views.VIEWS, then the head inspector
-PLOTS = ["kept_masks", "token_counts", "head_classes", "paq", "grounding", "head_maps", "layer_maps", "group_maps", "uniform_vs_paq",
-         "inspector"]
+# elem_id plot-<name> of the gr.Plot outputs by tab: one per view of hap.views.VIEWS, then the head inspector
+PLOTS = {"image": ["kept_masks", "token_counts", "head_classes", "paq", "layer_maps", "group_maps", "uniform_vs_paq"],
+         "check": ["grounding", "head_maps", "inspector"]}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,9 @@ def driver():
 WAIT_S = 240  # the longest a run may take on a loaded CI machine
 EDITOR_READY = ("const done = arguments[arguments.length - 1]; const wait = () => window.editor ? "
                 "window.editor.ready.then(() => done(true)) : setTimeout(wait, 50); wait();")
-HOLDS_IMAGE = "return !!window.editor && window.editor.command_manager.contains('AddImage')"  # Gradio's own test
+MARK_IMAGE = "window.hapShown = window.editor.background_image"  # the image the editor holds now
+HOLDS_NEW_IMAGE = ("const e = window.editor; return !!e && e.command_manager.contains('AddImage') && "
+                   "!!e.background_image && e.background_image !== window.hapShown")  # another one since MARK_IMAGE
 
 
 @pytest.fixture(autouse=True)
@@ -88,22 +90,37 @@ def open_page(driver, url: str) -> None:
     driver.execute_async_script(EDITOR_READY)
 
 
-def pick_example(driver, wait) -> str:
-    """Click the first scene example; wait until the prompt and the editor hold it. Returns the prompt."""
+def show_tab(driver, wait, name: str) -> None:
+    """Click the tab `name` (`app.layout.TABS`); wait until it is shown."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
 
-    wait.until(EC.element_to_be_clickable((By.CSS_SELECTOR, "tr.tr-body"))).click()
-    wait.until(lambda d: d.execute_script(HOLDS_IMAGE))
-    return wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value"))
+    driver.find_element(By.ID, f"tab-{name}-button").click()
+    wait.until(EC.visibility_of_element_located((By.ID, f"tab-{name}")))
+
+
+def pick_example(driver, wait, index: int = 0) -> str:
+    """Click the scene example `index`; wait until the editor holds it (a new image) and the prompt is its. Returns
+    the prompt."""
+    from selenium.webdriver.common.by import By
+
+    from app.settings import examples
+
+    prompt = examples([SHIPPED])[0][index][1]
+    driver.execute_script(MARK_IMAGE)
+    driver.find_elements(By.CSS_SELECTOR, "button.gallery-item")[index].click()
+    wait.until(lambda d: d.execute_script(HOLDS_NEW_IMAGE))
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "textarea").get_attribute("value") == prompt)
+    return prompt
 
 
 def upload(driver, wait, path: Path) -> None:
-    """Upload `path` into the image editor; wait until the editor holds it."""
+    """Upload `path` into the image editor; wait until the editor holds it (a new image)."""
     from selenium.webdriver.common.by import By
 
+    driver.execute_script(MARK_IMAGE)
     driver.find_element(By.CSS_SELECTOR, "#image-editor input[type=file]").send_keys(str(path))
-    wait.until(lambda d: d.execute_script(HOLDS_IMAGE))
+    wait.until(lambda d: d.execute_script(HOLDS_NEW_IMAGE))
 
 
 def until_shown(driver, wait, elem_id: str, text: str) -> None:
@@ -135,16 +152,20 @@ def test_example_run_shows_every_panel(page_url, driver):
 
     wait = WebDriverWait(driver, WAIT_S)
     open_page(driver, page_url)
-    pick_example(driver, wait)
+    prompt = pick_example(driver, wait)  # the first scene example
     driver.find_element(By.ID, "run").click()
+    until_shown(driver, wait, "conversation", prompt)
     for key in ("unpruned", "pruned", "uniform"):
         until_shown(driver, wait, f"answer-{key}", "visual tokens")
-    for name in PLOTS:
-        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{name} .js-plotly-plot .main-svg")))
+    for tab, names in PLOTS.items():
+        show_tab(driver, wait, tab)
+        for name in names:
+            wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{name} .js-plotly-plot .main-svg")))
+        if tab == "image":
+            assert "Group 0" in driver.find_element(By.ID, "explanation").text
     heads = "#plot-head_maps .js-plotly-plot"
     layers = driver.find_elements(By.CSS_SELECTOR, f"{heads} image, {heads} .hm")
     assert layers, "the per-head maps drew no image or heatmap layer"
-    assert "Group 0" in driver.find_element(By.ID, "explanation").text
     truth = driver.find_element(By.ID, "ground-truth").text  # the first example is a scene asked its own question
     assert "Ground truth for" in truth and "Spearman rank correlation of PAQ and grounding" in truth, truth
     outlines = driver.find_elements(By.CSS_SELECTOR, "#plot-head_maps .scatterlayer .trace")
@@ -156,16 +177,60 @@ def test_example_run_shows_every_panel(page_url, driver):
     wait.until(EC.text_to_be_present_in_element((By.ID, "inspector-stats"), "Layer 3, head 2"))
     wait.until(EC.text_to_be_present_in_element((By.ID, "plot-inspector"), "Head inspector: layer 3, head 2"))
     assert "grounding" in driver.find_element(By.ID, "inspector-stats").text
+    show_tab(driver, wait, "compare")
     driver.find_element(By.ID, "sweep").click()
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#plot-sweep .js-plotly-plot .main-svg")))
     legend = driver.find_element(By.CSS_SELECTOR, "#plot-sweep .legend").text
     assert all(method in legend for method in ("hap", "uniform", "fastv", "pdrop", "random")), legend
+    show_tab(driver, wait, "image")
     ARTIFACTS.mkdir(exist_ok=True)
     driver.execute_script("window.scrollTo(0, 0)")
-    driver.save_screenshot(str(ARTIFACTS / "app.png"))  # what a visitor sees first (the README's docs/app.png)
+    driver.save_screenshot(str(ARTIFACTS / "app.png"))  # what a visitor sees after a Run (the README's docs/app.png)
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1400, height)
-    driver.save_screenshot(str(ARTIFACTS / "app-full.png"))  # every panel
+    driver.save_screenshot(str(ARTIFACTS / "app-full.png"))  # the first tab's every panel
+    errors = console_errors(driver)
+    assert not errors, errors
+
+
+VIEWPORT = (1280, 900)  # the tab tour's window content, in CSS pixels
+LOAD_HEIGHT = 6000  # the page at load is at most this tall at VIEWPORT's width
+MAIN = {"image": "plot-kept_masks", "compare": "plot-keeps", "check": "plot-grounding", "lab": "lesson-text"}
+SHOWN = 200  # px of each tab's main element visible without scrolling, at least
+
+
+def set_viewport(driver, width: int, height: int) -> None:
+    """Size the window so that its content is `width` x `height`."""
+    extra = driver.execute_script("return [window.outerWidth - window.innerWidth, window.outerHeight - window.innerHeight]")
+    driver.set_window_size(width + extra[0], height + extra[1])
+
+
+def test_the_tabs_at_1280_by_900(page_url, driver):
+    """At 1280 x 900 the page at load is at most LOAD_HEIGHT tall; after one Run of the first scene example each tab
+    (`app.layout.TABS`) opens on its main element (MAIN) with SHOWN px of it in view; saves each tab's first screen
+    (test-artifacts/tab-<name>.png, committed as docs/tab-<name>.png)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from app.layout import TABS
+
+    wait = WebDriverWait(driver, WAIT_S)
+    set_viewport(driver, *VIEWPORT)
+    open_page(driver, page_url)
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    assert height <= LOAD_HEIGHT, height
+    prompt = pick_example(driver, wait)
+    driver.find_element(By.ID, "run").click()
+    until_shown(driver, wait, "conversation", prompt)
+    ARTIFACTS.mkdir(exist_ok=True)
+    assert set(MAIN) == set(TABS)
+    for name, main in MAIN.items():
+        show_tab(driver, wait, name)
+        driver.execute_script("window.scrollTo(0, 0)")
+        top, inner = driver.execute_script("return [document.getElementById(arguments[0]).getBoundingClientRect().top, "
+                                           "window.innerHeight]", main)
+        assert top + SHOWN <= inner == VIEWPORT[1], (name, main, top, inner)
+        driver.save_screenshot(str(ARTIFACTS / f"tab-{name}.png"))
     errors = console_errors(driver)
     assert not errors, errors
 
@@ -185,6 +250,7 @@ def test_sweep_reads_at_a_glance(page_url, driver):
     driver.set_window_size(1400, 1150)
     open_page(driver, page_url)
     pick_example(driver, wait)
+    show_tab(driver, wait, "compare")
     prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
     prompt.clear()
     prompt.send_keys("how many red objects ?")
@@ -216,6 +282,7 @@ def test_the_keeps_grid_holds_the_maps_and_lists_the_refused_beside_it(page_url,
     driver.set_window_size(NARROW, 900)
     open_page(driver, page_url)
     pick_example(driver, wait)
+    show_tab(driver, wait, "compare")
     driver.find_element(By.ID, "keeps-run").click()
     until_shown(driver, wait, "keeps-refused", "Not in the figure")
     wait.until(EC.text_to_be_present_in_element((By.ID, "plot-keeps"), "What each method keeps at"))
@@ -274,13 +341,15 @@ def test_causal_section_matches_the_json(page_url, driver):
             prompt.clear()
             prompt.send_keys(question)
         driver.find_element(By.ID, "run").click()
+        until_shown(driver, wait, "conversation", question)
+        width, height = Image.open(image).size  # the editor sends an upload re-encoded as PNG (RGBA)
+        assert f"{width} x {height} pixels" in driver.find_element(By.ID, "explanation").text
+        show_tab(driver, wait, "check")
         until_shown(driver, wait, "causal-text", "Causal truth")
         until_shown(driver, wait, "utility-text", "Head utility")
         for plot in ("causal_heads", "causal_scatter", "causal_tokens", "utility_heads", "utility_scatter",
                      "utility_layers"):
             wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{plot} .js-plotly-plot .main-svg")))
-        width, height = Image.open(image).size  # the editor sends an upload re-encoded as PNG (RGBA)
-        assert f"{width} x {height} pixels" in driver.find_element(By.ID, "explanation").text
         shown = causal_numbers(driver.find_element(By.ID, "causal-text").text)
         model = driver.find_element(By.CSS_SELECTOR, "input[aria-label^='Model (loaded']").get_attribute("value")
         out = dict(zip(OUTPUTS, client.predict(image=handle_file(str(image)), prompt=question, model_name=model,
@@ -355,6 +424,7 @@ def test_the_head_lab_by_clicking(page_url, driver):
     wait = WebDriverWait(driver, WAIT_S)
     driver.set_window_size(NARROW, 1000)  # every figure legible at a 1280-px-wide window
     open_page(driver, page_url)
+    show_tab(driver, wait, "lab")
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#lab-heads img")))
     cell = cell_px((6, 8))
     for layer, head in ((0, 1), (1, 5)):
@@ -393,6 +463,7 @@ def test_the_guided_lesson_step_by_step(page_url, driver):
     wait = WebDriverWait(driver, WAIT_S)
     driver.set_window_size(NARROW, 1000)
     open_page(driver, page_url)
+    show_tab(driver, wait, "lab")
     for index, step in enumerate(lesson.STEPS, 1):
         button = wait.until(EC.element_to_be_clickable((By.ID, f"lesson-{index}")))
         driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", button)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from test_browser import (ARTIFACTS, WAIT_S, console_errors, driver, fresh_log, open_page,  # noqa: F401 (fixtures)
-                          page_url, pick_example, until_shown)
+                          page_url, pick_example, show_tab, until_shown)
 
 pytestmark = pytest.mark.browser
 
@@ -57,7 +57,9 @@ def test_follow_up_then_edit_and_rerun(page_url, driver):  # noqa: F811
     driver.find_element(By.ID, "run").click()  # a new conversation on the edited image
     until_shown(driver, wait, "edit-diff", "Answer on the original")
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#plot-edit_diff .js-plotly-plot .main-svg")))
+    show_tab(driver, wait, "check")
     assert "edited in the editor" in driver.find_element(By.ID, "ground-truth").text
+    show_tab(driver, wait, "image")
     assert "turn 2" not in driver.find_element(By.ID, "conversation").text
     show(driver, "edit-diff")
     driver.execute_script("window.scrollBy(0, -120)")
