@@ -31,15 +31,8 @@ import torch
 from ..patch import adapter_for, hooks
 from ..patch.decoder import _cached_keys, _heads, _take, decoder_of, layer_windows
 from ..scoring.capture import prompt_attention
-from .plan import (
-    DEFAULT_SINK_COUNT,
-    Plan,
-    classifier_report,
-    massive_activation,
-    plant_attention,
-    planted_values,
-    redundant_tokens,
-)
+from .plan import (DEFAULT_SINK_COUNT, Plan, classifier_report, massive_activation, plant_attention, planted_values,
+                   redundant_tokens)
 
 PLANTS: WeakKeyDictionary = WeakKeyDictionary()  # model -> its `Planting` while a plan is planted
 

@@ -17,14 +17,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from transformers import (
-    InternVLProcessor,
-    LlavaOnevisionProcessor,
-    Qwen2_5_VLProcessor,
-    Qwen2VLProcessor,
-    Qwen3VLProcessor,
-    SmolVLMProcessor,
-)
+from transformers import (InternVLProcessor, LlavaOnevisionProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor,
+                          Qwen3VLProcessor, SmolVLMProcessor)
 from transformers.processing_utils import ProcessorMixin
 
 from ..options import NO_OPTIONS, ProcessorOptions

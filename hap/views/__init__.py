@@ -21,33 +21,11 @@ The names other code reads as `hap.views.X` are re-exported here.
 """
 
 from .builders import grounding_grid, head_map_panels, head_panel, mask_panels, token_counts, top_k
-from .data import (
-                   CLASSES,
-                   NO_TRUTH,
-                   STATS,
-                   VIEW_PIXELS,
-                   Panel,
-                   Panels,
-                   Truth,
-                   ViewData,
-                   class_counts,
-                   default_layer,
-                   model_view,
-                   scored_layers,
-                   single_view,
-                   view_image,
-)
+from .data import (CLASSES, NO_TRUTH, STATS, VIEW_PIXELS, Panel, Panels, Truth, ViewData, class_counts, default_layer,
+                   model_view, scored_layers, single_view, view_image)
 from .matplotlib_figures import PNG_DPI, grounding_draw, panels_draw
-from .plotly_figures import (
-                   COLORBAR_PX,
-                   FIGURE_TITLE_CHAR_PX,
-                   FIGURE_TITLE_LINE_PX,
-                   FIGURE_TITLE_PAD_PX,
-                   TITLE_CHAR_PX,
-                   TITLE_LINE_PX,
-                   panels_plotly,
-                   wrap_title,
-)
+from .plotly_figures import (COLORBAR_PX, FIGURE_TITLE_CHAR_PX, FIGURE_TITLE_LINE_PX, FIGURE_TITLE_PAD_PX,
+                             TITLE_CHAR_PX, TITLE_LINE_PX, panels_plotly, wrap_title)
 from .registry import VIEW, VIEWS, export_png, figures
 from .style import CLASS_COLORS, NO_CUTS, OUTLINE_COLOR, outline_segments
 from .sweep import same_answer, sweep_plotly

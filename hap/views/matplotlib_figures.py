@@ -13,18 +13,8 @@ if TYPE_CHECKING:
 
 from .builders import TokenCounts, count_series
 from .data import CLASSES, HeadGrid, Panels
-from .style import (
-    CLASS_COLORS,
-    CLASS_LABELS,
-    MAP_STOPS,
-    NO_CUTS,
-    OUTLINE_COLOR,
-    UNKNOWN_COLOR,
-    grounding_high,
-    outline_segments,
-    relative,
-    tick,
-)
+from .style import (CLASS_COLORS, CLASS_LABELS, MAP_STOPS, NO_CUTS, OUTLINE_COLOR, UNKNOWN_COLOR, grounding_high,
+                    outline_segments, relative, tick)
 
 PNG_DPI = 120
 

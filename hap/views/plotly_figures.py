@@ -17,18 +17,8 @@ if TYPE_CHECKING:
 
 from .builders import TokenCounts, count_series
 from .data import CLASSES, PRUNED_BRIGHTNESS, STATS, HeadGrid, Panel, Panels
-from .style import (
-    CLASS_COLORS,
-    CLASS_LABELS,
-    MAP_STOPS,
-    NO_CUTS,
-    OUTLINE_COLOR,
-    UNKNOWN_COLOR,
-    grounding_high,
-    outline_segments,
-    relative,
-    tick,
-)
+from .style import (CLASS_COLORS, CLASS_LABELS, MAP_STOPS, NO_CUTS, OUTLINE_COLOR, UNKNOWN_COLOR, grounding_high,
+                    outline_segments, relative, tick)
 
 TITLE_CHAR_PX = 6.5  # a subplot title character's width at font size 11, rounded up: the wrapping budget
 TITLE_LINE_PX = 15  # a subplot title line's height

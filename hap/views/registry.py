@@ -16,17 +16,8 @@ if TYPE_CHECKING:
 
     from .. import Result
 
-from .builders import (
-    class_grid,
-    comparison_panels,
-    grounding_grid,
-    group_map_panels,
-    head_map_panels,
-    layer_map_panels,
-    mask_panels,
-    paq_grid,
-    token_counts,
-)
+from .builders import (class_grid, comparison_panels, grounding_grid, group_map_panels, head_map_panels,
+                       layer_map_panels, mask_panels, paq_grid, token_counts)
 from .data import ViewData
 from .matplotlib_figures import PNG_DPI, class_grid_draw, counts_draw, grounding_draw, panels_draw, paq_draw
 from .plotly_figures import class_grid_plotly, counts_plotly, grounding_plotly, panels_plotly, paq_plotly
