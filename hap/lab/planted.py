@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -34,8 +33,6 @@ from ..scoring.capture import prompt_attention
 from .plan import (DEFAULT_SINK_COUNT, Plan, classifier_report, massive_activation, plant_attention, planted_values,
                    redundant_tokens)
 
-PLANTS: WeakKeyDictionary = WeakKeyDictionary()  # model -> its `Planting` while a plan is planted
-
 
 def _fit(x: torch.Tensor, batch: int) -> torch.Tensor:
     """`x [b, ...]` for a batch of `batch` rows: as is, or its first row repeated (a batch-1 input the causal
@@ -44,7 +41,8 @@ def _fit(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 class Planting:
-    """The hooks of one plan on one model (`PLANTS[model]`), and what its last prefill planted."""
+    """The hooks of one plan on one model (attached to it through `hap.patch.hooks`), and what its last prefill
+    planted."""
 
     def __init__(self, model, plan: Plan) -> None:
         self.model, self.plan = model, plan
@@ -71,7 +69,6 @@ class Planting:
             self.handles.append(layer.self_attn.o_proj.register_forward_pre_hook(partial(self.head_outputs, index),
                                                                                   prepend=True))
             hooks.ROWS[layer] = partial(self.capture, index)
-        PLANTS[self.model] = self
         hooks.attach(self.model, self)
 
     def detach(self) -> None:
@@ -79,7 +76,6 @@ class Planting:
             handle.remove()
         for index in self.plan.layers:
             hooks.ROWS.pop(decoder_of(self.model).layers[index], None)
-        PLANTS.pop(self.model, None)
         hooks.detach(self.model, self)
 
     def unshared(self) -> str | None:
@@ -242,7 +238,7 @@ def plant(model, sink=(), dispersed=(), sink_tokens=None, strength: float = 0.9,
     adapter_for(model)
     text = model.config.text_config
     plan.check_model(text.num_hidden_layers, text.num_attention_heads, layer_windows(text), type(model).__name__)
-    if model in PLANTS:
+    if any(isinstance(plugin, Planting) for plugin in hooks.attached(model)):
         raise ValueError("a plan is already planted on this model: one hap.plant block at a time")
     lab = Planting(model, plan)
     if not plan.empty:
