@@ -66,11 +66,11 @@ import torch
 import hap
 from hap import causal, utility
 from hap.causal import spearman
-from hap.planning.budget import smallest_retain
-from hap.runs.keeps import pruning, refusal
 from hap.knobs import knob
 from hap.methods import load_plugins, pruner_class
 from hap.patch.decoder import decoder_shape
+from hap.planning.budget import smallest_retain
+from hap.runs.keeps import pruning, refusal
 from hap.runs.run import chat_prompt, template_tail
 from hap.views.ground_truth import head_grounding
 from analysis.scenes import MAX_OBJECTS, MIN_OBJECTS, N_PATCHES, QTYPES, heldout_items

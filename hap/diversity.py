@@ -74,10 +74,11 @@ def select(relevance: torch.Tensor, embeds: torch.Tensor, k: int, weight: float,
     open_ = torch.ones(batch, n, dtype=torch.bool, device=r.device)
     picks = torch.empty(batch, k, dtype=torch.long, device=r.device)
     rows = torch.arange(batch, device=r.device)
+    priority = None if priority is None else priority.to(r.device).float()
     for i in range(k):
         candidates = open_
         if tiered:
-            candidates = open_ if priority is None else _tier(priority.to(r.device).float(), open_)
+            candidates = open_ if priority is None else _tier(priority, open_)
             candidates = _tier(rank, candidates)
         d = residual.clamp_min(FLOOR)
         j = (r + weight * d.log()).masked_fill(~candidates, -torch.inf).argmax(-1)  # float64
