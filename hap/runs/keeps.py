@@ -1,7 +1,7 @@
 """What each method keeps: every pruning method of the registry on one input at one budget, side by side.
 
-`keeps(model, processor, image, prompt, config)` runs every method that prunes (`PRUNING`: the method knob's choices
-but `none`) at `config`'s budget, its other knobs unchanged, prepared once and the answers decoded as one batch
+`keeps(model, processor, image, prompt, config)` runs every method that prunes (`pruning()`: the method knob's
+choices, registered pruners included, but `none`) at `config`'s budget, its other knobs unchanged, prepared once and the answers decoded as one batch
 (`hap.runs.run.run_prepared`, as `hap.runs.run.run_together` runs them; the image encoded once where the caller holds a
 `hap.runs.features` cache). A method the model refuses (`hap.patch.refusal`: VisionZip without a [CLS] token,
 PyramidDrop on M-RoPE, ...) is listed with the reason, never run. Runs the caller already has (the page's chosen
