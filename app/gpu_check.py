@@ -2,7 +2,7 @@
 
     python -m app.gpu_check              # on a GPU: LLaVA-1.5-7B and Qwen2.5-VL-7B shapes, bf16, SDPA
     python -m app.gpu_check --shapes llava-7b   # one shape (half the time)
-    python -m app.gpu_check --smoke      # the same code on small shapes, float32 on the CPU (< 2 min; tested)
+    python -m app.gpu_check --smoke      # the same code on small shapes, float32 on the CPU (< 3 min; tested)
 
 No download: each model is built from its config with random weights directly on the device in bfloat16 (the
 decoder at its real shape, a one-layer stand-in vision tower: `analysis.speed.random_vlm`) and paired with a processor
@@ -15,7 +15,10 @@ short keeps what it measured):
 2. the causal analysis's cost (`analysis.causal_speed.measure`): one unpruned prefill against one gradient pass
    (attribution head importance and token importance);
 3. `/analyze` end to end through the app's handler on a shipped scene (causal="attribution", head utility included);
-4. `/sweep` through the handler: every method over the budgets.
+4. `/sweep` through the handler: every method over the budgets;
+5. (LLaVA shapes) the field's table in small (`analysis.paper_table`): the model saved to a folder, then two methods
+   at one budget on a few `hap_scenes` questions through the lmms-eval plugin, one process per cell; skipped, saying
+   so, where lmms-eval is not installed (`bash .ci/install-eval --cli`).
 
 Writes `gpu_check.json` and `gpu_check.md` (`--smoke`: `gpu_check_smoke.*`) under `--out`. Random weights answer
 nonsense, so every generation runs to the token limit (the app's 32; `--smoke`: 4): the app's timings are upper bounds.
@@ -31,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it:
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import argparse  # noqa: E402
+import csv  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -41,7 +45,7 @@ from unittest import mock  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from analysis import causal_speed, speed  # noqa: E402
+from analysis import causal_speed, paper_table, speed  # noqa: E402
 from analysis.training.tiny_vlm import build_processor, build_qwen_processor  # noqa: E402
 from app import handler, pipeline  # noqa: E402
 from app.models import LOADED  # noqa: E402
@@ -57,6 +61,7 @@ RETAINS = (0.222, 0.111, 0.056)
 ROOT = Path(__file__).resolve().parent.parent
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
 PROMPT = "what color is the square ?"
+TABLE_METHODS, TABLE_TOKENS, TABLE_SCENES = ("hap", "uniform"), (64,), "500000:500004"  # the table stage's cells
 
 
 def processor_for(family: str):
@@ -117,7 +122,28 @@ def app_stage(model, processor, name: str, device: str, new_tokens: int) -> tupl
     return analyze, sweep
 
 
-def check_shape(name: str, device: str, dtype: torch.dtype, repeats: int, new_tokens: int, save) -> dict:
+def table_stage(model, processor, device: str, dtype: torch.dtype, folder: Path) -> dict:
+    """`analysis.paper_table` on `model` saved to `folder/model`: TABLE_METHODS at TABLE_TOKENS on TABLE_SCENES; the
+    rows of its table.csv and its seconds, or why it was skipped."""
+    try:
+        import lmms_eval.models.simple.llava_hf  # noqa: F401
+    except ImportError as err:
+        return {"skipped": f"lmms-eval is not installed ({err}): bash .ci/install-eval --cli"}
+    saved = folder / "model"
+    model.save_pretrained(saved)
+    processor.save_pretrained(saved)
+    t0 = time.perf_counter()
+    code = paper_table.main(["--model", str(saved), "--methods", ",".join(TABLE_METHODS), "--tokens",
+                             *map(str, TABLE_TOKENS), "--scenes", TABLE_SCENES, "--out", str(folder / "table"),
+                             "--device", device, "--dtype", str(dtype).removeprefix("torch.")])
+    seconds = time.perf_counter() - t0
+    if code != 0:
+        return {"skipped": f"analysis.paper_table exited with {code}", "seconds": seconds}
+    with (folder / "table" / "table.csv").open() as f:
+        return {"seconds": seconds, "rows": list(csv.DictReader(f))}
+
+
+def check_shape(name: str, device: str, dtype: torch.dtype, repeats: int, new_tokens: int, save, out: Path) -> dict:
     """Every stage on one shape; `save()` after each."""
     family = speed.SHAPES[name]["family"]
     processor, ids = processor_for(family)
@@ -133,6 +159,9 @@ def check_shape(name: str, device: str, dtype: torch.dtype, repeats: int, new_to
     save(name, report)
     report["analyze"], report["sweep"] = app_stage(model, processor, f"random/{name}", device, new_tokens)
     save(name, report)
+    if family == "llava":
+        report["paper_table"] = table_stage(model, processor, device, dtype, out / f"paper_table_{name}")
+        save(name, report)
     del model
     gc.collect()
     if device == "cuda":
@@ -171,12 +200,25 @@ def markdown(r: dict) -> str:
                f"{'-' if utility is None else f'{utility:.2f}'} | " if a else "- | - | - | ")
             + (f"{c['gradients_per_prefill']:.2f} ({1000 * c['prefill_s']:.0f} ms) | " if c else "- | ")
             + (f"{w['seconds']:.1f} ({_gib(w['peak_memory_bytes'])}) |" if w else "- |"))
+    tables = {name: s["paper_table"] for name, s in r["shapes"].items() if "paper_table" in s}
+    if tables:
+        lines += ["", "| shape | paper_table cell | value | FLOPs ratio | prefill ms | peak MB |", "|---|---|---|---|---|---|"]
+    for name, t in tables.items():
+        if "skipped" in t:
+            lines.append(f"| {name} | skipped: {t['skipped']} | | | | |")
+        for row in t.get("rows", []):
+            if row["refused"]:
+                lines.append(f"| {name} | {row['method']} at {row['tokens']} tokens | refused: {row['refused']} | | | |")
+                continue
+            peak = f"{float(row['peak_mb']):.0f}" if row["peak_mb"] else "-"
+            lines.append(f"| {name} | {row['method']} at {row['tokens']} tokens | {float(row['value']):.3f} | "
+                         f"{float(row['flops_ratio']):.3f} | {float(row['prefill_ms']):.1f} | {peak} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="small shapes on the CPU: the same code in under 2 minutes")
+    p.add_argument("--smoke", action="store_true", help="small shapes on the CPU: the same code in under 3 minutes")
     p.add_argument("--shapes", nargs="+", choices=[*SHAPES, *SMOKE_SHAPES], default=None,
                    help=f"default: {' '.join(SHAPES)} ({' '.join(SMOKE_SHAPES)} with --smoke)")
     p.add_argument("--repeats", type=int, default=None, help="timing rounds (default 5; --smoke: 1)")
@@ -207,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         stem.with_suffix(".md").write_text(markdown(report))
 
     for name in args.shapes or (SMOKE_SHAPES if args.smoke else SHAPES):
-        check_shape(name, device, dtype, repeats, new_tokens, save)
+        check_shape(name, device, dtype, repeats, new_tokens, save, out)
     print(markdown(report))
     return report
 

@@ -43,13 +43,20 @@ accounting: retain=0.1428 for SparseVLM's, 0.1423 for AutoPrune's); autoprune ne
 `method=cdpruner` loads its CLIP from `clip_model` and reads each request's prompt text as the question (lmms-eval
 hands no raw question, so the task's pre- and post-prompts are included; the official evaluation reads the bare
 question): requests run one at a time, with `--force_simple`.
+`timings=PATH` (not a knob) appends one JSON line per request to PATH (`.rank<R>` added under data parallel): its
+prefill time, peak GPU memory and the FLOPs ratio its schedule achieved (`PrefillMeter`; `analysis.paper_table`
+reads them). `--include_path` takes several folders joined by ':' (`main`).
 Loglikelihood tasks are refused while pruning (the pruned forward returns fewer logits than its labels).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 import warnings
+from pathlib import Path
 
 from accelerate import PartialState
 
@@ -62,7 +69,7 @@ from .config import HAPConfig
 from .knobs import KNOBS, SEED, knob
 from .methods import load_plugins, pruner_class
 from .patch import apply as _apply_patch
-from .patch.decoder import decoder_shape
+from .patch.decoder import decoder_shape, has_pixels
 from .planning.budget import plan
 
 load_plugins()  # the pruners named in HAP_PRUNERS join the method list before lmms-eval reads any model_args
@@ -96,6 +103,7 @@ class _HAPMixin:
 
     def __init__(self, **kwargs) -> None:
         knobs = {name: kwargs.pop(name) for name in HAP_KNOBS if name in kwargs}
+        timings = kwargs.pop("timings", None)
         self.hap_config = config_from_args(knobs)  # before the slow model load
         pruner = pruner_class(self.hap_config.method)
         if pruner.max_batch is not None and int(kwargs.get("batch_size") or 1) > pruner.max_batch:
@@ -110,7 +118,8 @@ class _HAPMixin:
         check_budget(model, self.hap_config)
         self.hap_patch = _apply_patch(model, self.hap_config)
         self._hap_errors: list[BaseException] = []
-        _guard_generate(model, self._hap_errors)
+        meter = None if timings is None else PrefillMeter(model, _rank_file(str(timings), PartialState()))
+        _guard_generate(model, self._hap_errors, meter)
 
     def generate_until(self, requests):
         self._hap_errors.clear()
@@ -148,21 +157,92 @@ def _question(request) -> str:
     return context
 
 
-def _guard_generate(model, errors: list) -> None:
+def _guard_generate(model, errors: list, meter: PrefillMeter | None = None) -> None:
     """Record the first exception of `model.generate` (instance attribute, class untouched) and make every
-    later call fail fast, so a broken run stops after one request's work instead of one per request."""
+    later call fail fast, so a broken run stops after one request's work instead of one per request; with a
+    `meter`, write the prefill of each call that succeeded."""
     generate = model.generate
 
     def guarded(*args, **kwargs):
         if errors:
             raise GenerationFailed("an earlier generate failed") from errors[0]
         try:
-            return generate(*args, **kwargs)
+            out = generate(*args, **kwargs)
         except Exception as err:
             errors.append(err)
             raise
+        if meter is not None:
+            meter.write(int(kwargs["input_ids"].shape[1]) if "input_ids" in kwargs else None)
+        return out
 
     model.generate = guarded
+
+
+def _rank_file(path: str, state: PartialState) -> Path:
+    """`path` itself in one process; `path` with `.rank<R>` before its suffix in process R of several."""
+    p = Path(path)
+    return p if state.num_processes == 1 else p.with_name(f"{p.stem}.rank{state.process_index}{p.suffix}")
+
+
+class PrefillMeter:
+    """Times each prefill of `model` (the forward that carries the image: vision tower, projector, decoder, the
+    logits) and appends one JSON line per `generate` call to `path` (model_arg `timings=PATH`, one file per process):
+    `prefill_s` (CUDA events on a GPU, read after the call; wall time on the CPU), `peak_bytes` (the GPU's peak
+    allocated memory during the prefill; null on the CPU), `prompt_tokens`, and from HAP's patch the layer-averaged
+    `retained_tokens`, the visual tokens `num_visual` and the prefill `flops_ratio` its schedule achieved (1.0 unpruned)."""
+
+    def __init__(self, model, path: Path) -> None:
+        self.model, self.path = model, Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.cuda = next(model.parameters()).device.type == "cuda"
+        self.started: float | tuple | None = None
+        self.seconds: float | None = None
+        model.register_forward_pre_hook(self.start, with_kwargs=True)
+        model.register_forward_hook(self.stop)
+
+    def start(self, module, args, kwargs) -> None:
+        if not has_pixels(kwargs):  # a decode step
+            return
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self.started = (begin, end)
+        else:
+            self.started = time.perf_counter()
+
+    def stop(self, module, args, output) -> None:
+        if self.started is None:
+            return
+        if self.cuda:
+            self.started[1].record()
+        else:
+            self.seconds = time.perf_counter() - self.started
+
+    def write(self, prompt_tokens: int | None) -> None:
+        """The record of the prefill just run (nothing when the call ran none)."""
+        if self.started is None:
+            return
+        peak = None
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            self.seconds = self.started[0].elapsed_time(self.started[1]) / 1000
+            peak = torch.cuda.max_memory_allocated()
+        state = self.model._hap.state
+        record = {"prefill_s": self.seconds, "peak_bytes": peak, "prompt_tokens": prompt_tokens,
+                  "retained_tokens": None, "num_visual": None, "flops_ratio": 1.0}
+        if state is not None and state.schedule is not None:
+            schedule = state.schedule
+            record.update(retained_tokens=schedule.retained_tokens, num_visual=schedule.num_visual,
+                          flops_ratio=schedule.flops_ratio(state.prompt_len - schedule.num_visual,
+                                                           decoder_shape(self.model)))
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.started = self.seconds = None
 
 
 @register_model(MODEL_NAME)
@@ -195,13 +275,17 @@ def register() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m lmms_eval` with `llava_hf_hap` registered."""
+    """`python -m lmms_eval` with `llava_hf_hap` registered; `--include_path` also takes several folders joined by
+    the path separator (`tasks_a:tasks_b`), which lmms-eval's own task manager accepts as a list."""
     register()
-    from lmms_eval.__main__ import cli_evaluate
+    from lmms_eval.__main__ import cli_evaluate, parse_eval_args
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    args = parse_eval_args()[1]
+    if args.include_path and os.pathsep in args.include_path:
+        args.include_path = [p for p in args.include_path.split(os.pathsep) if p]
+    cli_evaluate(args)
 
 
 _models = sys.modules.get("lmms_eval.models")

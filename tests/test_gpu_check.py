@@ -3,6 +3,7 @@ binding keys per shape and method; the 7B shapes build on the meta device, each 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 
@@ -21,7 +22,7 @@ BINDING = {"speedup", "ideal", "peak_memory_bytes", "seconds"}
 def test_smoke_runs_every_stage_and_writes_the_binding_keys(tmp_path):
     t0 = time.perf_counter()
     report = gpu_check.main(["--smoke", "--out", str(tmp_path)])
-    assert time.perf_counter() - t0 < 120
+    assert time.perf_counter() - t0 < 180
     saved = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     assert saved == json.loads(json.dumps(report)) and saved["device"] == "cpu" and saved["smoke"]
     assert list(saved["shapes"]) == list(gpu_check.SMOKE_SHAPES)
@@ -42,8 +43,20 @@ def test_smoke_runs_every_stage_and_writes_the_binding_keys(tmp_path):
         refused = {"cdpruner"} | ({"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune",  # default CLIP:
                                    "vispruner"} if shape["family"] == "qwen" else set())  # CLIP-L/336 towers only
         assert sweep["budgets"] >= 6 and sweep["methods"] == len(set(pruning()) - refused)
+        if shape["family"] != "llava":
+            assert "paper_table" not in shape  # the lmms-eval plugin wraps llava_hf
+        elif importlib.util.find_spec("lmms_eval") is None:
+            assert "install-eval" in shape["paper_table"]["skipped"]
+        else:  # the unpruned cell, then each method at each budget, through the lmms-eval plugin
+            rows = shape["paper_table"]["rows"]
+            assert [(r["method"], float(r["tokens"])) for r in rows] == [
+                ("none", speed.GRID**2), *((m, t) for t in gpu_check.TABLE_TOKENS for m in gpu_check.TABLE_METHODS)]
+            assert all(r["task"] == "hap_scenes" and 0 <= float(r["value"]) <= 1 and float(r["prefill_ms"]) > 0
+                       for r in rows)
     table = (tmp_path / "gpu_check_smoke.md").read_text()
-    assert table.count("| llava-small | ") == len(gpu_check.METHODS) * len(gpu_check.RETAINS) + 1
+    table_cells = 1 + len(gpu_check.TABLE_METHODS) * len(gpu_check.TABLE_TOKENS) if importlib.util.find_spec(
+        "lmms_eval") else 1  # the paper_table stage's cells, or the line saying it was skipped
+    assert table.count("| llava-small | ") == len(gpu_check.METHODS) * len(gpu_check.RETAINS) + 1 + table_cells
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the full check would run")

@@ -7,6 +7,10 @@ no dataset download).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip(
@@ -289,3 +293,27 @@ def test_cdpruner_loads_its_clip_and_reads_each_requests_question(pretrained, sm
     got = answers(lm)
     assert asked == [doc["question"] for doc in DOCS] and all(isinstance(a, str) for a in got)
     assert lm.model._hap.state.cuts[0].layer == 0 and lm.model._hap.state.question is not None
+
+
+def test_timings_write_one_prefill_per_request(pretrained, tmp_path):
+    """`timings=PATH`: a JSON line per request with its prefill time and the FLOPs ratio its schedule achieved (what
+    `analysis.paper_table` reads); 1.0 unpruned."""
+    path = tmp_path / "t.jsonl"
+    lm = build("llava_hf_hap", pretrained, f"{HAP_ARGS},timings={path}")
+    answers(lm)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    state = lm.model._hap.state
+    assert len(records) == len(DOCS) and all(r["prefill_s"] > 0 and r["peak_bytes"] is None for r in records)
+    last = records[-1]
+    assert last["retained_tokens"] == pytest.approx((144 + 47 + 2 * 23 + 2 * 11) / 6) and last["num_visual"] == 144
+    assert last["flops_ratio"] == pytest.approx(
+        state.schedule.flops_ratio(state.prompt_len - 144, plugin.decoder_shape(lm.model))) and last["flops_ratio"] < 0.5
+    none = tmp_path / "none.jsonl"
+    answers(build("llava_hf_hap", pretrained, f"method=none,timings={none}"))
+    assert [json.loads(line)["flops_ratio"] for line in none.read_text().splitlines()] == [1.0] * len(DOCS)
+
+
+def test_timings_files_per_process():
+    one, four = SimpleNamespace(num_processes=1, process_index=0), SimpleNamespace(num_processes=4, process_index=2)
+    assert plugin._rank_file("cell/timings.jsonl", one) == Path("cell/timings.jsonl")
+    assert plugin._rank_file("cell/timings.jsonl", four) == Path("cell/timings.rank2.jsonl")
