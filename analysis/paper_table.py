@@ -69,7 +69,8 @@ PAPER_VISUAL = 576
 MODEL = "llava_hf_hap"
 # Questions per task (lmms-eval 0.7 splits), for --dry-run's estimate; a task not listed counts --limit or is unknown
 TASK_SIZES = {"gqa": 12578, "mme": 2374, "pope": 9000, "scienceqa_img": 2017, "textvqa_val": 5000, "mmmu_val": 900,
-              "seedbench": 17990, "vizwiz_vqa_val": 4319, "vqav2_val": 214354, "mmbench_en_dev": 4329}
+              "seedbench": 17990, "vizwiz_vqa_val": 4319, "vqav2_val": 214354, "mmbench_en_dev": 4329,
+              "mmbench_en_dev_static": 4329}
 ANSWER_TOKENS = 16  # tokens an answer runs to, for the estimate (hap_scenes: 3)
 # The estimate's device: (prefill FLOP/s reached, decode bytes/s of weights read, model load bytes/s), assumed
 THROUGHPUT = {"cuda": (2.5e14, 2.0e12, 1.0e9), "cpu": (5.0e10, 1.0e10, 5.0e8)}
@@ -116,6 +117,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerate-args", default="", help="more arguments for accelerate launch (several machines)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where present)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on the CPU")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per cell (default: the cores / --processes; 1 for steadier CPU timings)")
     p.add_argument("--clip-model", default=None, help="the CLIP checkpoint of methods that read CLIP (cdpruner)")
     p.add_argument("--dry-run", action="store_true", help="print every cell, its command and a time estimate")
     return p
@@ -235,6 +238,7 @@ class Setup:
     device: str
     dtype: str
     processes: int
+    threads: int  # CPU threads of a cell
     data_parallel: bool
     accelerate_args: tuple[str, ...]
     out: Path
@@ -299,13 +303,13 @@ def environment(setup: Setup, slot: int) -> dict[str, str]:
         gpus = visible.split(",") if visible else [str(i) for i in range(setup.processes)]
         env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
     else:
-        threads = str(max(1, (os.cpu_count() or 1) // setup.processes))
-        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        env.update(OMP_NUM_THREADS=str(setup.threads), MKL_NUM_THREADS=str(setup.threads))
     return env
 
 
 def run_cell(setup: Setup, cell: Cell, slot: int) -> dict:
-    """Run one cell from scratch (a leftover of an interrupted run is removed first) and store its record."""
+    """Run one cell from scratch (a leftover of an interrupted run is removed first) and store its record; a cell
+    that fails returns {"failed": why} and stores nothing (the next invocation runs it again)."""
     folder = cell_dir(setup, cell)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -315,14 +319,17 @@ def run_cell(setup: Setup, cell: Cell, slot: int) -> dict:
     with (folder / "log.txt").open("w") as log:
         done = subprocess.run(command, cwd=ROOT, env=environment(setup, slot), stdout=log, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - t0
+    log = within(folder / "log.txt", ROOT)
     if done.returncode != 0:
-        tail = (folder / "log.txt").read_text().strip().splitlines()[-5:]
-        raise RuntimeError(f"cell {cell.key} failed (exit {done.returncode}); its log {folder / 'log.txt'} ends:\n"
-                           + "\n".join(tail))
+        last = (folder / "log.txt").read_text().strip().splitlines()[-1:] or ["(empty)"]
+        return {"failed": f"failed: exit {done.returncode}, see {log}; it ends: {last[0][-300:]}"}
     if not setup.writer:
         return {}
-    record = {"spec": setup.spec(cell), "command": shown_command(command), "seconds": seconds,
-              **collect(setup, folder)}
+    try:
+        found = collect(setup, folder)
+    except (RuntimeError, KeyError, ValueError) as err:
+        return {"failed": f"failed: its lmms-eval results do not read ({err}), see {log}"}
+    record = {"spec": setup.spec(cell), "command": shown_command(command), "seconds": seconds, **found}
     (folder / "cell.json.tmp").write_text(json.dumps(record, indent=1))
     (folder / "cell.json.tmp").replace(folder / "cell.json")  # a cell is finished once this file exists
     return record
@@ -348,7 +355,7 @@ def collect(setup: Setup, folder: Path) -> dict:
 
 # The main metric of a task, as the field's tables print it (lmms-eval's `metric,filter` keys); MME adds two
 MAIN_METRICS = {"pope": "pope_f1_score", "mmmu_val": "mmmu_acc", "seedbench": "seed_all",
-                "mmbench_en_dev": "gpt_eval_score", "mmbench_cn_dev": "gpt_eval_score",
+                "mmbench_en_dev": "gpt_eval_score", "mmbench_en_dev_static": "gpt_eval_score",
                 "mme": "mme_perception_score+mme_cognition_score"}
 
 
@@ -376,7 +383,7 @@ def summary(records: list[dict]) -> dict:
 
 def run_cells(setup: Setup, cells: list[Cell]) -> dict[str, dict]:
     """Every cell that runs: the finished ones read back, the others run (`--processes` at a time) under a progress
-    bar with an ETA; returns key -> record."""
+    bar with an ETA; returns key -> record ({"failed": why} for a cell that failed: the others go on)."""
     from tqdm import tqdm
 
     records = {c.key: r for c in cells if c.refused is None and (r := finished(setup, c)) is not None}
@@ -398,6 +405,8 @@ def run_cells(setup: Setup, cells: list[Cell]) -> dict[str, dict]:
         for key, record in pool.map(work, todo):
             records[key] = record
             bar.update()
+            if "failed" in record:
+                bar.write(f"{key}: {record['failed']}")
     return records
 
 
@@ -411,7 +420,7 @@ def estimate(setup: Setup, model, cells: list[Cell], records: dict[str, dict]) -
              for t in setup.tasks]
     questions = sum(min(s, setup.limit or s) if s else 0 for s in sizes)
     todo = [c for c in cells if c.refused is None and c.key not in records]
-    done = [r for r in records.values() if r]
+    done = [r for r in records.values() if "scores" in r]
     if done:
         per = sum(r["seconds"] for r in done) / max(1, sum(s["n"] or 0 for r in done for s in r["scores"].values()))
         return per * questions * len(todo), f"measured: {per:.3f} s per question in {len(done)} finished cell(s)"
@@ -453,8 +462,11 @@ def setup_of(args: argparse.Namespace) -> Setup:
     local = Path(args.model).expanduser()
     model = str(within(local.resolve(), ROOT)) if local.is_dir() else args.model
     scenes = f"{args.scenes} x {args.per_scene}" if args.scenes else None
-    return Setup(model, tuple(tasks), tuple(include), scenes, args.limit, device, dtype, args.processes, args.data_parallel,
-                 tuple(shlex.split(args.accelerate_args)), out)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: at least 1")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.processes)
+    return Setup(model, tuple(tasks), tuple(include), scenes, args.limit, device, dtype, args.processes, threads,
+                 args.data_parallel, tuple(shlex.split(args.accelerate_args)), out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,10 +489,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"estimate: {seconds / 3600:.2f} h for the cells to run ({basis})")
         return 0
     records = run_cells(setup, cells)
+    failed = [key for key, r in records.items() if "failed" in r]
     if setup.writer:
         write_tables(setup.out, cells, records, setup.tasks, args.model)
         print(f"wrote {setup.out / 'table.md'}, table.csv, table.png")
-    return 0
+    if failed:
+        print(f"paper_table: {len(failed)} cell(s) failed ({', '.join(failed)}); the table says why, and the next "
+              "run with the same arguments runs them again", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

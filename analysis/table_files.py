@@ -22,22 +22,24 @@ MME_POINTS = 2800.0  # perception (2,000) + cognition (800)
 
 
 def rows(cells: list, records: dict[str, dict], tasks: tuple[str, ...]) -> list[dict]:
-    """One row per cell and task (`COLUMNS`); `relative` divides by the unpruned cell's value of the task."""
-    upper = records[cells[0].key]["scores"]
+    """One row per cell and task (`COLUMNS`); `relative` divides by the unpruned cell's value of the task; `refused`
+    holds why a cell did not run (refused before running, or "failed: ..." with its log)."""
+    upper = records.get(cells[0].key, {}).get("scores", {})
     out = []
     for cell in cells:
         record = records.get(cell.key, {})
         timings = record.get("timings", {})
         for task in tasks:
             score = record.get("scores", {}).get(task)
-            base = upper[task]["value"]
+            base = upper.get(task, {}).get("value")
             out.append({
                 "method": cell.row, "tokens": round(cell.tokens, 2), "retain": round(cell.retain, 6), "task": task,
-                "metric": (score or upper[task])["metric"], "value": None if score is None else score["value"],
+                "metric": (score or upper.get(task) or {"metric": ""})["metric"],
+                "value": None if score is None else score["value"],
                 "relative": None if score is None or not base else score["value"] / base,
                 "samples": "" if score is None else score["samples"], "first_layers": cell.first_layers,
                 "flops_ratio": timings.get("flops_ratio"), "prefill_ms": timings.get("prefill_ms"),
-                "peak_mb": timings.get("peak_mb"), "refused": cell.refused or ""})
+                "peak_mb": timings.get("peak_mb"), "refused": cell.refused or record.get("failed", "")})
     return out
 
 
@@ -82,7 +84,8 @@ def markdown(table: list[dict], tasks: tuple[str, ...], model: str, num_visual: 
         name = f"Upper bound ({method}, {tokens:g} tokens)" if method == "none" else method
         if first["refused"]:
             reason = " ".join(first["refused"].split()).replace("|", "/")
-            lines.append("| " + " | ".join([name, f"refused: {reason}", *[""] * (len(head) - 2)]) + " |")
+            reason = reason if reason.startswith("failed: ") else f"refused: {reason}"
+            lines.append("| " + " | ".join([name, reason, *[""] * (len(head) - 2)]) + " |")
             continue
         scores = [_num(shown(r["metric"], r["value"]), ".1f") for r in cell_rows]
         rel = float(np.mean([r["relative"] for r in cell_rows])) if all(r["relative"] is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,20 @@ def test_a_task_of_your_own_beside_the_scenes(tmp_path):
     assert [(r["method"], r["task"]) for r in rows] == [
         ("none", "my_scenes"), ("none", "hap_scenes"), ("hap", "my_scenes"), ("hap", "hap_scenes")]
     assert all(r["value"] != "" for r in rows)
+
+
+@pytest.mark.slow
+def test_a_failed_cell_is_in_the_table_and_runs_again_next_time(one, tmp_path, monkeypatch, capsys):
+    copy = tmp_path / "copy"
+    os.system(f"cp -r {one} {copy}")
+    (copy / "cells" / "hap-16" / "cell.json").unlink()
+    command = paper_table.Setup.command
+    monkeypatch.setattr(paper_table.Setup, "command", lambda self, cell: (
+        [sys.executable, "-c", "import sys; print('out of memory'); sys.exit(3)", "--model_args", "x"]
+        if cell.key == "hap-16" else command(self, cell)))
+    assert paper_table.main([*ARGS, "--out", str(copy)]) == 1
+    assert "1 cell(s) failed (hap-16)" in capsys.readouterr().err
+    row = [r for r in table(copy) if (r["method"], r["tokens"]) == ("hap", "16.0")][0]
+    assert row["value"] == "" and row["refused"].startswith("failed: exit 3") and "out of memory" in row["refused"]
+    assert "| hap | failed: exit 3, see " in (copy / "table.md").read_text()
+    assert not (copy / "cells" / "hap-16" / "cell.json").exists()  # not finished: the next run tries it again
