@@ -67,7 +67,8 @@ PAPER = "hap_paper"  # HAP with every knob at the paper's value
 PAPER_TOKENS = (192, 128, 64)  # the field's budgets, of LLaVA-1.5's 576 visual tokens
 PAPER_VISUAL = 576
 MODEL = "llava_hf_hap"
-# Questions per task (lmms-eval 0.7 splits), for --dry-run's estimate; a task not listed counts --limit or is unknown
+# Questions per task in lmms-eval 0.7's splits (approximate, for --dry-run's estimate only); a task not listed counts
+# --limit, or nothing
 TASK_SIZES = {"gqa": 12578, "mme": 2374, "pope": 9000, "scienceqa_img": 2017, "textvqa_val": 5000, "mmmu_val": 900,
               "seedbench": 17990, "vizwiz_vqa_val": 4319, "vqav2_val": 214354, "mmbench_en_dev": 4329,
               "mmbench_en_dev_static": 4329}
@@ -292,10 +293,9 @@ def finished(setup: Setup, cell: Cell) -> dict | None:
 
 
 def environment(setup: Setup, slot: int) -> dict[str, str]:
-    """The environment of a cell run in `slot`: offline hub, the checkout importable, one GPU per slot (cells in
-    parallel on cuda) or the CPU's cores shared among the slots."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    """The environment of a cell run in `slot`: this one's (the hub online or not, as the user set it), the checkout
+    importable, one GPU per slot (cells in parallel on cuda) or `--threads` CPU threads."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if setup.data_parallel:
         return env
     if setup.device.startswith("cuda"):
