@@ -70,3 +70,29 @@ def test_the_paper_effect_table_is_its_benchmark():
         got_paq, got_uniform = run["accuracy"]["hap"][retain], run["accuracy"]["uniform"][retain]
         assert (float(paq), float(uniform)) == (round(got_paq, 3), round(got_uniform, 3))
         assert float(diff) == round(100 * (got_paq - got_uniform), 1)
+
+
+def test_the_field_table_in_the_docs_is_the_committed_run():
+    """Every cell of docs/results.md's field table and the README's 16-token figures are results/paper_table's."""
+    import csv
+
+    with (ROOT / "results" / "paper_table" / "table.csv").open() as f:
+        rows = {(r["method"], float(r["tokens"])): r for r in csv.DictReader(f)}
+    section = _section(RESULTS, "## The field's table", "**LLaVA-1.5-7B.**")
+    lines = [line for line in section.splitlines() if line.startswith("| ") and "tokens (-" not in line]
+    assert len(lines) == len({m for m, _ in rows})  # a line per method, none first
+    for line in lines[1:]:
+        method, *cells, times = [c.strip() for c in line.strip("|").split("|")]
+        for tokens, cell in zip((48.0, 32.0, 16.0), cells):
+            row = rows[(method, tokens)]
+            expected = "refused" if row["refused"] else (
+                f"{float(row['value']):.2f} ({100 * float(row['relative']):.1f}%)")
+            assert cell == expected, (method, tokens)
+        timed = [rows[(method, t)] for t in (48.0, 16.0)]
+        assert times == " / ".join("-" if r["refused"] else f"{float(r['prefill_ms']):.1f}" for r in timed)
+    readme = (ROOT / "README.md").read_text()
+    stated = re.search(r"16 of 144 tokens: HAP\+ keeps ([\d.]+)% of the\s+unpruned score, DivPrune ([\d.]+)%, "
+                       r"uniform ([\d.]+)%, the paper's HAP ([\d.]+)%", readme)
+    assert stated, "README quotes the field table's 16-token shares"
+    assert [float(x) for x in stated.groups()] == [
+        round(100 * float(rows[(m, 16.0)]["relative"]), 1) for m in ("hap", "divprune", "uniform", "hap_paper")]
