@@ -36,6 +36,7 @@ peak_mb = the median peak GPU memory of a prefill (empty on the CPU), refused = 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -299,8 +300,10 @@ def environment(setup: Setup, slot: int) -> dict[str, str]:
     if setup.data_parallel:
         return env
     if setup.device.startswith("cuda"):
+        import torch
+
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible else [str(i) for i in range(setup.processes)]
+        gpus = visible.split(",") if visible else [str(i) for i in range(max(1, torch.cuda.device_count()))]
         env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
     else:
         env.update(OMP_NUM_THREADS=str(setup.threads), MKL_NUM_THREADS=str(setup.threads))
@@ -488,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         seconds, basis = estimate(setup, model, cells, records)
         print(f"estimate: {seconds / 3600:.2f} h for the cells to run ({basis})")
         return 0
+    if importlib.util.find_spec("lmms_eval") is None:
+        print("paper_table: lmms-eval is not installed in this environment: bash .ci/install-eval --cli installs it "
+              "(--dry-run works without it)", file=sys.stderr)
+        return 2
     records = run_cells(setup, cells)
     failed = [key for key, r in records.items() if "failed" in r]
     if setup.writer:

@@ -176,3 +176,9 @@ def test_a_failed_cell_is_in_the_table_and_runs_again_next_time(one, tmp_path, m
     assert row["value"] == "" and row["refused"].startswith("failed: exit 3") and "out of memory" in row["refused"]
     assert "| hap | failed: exit 3, see " in (copy / "table.md").read_text()
     assert not (copy / "cells" / "hap-16" / "cell.json").exists()  # not finished: the next run tries it again
+
+
+def test_without_lmms_eval_it_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(paper_table.importlib.util, "find_spec", lambda name: None)
+    assert paper_table.main([*ARGS, "--out", str(tmp_path)]) == 2
+    assert "bash .ci/install-eval --cli" in capsys.readouterr().err and not (tmp_path / "cells").exists()
