@@ -19,6 +19,7 @@ COLUMNS = ("method", "tokens", "retain", "task", "metric", "value", "relative", 
            "flops_ratio", "prefill_ms", "peak_mb", "refused")  # the first eight are binding
 FRACTIONS = {"exact_match", "pope_f1_score", "pope_accuracy", "mmmu_acc"}  # lmms-eval reports these in [0, 1]
 MME_POINTS = 2800.0  # perception (2,000) + cognition (800)
+MARKERS = "osD^vPX*<>ph"
 
 
 def rows(cells: list, records: dict[str, dict], tasks: tuple[str, ...]) -> list[dict]:
@@ -108,16 +109,17 @@ def plot(path: Path, table: list[dict], model: str, num_visual: float) -> None:
     for r in table:
         if r["method"] != "none" and r["relative"] is not None:
             lines.setdefault(r["method"], {}).setdefault(r["tokens"], []).append(r["relative"])
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for method, points in lines.items():
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    for i, (method, points) in enumerate(lines.items()):  # a colour and a marker of its own per method
         xs = sorted(points)
-        ax.plot(xs, [100 * np.mean(points[x]) for x in xs], marker="o", label=method)
+        ax.plot(xs, [100 * np.mean(points[x]) for x in xs], marker=MARKERS[i % len(MARKERS)],
+                color=plt.cm.tab20(i % 20), label=method)
     ax.axhline(100, color="grey", linestyle="--", linewidth=1, label=f"none ({num_visual:g} tokens)")
     ax.set_xlabel("visual tokens per image, averaged over the decoder layers")
     ax.set_ylabel("share of the unpruned score kept (%)")
     ax.set_title(f"{model}: the mean share over the tasks")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
