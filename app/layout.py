@@ -4,12 +4,13 @@ Each knob of hap/knobs.py is a control named after it (label = the knob's name, 
 a slider where the knob has both bounds, a number box otherwise, a radio for choices; the values are
 the registry's defaults, per-model ones resolved for the chosen model (`app.settings.knob_defaults`).
 Each is an `/analyze` parameter of the same name (`Handler.endpoint`), and a `/sweep` one unless the sweep
-varies it (`SWEPT`). The page: the request (image, prompt, model, settings, Run, the examples) in a column on the
-left, and beside it one tab per task (`TABS`), each opening on its main figure: what the method does on this
-image (answers, conversation, kept tokens, head classes, PAQ, the maps before and after fusion), comparing methods
-(what each method keeps, the budget sweep), checking PAQ (ground truth, causal truth, head utility, the per-head
+varies it (`SWEPT`). The page: the request (image, the examples' gallery under it, prompt, model, settings, Run) in a
+column on the left, and beside it one tab per task (`TABS`), each opening on its main figure: what the method does on
+this image (answers, conversation, kept tokens, head classes, PAQ, the maps before and after fusion), comparing
+methods (what each method keeps, the budget sweep), checking PAQ (ground truth, causal truth, head utility, the per-head
 maps and the inspector) and the head lab (the guided lesson, then the free lab). One Run feeds every tab; a tab's
-costly work (keeps, sweep, causal) stays opt-in or its own setting.
+costly work (keeps, sweep, causal) stays opt-in or its own setting. The page opens on an example already analysed
+(`app.arrival`): the editor and the prompt hold it as built, the page's load fills every output.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import gradio as gr
 
@@ -27,12 +27,14 @@ from hap.options import OPTIONS
 from hap.views.report import LABELS, TEACHING
 from hap.views import VIEW
 
+from . import arrival, gallery
 from . import causal as causal_section
 from . import keeps as keeps_section
 from . import lesson
 from .handler import SWEPT, Handler, show_head, show_layer, show_turn
 from .lab import (HEAD_PICKER, LAB_DETECTOR, LAB_DETECTOR_INFO, LAB_INTRO, NO_PLAN, TEACHING_PLAN,
                   TOKEN_PICKER, lab_answers)
+from .arrival import Example
 from .edit import NO_EDIT
 from .present import CARDS, INSPECTOR, LESSON, OUTPUTS, SWEEP_OUTPUTS, TURN_OUTPUTS
 from .settings import Settings, examples, knob_defaults, options_taken
@@ -144,23 +146,32 @@ def plot(name: str) -> gr.Plot:
     return gr.Plot(label=VIEW[name].label, elem_id=f"plot-{name}")
 
 
-def request_column(names: list[str]) -> tuple[list[gr.components.Component], dict, gr.Button]:
-    """The left column: ([image, prompt, model], the knob and processor-option controls by name, the Run button)."""
-    image = gr.ImageEditor(type="filepath", label="Image (upload, then brush, erase or crop to edit it)", height=340,
+def request_column(names: list[str], first: Example | None
+                   ) -> tuple[list[gr.components.Component], dict, gr.Button, list[tuple[gr.Dataset, list]]]:
+    """The left column: ([image, prompt, model], the knob and processor-option controls by name, the Run button, the
+    example galleries with their rows). The editor and the prompt open on the example `first` (`app.arrival`): values
+    of the page as built, never set by the server after load."""
+    image = gr.ImageEditor(value=first and first.image, type="filepath",
+                           label="Image (upload, then brush, erase or crop to edit it)", height=340,
                            sources=("upload", "clipboard"), transforms=("crop",), elem_id="image-editor",
                            brush=gr.Brush(colors=["#000000", "#ffffff", "#808080", "#ff0000", "#0000ff"],
                                           default_color="#000000", color_mode="defaults"))
-    prompt = gr.Textbox(label="Prompt", placeholder="what color is the triangle ?", lines=2)
+    galleries = example_galleries(names)  # beside the editor: what a click puts in it
+    prompt = gr.Textbox(value=first and first.prompt, label="Prompt", placeholder="what color is the triangle ?",
+                        lines=2, elem_id="prompt")
     model = gr.Dropdown(names, value=names[0], label="Model (loaded on first use)")
     knobs = {**knob_controls(knob_defaults(names[0])), **option_controls(names[0])}  # the knobs, the options
-    return [image, prompt, model], knobs, gr.Button("Run (new conversation)", variant="primary", elem_id="run")
+    run = gr.Button("Run (new conversation)", variant="primary", elem_id="run")
+    return [image, prompt, model], knobs, run, galleries
 
 
 def answer_column() -> dict[str, gr.components.Component]:
-    """The top of the "this image" tab: the answer cards, the kept tokens, the conversation, the tokens per layer
-    and the explanation, by output name."""
+    """The top of the "this image" tab: the arrival note (`app.arrival.NOTE`: what the page opened on), the answer
+    cards, the kept tokens, the conversation, the tokens per layer and the explanation, by output name."""
+    note = gr.Markdown(arrival.IDLE, elem_id=arrival.NOTE)
     with gr.Row(equal_height=True):
         out = {k: gr.Markdown(f"#### {LABELS[k]}\n(no run yet)", elem_id=f"answer-{k}", container=True) for k in CARDS}
+    out[arrival.NOTE] = note
     out["kept_masks"] = plot("kept_masks")  # the tab's main figure, under the answers
     out.update(conversation_section())
     out["token_counts"] = plot("token_counts")  # beside the groups: what each layer ran on (AutoPrune: its curve)
@@ -188,20 +199,18 @@ def edit_section() -> dict[str, gr.components.Component]:
             "edit_diff_plot": gr.Plot(label="Kept tokens after the edit", elem_id="plot-edit_diff", visible=False)}
 
 
-def example_label(row: list) -> str:
-    """What an example shows, as its button says it: "scene 600000 · what color is the square ?"."""
-    return f"{Path(row[0]).stem.replace('_', ' ')} · {row[1]}"
-
-
-def example_rows(names: list[str], request: list[gr.components.Component]) -> None:
-    """Clickable examples that fill image, prompt and model: one compact button each (`example_label`)."""
+def example_galleries(names: list[str]) -> list[tuple[gr.Dataset, list]]:
+    """The examples as compact galleries (`app.gallery`: a thumbnail and its question each), with their rows
+    ([image, prompt, model]); a click fills image, prompt and model (`app.gallery.attach`)."""
     scenes, photos = examples(names)
+    made = []
     if scenes:
-        gr.Examples(scenes, request, label="Synthetic scenes (the shipped tiny model)",
-                    example_labels=[example_label(r) for r in scenes])
+        made.append((gallery.gallery(scenes, "Examples: synthetic scenes, each asked its own question",
+                                     "examples-scenes"), scenes))
     if photos:
-        gr.Examples(photos, request, label="Photographs (real checkpoints; need the weights)",
-                    example_labels=[example_label(r) for r in photos])
+        made.append((gallery.gallery(photos, "Photographs (real checkpoints; need the weights)", "examples-photos",
+                                     photo=True), photos))
+    return made
 
 
 def method_sections() -> dict[str, gr.components.Component]:
@@ -315,6 +324,11 @@ def sweep_section() -> tuple[gr.Button, dict[str, gr.components.Component]]:
     return button, dict(zip(SWEEP_OUTPUTS, (figure, data)))
 
 
+def by_component(fn, components: dict[str, gr.components.Component]) -> dict:
+    """`fn()`'s outputs by name given to `components` by name (those it leaves out unchanged)."""
+    return {components[name]: value for name, value in fn().items()}
+
+
 TABS = {"image": "What it does on this image", "compare": "Compare methods", "check": "Check PAQ",
         "lab": "Head lab"}  # tab id -> label; each tab's elem_id is tab-<id> (its button: tab-<id>-button)
 
@@ -339,13 +353,15 @@ def build_demo(
     settings = replace(env, models=models or env.models, allow_local=env.allow_local if allow_local is None
                        else allow_local, limits=limits or env.limits, queue_size=queue_size or env.queue_size)
     handler = Handler(settings)
+    arrived = arrival.Arrival(handler, settings.models)
     with gr.Blocks(title="HAP: head-adaptive visual token pruning", delete_cache=DELETE_CACHE) as demo:
         gr.Markdown(intro(settings.limits))
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
-                request, knobs, run = request_column(settings.models)
+                request, knobs, run, galleries = request_column(settings.models, arrived.opening)
                 options = {o.name: knobs.pop(o.name) for o in OPTIONS}  # the API's last parameters, after the knobs'
-                example_rows(settings.models, request)
+                for dataset, rows in galleries:
+                    gallery.attach(dataset, rows, request)
             with gr.Column(scale=3), gr.Tabs(elem_id="tabs"):
                 with tab("image"):
                     out = answer_column()
@@ -391,13 +407,23 @@ def build_demo(
         keeps_lane = {**new, "inputs_kwargs": {**new["inputs_kwargs"], "keeps": keeps_ticked}}
         refusals = dict(fn=keeps_section.refused_text, inputs=out["summary"], outputs=out["keeps_refused"],
                         api_visibility="private")  # after every run, and a picked turn: the keeps grid's refusals
-        for event, kwargs in ((run.click, new), (prompt.submit, new), (out["follow_up"].click, lane),
+        seen = dict(fn=arrival.seen, outputs=out[arrival.NOTE], api_visibility="private")  # the note, once a run
+        for event, kwargs in ((run.click, new), (prompt.submit, new), (out["follow_up"].click, lane),  # replaces it
                               (lab["run"].click, lab_lane), (keeps_run.click, keeps_lane)):
-            event(analyze, request, outputs, api_visibility="private", **kwargs).then(**refusals)
+            ran = event(analyze, request, outputs, api_visibility="private", **kwargs)
+            ran.then(**refusals)
+            ran.success(**seen)
         pickers = dict(fn=handler.lab_pickers, inputs=[model, lab["plant"], out["state"], out["lab_report"]],
                        outputs=[out["lab_heads"], out["lab_tokens"], lab["sink_tokens"]], api_visibility="private")
         lab["plant"].change(**pickers)
-        demo.load(**pickers)  # the head picker of the default model from the start: it is clicked to make a plan
+        # On arrival (app.arrival): the kept result at once (one update of every output); a missing one runs on the
+        # model lane and fills the page
+        pending = gr.State()
+        shown = {**{name: out[name] for name in (*OUTPUTS, arrival.NOTE)}, arrival.PENDING: pending}
+        demo.load(partial(by_component, arrived.shown, shown), outputs=list(shown.values()), api_visibility="private",
+                  show_progress="hidden", concurrency_limit=None)  # no model call: visitors served side by side
+        pending.change(partial(by_component, arrived.compute, out), outputs=[*outputs, out[arrival.NOTE]],
+                       api_visibility="private", concurrency_limit=1, concurrency_id="model")
         out["lab_heads"].select(handler.click_head, [lab["plant"], lab["kind"], model, out["state"]], lab["plant"],
                                 api_visibility="private")
         out["lab_tokens"].select(handler.click_token, [lab["plant"], out["state"]], lab["plant"],
@@ -424,4 +450,5 @@ def build_demo(
         model.change(model_options, model, list(options.values()), api_visibility="private")
     demo.queue(max_size=settings.queue_size)
     demo.hap_handler = handler  # its `settings` are what this demo enforces
+    demo.hap_arrival = arrived
     return demo
