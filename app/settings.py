@@ -140,10 +140,13 @@ def launch_options(limits: InputLimits | None = None) -> dict:
 
     max_file_size: gradio refuses a larger upload (HTTP 413; gradio_client refuses to send it) before
     storing it; pass the demo's limits when they differ from the environment's. show_error passes the
-    message of errors raised outside the handler to the page instead of a generic one.
+    message of errors raised outside the handler to the page instead of a generic one. head: the script that holds a
+    file given to the image editor while it starts (`app.editor_guard`).
     """
+    from .editor_guard import HEAD
+
     limits = limits or Settings.from_env().limits
-    return dict(theme=gr.themes.Soft(), max_file_size=limits.max_bytes, show_error=True)
+    return dict(theme=gr.themes.Soft(), max_file_size=limits.max_bytes, show_error=True, head=HEAD)
 
 
 # --- models ----------------------------------------------------------------------------------------
