@@ -42,6 +42,8 @@ from hap.runs.inputs import DEFAULT_LIMITS, InputLimits
 from hap.knobs import KNOBS, knob
 from hap.patch.processors import options_of
 
+from .editor_guard import HEAD
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = "assets/tiny-llava"
 HUB_MODELS = {  # supported hub checkpoints -> decoder layers
@@ -143,8 +145,6 @@ def launch_options(limits: InputLimits | None = None) -> dict:
     message of errors raised outside the handler to the page instead of a generic one. head: the script that holds a
     file given to the image editor while it starts (`app.editor_guard`).
     """
-    from .editor_guard import HEAD
-
     limits = limits or Settings.from_env().limits
     return dict(theme=gr.themes.Soft(), max_file_size=limits.max_bytes, show_error=True, head=HEAD)
 
