@@ -21,6 +21,7 @@ INTRO = (
     "beside the figure with the reason, one line each. It costs one prefill per method (the answers decoded together, the image encoded once), so it "
     "runs only when asked: tick the box (Run and follow-ups then include it) or press the button."
 )
+FIGURE_PX = 650  # the figure's width at a 1280-px window (4/5 of the tabs' column): its titles wrap to it
 NOT_RUN = "not run: tick 'keeps' or press 'Compare every method' (each method costs a prefill)"
 
 

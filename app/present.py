@@ -23,6 +23,7 @@ from hap.options import ProcessorOptions
 from hap.views.report import answer_card, explanation, head_text, summary, sweep_title, truth_text
 
 from . import causal as causal_section
+from . import keeps as keeps_section
 from . import conversation as chat
 from .edit import NO_EDIT
 from .images import serve_figure, serve_images
@@ -67,7 +68,7 @@ def analysis_outputs(analysis: Analysis, shared: bool) -> dict[str, object]:
     figures = {**views.figures(data), "keeps": None}  # "keeps": marked PLANTED with the views, as one of them
     if analysis.keeps is not None:
         report["keeps"] = analysis.keeps.to_json()
-        figures["keeps"] = keeps_plotly(data, analysis.keeps)
+        figures["keeps"] = keeps_plotly(data, analysis.keeps, keeps_section.FIGURE_PX)
     cards = {label: answer_card(label, r, traced=r is comparison.pruned) for label, r in analysis.timed.items()}
     lab_note, planted_report = NO_PLAN, None
     if not plan.empty:

@@ -203,9 +203,11 @@ def refused_lines(refused: Mapping[str, str]) -> list[str]:
     return [f"{m} refused: {why}" for m, why in refused.items()]
 
 
-def keeps_plotly(data: ViewData, found: Keeps) -> go.Figure:
-    """The page's figure of `keeps_panels`: the maps only (the page lists `refused_lines` beside it)."""
-    return panels_plotly(keeps_panels(data, found), title(found))
+def keeps_plotly(data: ViewData, found: Keeps, width: int | None = None) -> go.Figure:
+    """The page's figure of `keeps_panels`: the maps only (the page lists `refused_lines` beside it), its titles
+    wrapped for `width` px (None: `Panels`' default, the page's width)."""
+    panels = keeps_panels(data, found)
+    return panels_plotly(panels if width is None else replace(panels, width=width), title(found))
 
 
 def keeps_draw(data: ViewData, found: Keeps) -> Figure:
