@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from test_browser import (ARTIFACTS, WAIT_S, console_errors, driver, fresh_log, open_page,  # noqa: F401 (fixtures)
-                          page_url, pick_example, show_tab, until_shown)
+                          page_url, pick_example, press_run, show_tab, until_shown)
 
 pytestmark = pytest.mark.browser
 
@@ -37,7 +37,7 @@ def test_follow_up_then_edit_and_rerun(page_url, driver):  # noqa: F811
     driver.set_window_size(1400, 1150)
     open_page(driver, page_url)
     pick_example(driver, wait)
-    driver.find_element(By.ID, "run").click()
+    press_run(driver, wait)
     until_shown(driver, wait, "conversation", "turn 1")
     prompt = driver.find_element(By.CSS_SELECTOR, "textarea")
     prompt.clear()
