@@ -125,6 +125,18 @@ def test_unreadable_bytes_are_refused(data, match, tmp_path):
         load_image(path)
 
 
+@pytest.mark.parametrize("fmt, keep", [("PNG", 60), ("JPEG", 200)])
+def test_a_truncated_file_is_refused_when_a_library_lets_pil_pad_it(fmt, keep, monkeypatch):
+    """lmms-eval's task module sets PIL's process-wide LOAD_TRUNCATED_IMAGES = True (PIL then pads a cut file with
+    grey): the check refuses the file all the same and leaves the flag as it found it."""
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(ValueError, match="truncated or corrupt|not a readable image"):
+        load_image(encoded(RGB, fmt)[:keep])
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True
+
+
 def test_byte_limit_is_checked_before_reading(tmp_path):
     path = tmp_path / "big.png"
     path.write_bytes(b"\0" * 2048)

@@ -4,6 +4,7 @@ scenes (the local lmms-eval task `hap_scenes`), each cell a run of the lmms-eval
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import sys
@@ -11,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lmms_eval.__main__", reason="lmms-eval's CLI is not installed (bash .ci/install-eval --cli)")
+from analysis import paper_table, scene_task, table_files
+from analysis.scenes import heldout_items
 
-from analysis import paper_table, scene_task, table_files  # noqa: E402
-from analysis.scenes import heldout_items  # noqa: E402
+# found, not imported: lmms-eval's task module sets PIL's process-wide LOAD_TRUNCATED_IMAGES on import, which would
+# leak into every other test of the session (the cells import it in their own processes)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None,
+                                reason="lmms-eval's CLI is not installed (bash .ci/install-eval --cli)")
 
 SCENES, PER_SCENE = "500000:500003", 2  # 6 questions
 # sparsevlm's smallest official budget on 6 layers processes 26 of 144 tokens: 16 is refused

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 FORMATS = "PNG, JPEG, GIF, WebP, BMP, TIFF"
 
@@ -82,7 +82,11 @@ def _decode(opener, limits: InputLimits) -> Image.Image:
         with opener() as img:
             _check_pixels(img.size, limits)  # from the header: nothing decoded yet
             img.seek(0)  # the first frame of an animation
-            img.load()
+            lenient, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False  # a library may set it
+            try:  # (lmms-eval's task module does, process-wide): a truncated file is refused all the same
+                img.load()
+            finally:
+                ImageFile.LOAD_TRUNCATED_IMAGES = lenient
             return _to_rgb(img)
     except Image.DecompressionBombError as err:
         raise ValueError(
