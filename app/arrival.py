@@ -96,8 +96,8 @@ class Arrival:
     def note(self, todo: Example | None) -> str:
         """The note above the answer cards: what they show, and what is on its way."""
         shown, first = self.best(), self.opening
-        failed = [f"{e} on {e.model} could not be analysed ({self.kept[e]})" for e in (first, self.stand_in)
-                  if isinstance(self.kept.get(e), str)]
+        failed = [f"{e} on {e.model} could not be analysed ({self.kept[e].rstrip('.')})"
+                  for e in (first, self.stand_in) if isinstance(self.kept.get(e), str)]
         lines = []
         if shown is not None:
             lines.append(f"**On arrival:** {shown} on {shown.model}, at the default settings, analysed once for every "
@@ -125,20 +125,21 @@ class Arrival:
 
     def shown(self) -> dict[str, object]:
         """The page's load: what is kept, at once; where a result is missing, a new `PENDING` value (its change runs
-        `compute`)."""
-        todo = self.todo()
-        out = self.outputs(todo)
-        if todo is not None:
-            out[PENDING] = f"{todo} {time.monotonic()}"
-        return out
+        `compute`). Never raises: the page opens whatever happens."""
+        def show() -> dict[str, object]:
+            todo = self.todo()
+            return {**self.outputs(todo), **({PENDING: f"{todo} {time.monotonic()}"} if todo is not None else {})}
+
+        return safely(show)
 
     def compute(self) -> dict[str, object]:
-        """Run the missing result (on the model lane), keep it, and show the best one."""
+        """Run the missing result (on the model lane), keep it, and show the best one (a result still missing waits
+        for the next visit's trigger). Never raises."""
         with self.lock:
             todo = self.todo()
             if todo is not None:
                 self.kept[todo] = self.run(todo)
-        return self.outputs(self.todo())
+        return safely(lambda: self.outputs(None))
 
     def run(self, example: Example) -> dict[str, object] | str:
         """The outputs of `example`'s `/analyze` run at its model's default settings, its images pinned; the message
@@ -154,6 +155,15 @@ class Arrival:
             return f"{err.__class__.__name__}: {err}"
 
 
-def seen() -> dict:
+def safely(show) -> dict[str, object]:
+    """`show()`, or where it raises, the note saying so (logged): the page opens whatever happens."""
+    try:
+        return show()
+    except Exception as err:  # noqa: BLE001
+        LOG.exception("the result on arrival could not be shown")
+        return {NOTE: f"The result on arrival could not be shown ({err.__class__.__name__}: {err}). {IDLE}"}
+
+
+def seen() -> gr.Markdown:
     """The note once the visitor's own run replaced the result it describes: hidden."""
     return gr.Markdown(visible=False)

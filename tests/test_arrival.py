@@ -102,6 +102,13 @@ def test_a_failed_run_is_said_never_raised():
         assert set(out) == {NOTE} and f"could not be analysed ({said})" in out[NOTE], out
         assert PENDING not in arrival.shown()  # kept: not run again at every visit
 
+    class Broken(Handler):
+        def lab_pickers(self, *args):
+            raise RuntimeError("a bug in the picker")
+
+    shown = Arrival(Broken(None), [SHIPPED]).shown()  # whatever fails while showing, the page opens
+    assert set(shown) == {NOTE} and "could not be shown (RuntimeError: a bug in the picker)" in shown[NOTE]
+
 
 def test_a_hub_checkpoint_first_shows_the_shipped_model_until_it_is_loaded(monkeypatch):
     from app.models import LOADED
