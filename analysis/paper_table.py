@@ -57,7 +57,7 @@ from analysis.table_files import write_tables
 from hap.config import HAPConfig
 from hap.knobs import KNOBS
 from hap.methods import NONE, load_plugins, pruner_class
-from hap.patch.decoder import decoder_shape
+from hap.patch.decoder import decoder_shape, image_tokens
 from hap.planning.budget import plan
 from hap.runs.keeps import pruning, refusal
 
@@ -166,15 +166,6 @@ def meta_model(name: str):
         return AutoModelForImageTextToText.from_config(config)
 
 
-def visual_tokens(model) -> int:
-    """The model's visual tokens per image (`image_seq_length`; else (image size / patch size)^2)."""
-    seq = getattr(model.config, "image_seq_length", None)
-    if seq:
-        return int(seq)
-    vision = model.config.vision_config
-    return (vision.image_size // vision.patch_size) ** 2
-
-
 def method_config(row: str, retain: float, clip_model: str | None) -> HAPConfig:
     """The HAPConfig of table row `row` at `retain` (the paper's knobs for hap_paper; the CLIP folder where read)."""
     config = HAPConfig.paper(retain=retain) if row == PAPER else HAPConfig(method=row, retain=retain)
@@ -216,7 +207,7 @@ def knob_args(config: HAPConfig) -> tuple[tuple[str, str], ...]:
 
 def plan_cells(model, rows: list[str], shares: list[float], clip_model: str | None) -> list[Cell]:
     """The unpruned cell, then every (method, budget), reachable or refused."""
-    num_visual = visual_tokens(model)
+    num_visual = image_tokens(model)
     cells = [Cell(NONE, 1.0, float(num_visual), (("method", NONE),))]
     refused: dict[str, str | None] = {}
     for retain in shares:
@@ -291,6 +282,11 @@ def finished(setup: Setup, cell: Cell) -> dict | None:
         return None
     record = json.loads(path.read_text())
     return record if record.get("spec") == setup.spec(cell) else None
+
+
+def finished_records(setup: Setup, cells: list[Cell]) -> dict[str, dict]:
+    """key -> record of every cell that runs and has finished with the same spec."""
+    return {c.key: r for c in cells if c.refused is None and (r := finished(setup, c)) is not None}
 
 
 def environment(setup: Setup, slot: int) -> dict[str, str]:
@@ -389,7 +385,7 @@ def run_cells(setup: Setup, cells: list[Cell]) -> dict[str, dict]:
     bar with an ETA; returns key -> record ({"failed": why} for a cell that failed: the others go on)."""
     from tqdm import tqdm
 
-    records = {c.key: r for c in cells if c.refused is None and (r := finished(setup, c)) is not None}
+    records = finished_records(setup, cells)
     todo = [c for c in cells if c.refused is None and c.key not in records]
     print(f"{len(records)} finished cell(s) reused, {len(todo)} to run, "
           f"{sum(c.refused is not None for c in cells)} refused", flush=True)
@@ -430,7 +426,7 @@ def estimate(setup: Setup, model, cells: list[Cell], records: dict[str, dict]) -
     kind = "cuda" if setup.device.startswith("cuda") else "cpu"
     flops_rate, bandwidth, load = THROUGHPUT[kind]
     weight_bytes = sum(p.numel() for p in model.parameters()) * (4 if setup.dtype == "float32" else 2)
-    shape, n = decoder_shape(model), visual_tokens(model)
+    shape, n = decoder_shape(model), image_tokens(model)
     total = 0.0
     for cell in todo:
         prefill = prefill_flops([round(cell.tokens)] * shape.layers, 64, shape) / flops_rate
@@ -478,12 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = method_rows(args.methods)
         setup = setup_of(args)
         model = meta_model(args.model)
-        cells = plan_cells(model, rows, budgets(args, visual_tokens(model)), args.clip_model)
+        cells = plan_cells(model, rows, budgets(args, image_tokens(model)), args.clip_model)
     except (ValueError, OSError) as err:
         print(f"paper_table: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
-        records = {c.key: r for c in cells if c.refused is None and (r := finished(setup, c)) is not None}
+        records = finished_records(setup, cells)
         for cell in cells:
             state = ("refused: " + cell.refused if cell.refused else
                      "finished" if cell.key in records else shown_command(setup.command(cell)))

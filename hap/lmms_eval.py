@@ -69,7 +69,7 @@ from .config import HAPConfig
 from .knobs import KNOBS, SEED, knob
 from .methods import load_plugins, pruner_class
 from .patch import apply as _apply_patch
-from .patch.decoder import decoder_shape, has_pixels
+from .patch.decoder import decoder_shape, has_pixels, image_tokens
 from .planning.budget import plan
 
 load_plugins()  # the pruners named in HAP_PRUNERS join the method list before lmms-eval reads any model_args
@@ -90,8 +90,7 @@ def check_budget(model, config: HAPConfig) -> None:
     """Raise now (not per sample, inside lmms-eval's `generate` try/except) when the budget is unreachable
     on this decoder (`hap.planning.budget.plan`; a retain target depends only on depth and groups). A flops_ratio
     target is checked with no text tokens (its least demanding case)."""
-    num_visual = int(getattr(model.config, "image_seq_length", None) or 576)
-    plan(config, decoder_shape(model), num_visual)
+    plan(config, decoder_shape(model), image_tokens(model))
 
 
 class GenerationFailed(RuntimeError):

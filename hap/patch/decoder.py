@@ -134,6 +134,16 @@ def decoder_shape(model) -> DecoderShape:
                         None if q_dim == tc.hidden_size else q_dim)
 
 
+def image_tokens(model) -> int:
+    """The visual tokens of one image on a fixed-resolution model (LLaVA-1.5: 576): its config's `image_seq_length`,
+    else (image size / patch size)^2 of its vision tower."""
+    seq = getattr(model.config, "image_seq_length", None)
+    if seq:
+        return int(seq)
+    vision = model.config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2
+
+
 def square_blocks(model, side: int) -> ViewGrids:
     """The view grids of an image whose visual tokens (`image_token_id`) come in blocks of `side` x `side`, one per
     tile, crop or view, each row-major (InternVL, SmolVLM / Idefics3, Gemma 3)."""
