@@ -468,6 +468,14 @@ def setup_of(args: argparse.Namespace) -> Setup:
                  args.data_parallel, tuple(shlex.split(args.accelerate_args)), out)
 
 
+def eval_missing() -> str | None:
+    """Why no cell can run here (lmms-eval not installed), or None. Found, not imported: importing lmms-eval's task
+    module sets PIL's process-wide LOAD_TRUNCATED_IMAGES, and the cells import it in their own processes."""
+    if importlib.util.find_spec("lmms_eval") is None:
+        return "lmms-eval is not installed in this environment: bash .ci/install-eval --cli installs it"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -487,9 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds, basis = estimate(setup, model, cells, records)
         print(f"estimate: {seconds / 3600:.2f} h for the cells to run ({basis})")
         return 0
-    if importlib.util.find_spec("lmms_eval") is None:
-        print("paper_table: lmms-eval is not installed in this environment: bash .ci/install-eval --cli installs it "
-              "(--dry-run works without it)", file=sys.stderr)
+    if (missing := eval_missing()) is not None:
+        print(f"paper_table: {missing} (--dry-run works without it)", file=sys.stderr)
         return 2
     records = run_cells(setup, cells)
     failed = [key for key, r in records.items() if "failed" in r]

@@ -125,10 +125,8 @@ def app_stage(model, processor, name: str, device: str, new_tokens: int) -> tupl
 def table_stage(model, processor, device: str, dtype: torch.dtype, folder: Path) -> dict:
     """`analysis.paper_table` on `model` saved to `folder/model`: TABLE_METHODS at TABLE_TOKENS on TABLE_SCENES; the
     rows of its table.csv and its seconds, or why it was skipped."""
-    try:
-        import lmms_eval.models.simple.llava_hf  # noqa: F401
-    except ImportError as err:
-        return {"skipped": f"lmms-eval is not installed ({err}): bash .ci/install-eval --cli"}
+    if (missing := paper_table.eval_missing()) is not None:
+        return {"skipped": missing}
     saved = folder / "model"
     model.save_pretrained(saved)
     processor.save_pretrained(saved)
