@@ -2,6 +2,7 @@
 
     python -m analysis.app_speed                   # llava-interleave-qwen-0.5b's real shape (0.92 B), 2 threads
     python -m analysis.app_speed --smoke           # the same code on a tiny shape (seconds; tested)
+    python -m analysis.app_speed --stages --base /tmp/hap-before   # /analyze per stage, this checkout and another
 
 Builds a random-weight model of the checkpoint's real shape offline (`SHAPES`: SigLIP tower, Qwen2 decoder, its
 vocabulary; no download), with a processor built here (the small model's word-level tokenizer, SigLIP's 384-px image
@@ -18,6 +19,11 @@ its end-of-sequence token (the table says what the decode steps cost). The token
 model's (made-up words), so that every id the model emits decodes to a word, as with a real tokenizer: the sweep,
 which stops an answer once its first words are known, stops as it would on real text.
 Writes `<slug>.json` and `<slug>.md` under `--out` (default results/app_speed).
+
+`--stages`: `/analyze` (causal off) per stage instead, as shares of one prefill: the same model folder served in-process
+by `app/stages.py` (every stage's function timed where it runs, the payload as the client's time less the
+handler's) in this checkout and, with `--base`, in another one (a `git worktree` of an older commit), one after the
+other in this run, each with its own plain prefill measured in its process; writes `<slug>.stages.{json,md}`.
 """
 
 from __future__ import annotations
@@ -58,6 +64,19 @@ SHAPES = {  # the real checkpoints' configs (llava-interleave-qwen-0.5b: SigLIP-
 PAGE_TOKENS = 32  # app.pipeline.MAX_NEW_TOKENS: the longest answer the page generates
 IMAGE_SIZE, PATCH = 384, 14  # 27 x 27 = 729 visual tokens, SigLIP has no [CLS]
 MODES = {"before": "0", "after": "1"}
+STAGES = {  # the breakdown's rows (`stage_rows`): what each measures, as `app/stages.py` times them
+    "vision": "vision pass (the tower and projector, once: the runs share the image's features)",
+    "prefill": "a run's decoder prefill, its hooks included (one row per run, in order)",
+    "scoring": "of which capture, scoring and selection, every run (the traced run's tracing included)",
+    "tracing": "of which tracing: the maps recorded for the figures",
+    "decode": "decode: the three answers as one batch",
+    "figures": "figures: the view data and every view",
+    "present": "presenting: cards, texts, JSON, the images written to files",
+    "other": "the handler's rest: checks, loading the image, generate's setup, the results",
+    "payload": "payload: gradio's processing of the outputs, the JSON and its transfer",
+    "total": "total: the client's wait for `/analyze`",
+}
+PROBE = ROOT / "app" / "stages.py"  # run by its path in each checkout timed (`--stages`)
 
 
 def build(name: str) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
@@ -181,6 +200,64 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def probe(folder: Path, checkout: Path, repeats: int, threads: int) -> dict:
+    """`app/stages.py`'s report of `/analyze` per stage, served from `checkout` (its code first on the
+    path)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "stages.json"
+        env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
+               "GRADIO_ANALYTICS_ENABLED": "False"}
+        subprocess.run([sys.executable, str(PROBE), "--model", str(folder), "--repeats", str(repeats), "--threads",
+                        str(threads), "--json", str(out)], cwd=checkout, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def stage_rows(report: dict) -> dict[str, tuple[float, float] | None]:
+    """The breakdown of one probe's report (`STAGES`) by row: (seconds, share of the request's own plain
+    prefill), each the median over its requests. Each run's prefill is its own row (`prefill <run>`, its hooks
+    included), `scoring` and `tracing` parts of them, the handler's `other` what its own time holds beyond the
+    prefills, `payload` the client's time beyond the handler's (None: a stage the checkout has no function of, counted
+    in `other`)."""
+    def one(request: dict) -> dict[str, float | None]:
+        seconds, runs = request["stages"], request["runs"]
+        tracing = seconds.get("tracing", 0.0)
+        handled = sum(seconds.values())  # the handler's own time and every stage nested in it
+        row = {"vision": seconds.get("vision", 0.0)}
+        row.update({f"prefill {r['label']}": r["prefill_s"] for r in runs})
+        row.update(scoring=sum(r["scoring_s"] for r in runs), tracing=tracing, decode=seconds.get("decode", 0.0),
+                   figures=seconds.get("figures", 0.0), present=seconds.get("present"),
+                   other=seconds["handler"] - (sum(r["prefill_s"] for r in runs) - tracing),
+                   payload=request["client"] - handled, total=request["client"])
+        return row
+
+    rows = [(one(r), r["prefill_s"]) for r in report["requests"]]
+    return {k: None if rows[0][0][k] is None else (statistics.median(r[k] for r, _ in rows),
+                                                   statistics.median(r[k] / unit for r, unit in rows))
+            for k in rows[0][0]}
+
+
+def stages_markdown(reports: dict[str, dict], command: str) -> str:
+    """The per-stage table of `reports` (by checkout name): seconds and shares of the request's own plain prefill."""
+    rows = {name: stage_rows(r) for name, r in reports.items()}
+    keys = list(dict.fromkeys(k for r in rows.values() for k in r))
+    keys.sort(key=lambda k: list(STAGES).index(k.split(" ")[0]) if k.split(" ")[0] in STAGES else len(STAGES))
+    units = {name: [round(q["prefill_s"], 2) for q in r["requests"]] for name, r in reports.items()}
+    lines = [f"# /analyze per stage, in plain prefills ({command})", "",
+             "Each `/analyze` (causal off, a scene of its own, a new client) against one plain unpruned prefill "
+             "(`model(**inputs)`, vision tower included) timed in the same process, the mean of the one before it "
+             "and the one after it: " + "; ".join(f"{name} {', '.join(map(str, u))} s" for name, u in units.items())
+             + ". Each cell: the median over the requests of the seconds (the share of that prefill).", "",
+             "| stage | " + " | ".join(f"{name} s (prefills)" for name in reports) + " |",
+             "|---|" + "---|" * len(reports)]
+    for key in keys:
+        what = f"prefill, {key.removeprefix('prefill ')} (its hooks included)" if key.startswith("prefill ") else (
+            STAGES.get(key, key))
+        cells = ["-" if r.get(key) is None else f"{r[key][0]:.3f} ({r[key][1]:.3f})" for r in rows.values()]
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=[n for n in SHAPES if n != "smoke"], default=next(iter(SHAPES)))
@@ -189,7 +266,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "results" / "app_speed"))
+    p.add_argument("--stages", action="store_true", help="/analyze per stage (app/stages.py) instead")
+    p.add_argument("--base", help="with --stages: another checkout timed the same way first (e.g. a git worktree)")
     args = p.parse_args(argv)
+    if args.base and not args.stages:
+        p.error("--base needs --stages")
+    if args.base and not (Path(args.base) / "app" / "layout.py").is_file():
+        p.error(f"--base {args.base} is not a checkout of this project (no app/layout.py)")
     name = "smoke" if args.smoke else args.model
     torch.set_num_threads(args.threads)
     model, processor = build(name)
@@ -201,6 +284,19 @@ def main(argv: list[str] | None = None) -> dict:
         folder = Path(tmp) / "model"
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
+        if args.stages:
+            del model  # the probes load the folder themselves
+            checkouts = {**({"base": Path(args.base).resolve()} if args.base else {}), "this": ROOT}
+            reports = {name: probe(folder, path, args.repeats, args.threads) for name, path in checkouts.items()}
+            report["stages"] = reports
+            text = stages_markdown(reports, report["command"])
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            slug = name.split("/")[-1]
+            (out / f"{slug}.stages.json").write_text(json.dumps(report, indent=1))
+            (out / f"{slug}.stages.md").write_text(text)
+            print(text)
+            return report
         first = prefill_seconds(model, processor, args.repeats)
         for mode in args.modes:
             port = free_port()

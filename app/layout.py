@@ -62,9 +62,11 @@ SWEEP_INTRO = (
     "and red where it differs. Results are cached per input."
 )
 
+EDITOR_LABEL = "Image"  # short: the editor's toolbar sits at the top right of its box, over a longer label (1280 px)
 INTRO = (
     "# HAP: head-adaptive visual token pruning\n"
-    "Upload an image (or click an example), ask a question, choose a budget and press **Run**. "
+    "Upload an image (or click an example; brush, erase or crop it in the editor to see what changes), ask a "
+    "question, choose a budget and press **Run**. "
     "HAP scores every attention head by how well it aligns the prompt with the image (PAQ), fuses "
     "heads with those weights, and keeps only the best visual tokens inside the decoder. "
     "Each setting is named as the `/analyze` API parameter and `python -m hap run` flag it sets; "
@@ -152,7 +154,7 @@ def request_column(names: list[str], first: Example | None
     example galleries with their rows). The editor and the prompt open on the example `first` (`app.arrival`): values
     of the page as built, never set by the server after load."""
     image = gr.ImageEditor(value=first and first.image, type="filepath",
-                           label="Image (upload, then brush, erase or crop to edit it)", height=340,
+                           label=EDITOR_LABEL, height=340,
                            sources=("upload", "clipboard"), transforms=("crop",), elem_id="image-editor",
                            brush=gr.Brush(colors=["#000000", "#ffffff", "#808080", "#ff0000", "#0000ff"],
                                           default_color="#000000", color_mode="defaults"))

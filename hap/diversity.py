@@ -19,12 +19,14 @@ token j (the log-determinant it adds) is, up to the factor 1 / w,
 Detected sink tokens (w > 0) form a tier of their own, after every other token of finite relevance: a massive
 activation makes a sink the largest outlier of the hidden states, which the determinant would pick first; here a sink
 is kept only once the other tokens run out (or first as `sink_ranking`'s anchor, or last as its mask). A floor does
-not do it: a sink at the floor ties with the near-duplicates there and outranks them by its relevance. Ties go to the lowest index. Pure tensor functions; the `hap` pruner calls
-`select`.
+not do it: a sink at the floor ties with the near-duplicates there and outranks them by its relevance. Ties go to the
+lowest index. Pure functions, the picks made in numpy on a CPU (a pick's dozen small steps cost a fifth of torch's
+there) and in torch elsewhere, the same arithmetic; the `hap` pruner calls `select`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 FLOOR = 1e-3  # the smallest residual d, log FLOOR the gain of a duplicate of the kept tokens: below it two tokens
@@ -65,16 +67,61 @@ def select(relevance: torch.Tensor, embeds: torch.Tensor, k: int, weight: float,
     rank = torch.where(r.isfinite(), 2, torch.where(r > 0, 3, 0)).float()  # +inf: 3, finite: 2, -inf: 0
     if sink is not None and weight > 0:  # a detected sink: after every other finite token (module docstring)
         rank = torch.where(sink.to(r.device) & r.isfinite(), 1.0, rank)
-    tiered = priority is not None or bool((rank != 2).any())  # else every token is in one tier
     r = r.nan_to_num(0.0, 0.0, 0.0)
     unit = torch.nn.functional.normalize(embeds.double(), dim=-1).to(r.device)  # [B, N, D], float64 (module docstring)
+    priority = None if priority is None else priority.to(r.device).float()
+    if r.device.type == "cpu":  # one sample at a time in numpy: a pick's dozen small steps cost a fifth of torch's
+        picks = torch.from_numpy(np.stack([_picks(r[b].double().numpy(), rank[b].numpy(), unit[b].numpy(), k, weight,
+                                                  None if priority is None else priority[b].numpy())
+                                           for b in range(batch)]))
+    else:
+        picks = _picks_batched(r, rank, unit, k, weight, priority)
+    return picks.sort(-1).values
+
+
+def _picks(r: np.ndarray, rank: np.ndarray, unit: np.ndarray, k: int, weight: float,
+           priority: np.ndarray | None) -> np.ndarray:
+    """`select`'s picks of one sample, in numpy (the arithmetic of `_picks_batched`, step for step): `r [N]` the
+    rescaled relevance (float64), `rank [N]` its tiers, `unit [N, D]` the unit hidden states -> int64 [k], in pick
+    order."""
+    n = r.shape[0]
+    tiered = priority is not None or bool((rank != 2).any())  # else every token is in one tier
+    residual = np.ones(n)  # d: squared distance from the span of the kept unit vectors
+    basis = np.zeros((k, n))  # row i: each token's coordinate on the i-th kept direction
+    closed = np.zeros(n, dtype=bool)
+    picks = np.empty(k, dtype=np.int64)
+    for i in range(k):
+        gain = r + weight * np.log(np.maximum(residual, FLOOR))
+        shut = closed
+        if tiered:
+            candidates = ~closed
+            if priority is not None:
+                candidates &= priority == priority[candidates].max()
+            shut = ~(candidates & (rank == rank[candidates].max()))
+        gain[shut] = -np.inf
+        j = int(gain.argmax())
+        picks[i] = j
+        closed[j] = True
+        if i + 1 < k:  # Gram-Schmidt: every token's coordinate on the new direction, S[j] less the kept directions
+            e = unit @ unit[j] - basis[:i, j] @ basis[:i]
+            e /= np.sqrt(max(residual[j], FLOOR))
+            basis[i] = e
+            residual = np.maximum(residual - e * e, 0)
+    return picks
+
+
+def _picks_batched(r: torch.Tensor, rank: torch.Tensor, unit: torch.Tensor, k: int, weight: float,
+                   priority: torch.Tensor | None) -> torch.Tensor:
+    """`select`'s picks of every sample at once, in torch (an accelerator's tensors) -> long [batch, k], in pick
+    order."""
+    batch, n = r.shape
+    tiered = priority is not None or bool((rank != 2).any())  # else every token is in one tier
     residual = torch.ones_like(r, dtype=torch.float64)  # d: squared distance from the span of the kept unit vectors
     basis = torch.zeros(batch, k, n, dtype=torch.float64, device=r.device)  # row i: each token's coordinate on the
     #                                                                         i-th kept direction
     open_ = torch.ones(batch, n, dtype=torch.bool, device=r.device)
     picks = torch.empty(batch, k, dtype=torch.long, device=r.device)
     rows = torch.arange(batch, device=r.device)
-    priority = None if priority is None else priority.to(r.device).float()
     for i in range(k):
         candidates = open_
         if tiered:
@@ -89,4 +136,4 @@ def select(relevance: torch.Tensor, embeds: torch.Tensor, k: int, weight: float,
             e = e / residual[rows, j].clamp_min(FLOOR).sqrt()[:, None]
             basis[:, i] = e
             residual = (residual - e * e).clamp_min(0)
-    return picks.sort(-1).values
+    return picks

@@ -56,12 +56,13 @@ def test_the_first_visit_asks_for_the_run_and_shows_the_picker():
     first = arrival.shown()
     assert "unpruned" not in first and first[PENDING] and first["lab_heads"] == "picker" and not calls
     assert "**Analysing** scene 600000" in first[NOTE]
-    assert arrival.compute()["unpruned"].endswith("yellow**") and len(calls) == 1
-    assert calls[0]["image"]["path"].endswith("scene_600000.png") and calls[0]["model_name"] == SHIPPED
+    assert arrival.compute()["unpruned"].endswith("yellow**") and len(calls) == 2  # a warm-up, then the one kept
+    assert calls[0]["causal"] == "off" and {k: v for k, v in calls[0].items() if k != "causal"} == calls[1]
+    assert calls[1]["image"]["path"].endswith("scene_600000.png") and calls[1]["model_name"] == SHIPPED
     again = arrival.shown()  # kept: at once, without asking for a run
     assert PENDING not in again and again["unpruned"].endswith("yellow**") and "**On arrival:**" in again[NOTE]
     arrival.compute()
-    assert len(calls) == 1  # run once per server
+    assert len(calls) == 2  # run once per server
 
 
 def test_the_result_is_every_output_and_the_other_tabs_work_on_it(arrived):

@@ -4,6 +4,7 @@ renumber them, merge with a bias, recycle, or cut before layer 0; the rest decod
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -159,6 +160,24 @@ def test_run_together_gives_the_results_of_run_one_by_one():
     assert run_together(model, processor, image, prompt, configs[:1])[0].timings["decode_batch"] == 1
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         run_together(model, processor, image, prompt, configs, 0)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_replayed_run_is_timed_untraced_and_its_replay_is_the_traced_run(planted):
+    """`run_together(..., replay=0)`: the run is untraced (no maps) and decoded with the others; its traced replay,
+    appended last and not decoded, holds the maps, kept tokens and answer of `run` traced; a head-lab plan (each run
+    decoded alone) too."""
+    model, processor = hap.load_model(str(SHIPPED), device="cpu")
+    image, prompt = SHIPPED.parent / "examples" / "scene_600000.png", QUESTION
+    configs = [(hap.HAPConfig(), False), (hap.HAPConfig(method="none"), False)]
+    with hap.plant(model, [(0, 1)], []) if planted else nullcontext():
+        timed, other, replay = run_together(model, processor, image, prompt, configs, max_new_tokens=8, replay=0)
+        want = run(model, processor, image, prompt, configs[0][0], 8, trace=True)
+    assert timed.maps.head.isnan().all() and not replay.maps.head.isnan().all()
+    assert (timed.timings["decode_batch"], replay.timings["decode_batch"]) == ((1, 1) if planted else (2, 0))
+    got_json, want_json = replay.to_json(), want.to_json()
+    got_json.pop("timings"), want_json.pop("timings")
+    assert got_json == want_json and timed.answer == replay.answer == want.answer
 
 
 @pytest.mark.parametrize("family", UNEQUAL)

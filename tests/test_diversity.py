@@ -153,3 +153,26 @@ def test_the_hap_pruner_selects_on_the_hidden_states_entering_its_cut(monkeypatc
     expected = diversity.select(seen[0], h[vis][None], k, 1.0)[0].tolist()
     assert len(kept) == k and kept == expected
     assert kept != select_top(seen[0], k)[0].tolist()  # the diversity term changed the kept set
+
+
+def test_the_cpu_selection_in_numpy_picks_as_the_batched_torch_one():
+    """On a CPU `select` picks one sample at a time in numpy (`_picks`); an accelerator's tensors take the batched torch
+    loop (`_picks_batched`). The same picks on random batches with +-inf relevance, detected sinks, a priority, tied
+    relevance and near-duplicate hidden states."""
+    torch.manual_seed(0)
+    for trial in range(12):
+        batch, n, d = (1, 3)[trial % 2], (40, 144)[trial % 3 == 0], 16
+        relevance, embeds = torch.randn(batch, n), torch.randn(batch, n, d)
+        if trial % 3 == 1:  # near-duplicates, ties
+            embeds = torch.randn(batch, 6, d)[:, torch.randint(0, 6, (n,))] + 1e-5 * torch.randn(batch, n, d)
+            relevance = relevance.round(decimals=1)
+        relevance[:, 3], relevance[:, 5] = torch.inf, -torch.inf
+        sink = torch.rand(batch, n) < 0.1
+        priority = torch.randint(0, 2, (batch, n)).float() if trial % 4 == 0 else None
+        r = diversity.rescaled(relevance)
+        rank = torch.where(r.isfinite(), 2, torch.where(r > 0, 3, 0)).float()
+        rank = torch.where(sink & r.isfinite(), 1.0, rank)
+        unit = torch.nn.functional.normalize(embeds.double(), dim=-1)
+        for k in (1, 7, n // 3):
+            batched = diversity._picks_batched(r.nan_to_num(0.0, 0.0, 0.0), rank, unit, k, 0.25, priority)
+            assert torch.equal(diversity.select(relevance, embeds, k, 0.25, sink, priority), batched.sort(-1).values)

@@ -66,3 +66,29 @@ def test_app_speed_serves_the_app_before_and_after_and_writes_its_ratios(tmp_pat
     ratios = f"{after / report['prefill_s']:.2f} \\| {after / report['prefill_last_s']:.2f}"
     assert f"{after:.1f} ({ratios})" in table and report["prefill_last_s"] > 0
     assert json.loads((tmp_path / "smoke.json").read_text()) == report
+
+
+def test_the_stage_breakdown_takes_nested_stages_out_and_divides_by_each_requests_prefill():
+    """`app.stages.Clock` keeps each stage's own time (a timed call nested in another is taken out of it);
+    `analysis.app_speed.stage_rows` makes the handler's rest, the payload and each share of the request's prefill from a
+    probe's report."""
+    import time
+
+    from analysis import app_speed
+    from app.stages import Clock
+
+    clock = Clock()
+    inner = clock.wrap("vision", lambda: time.sleep(0.02))
+    clock.wrap("handler", lambda: (inner(), time.sleep(0.01)))()
+    assert 0.02 <= clock.seconds["vision"] < 0.03 and 0.01 <= clock.seconds["handler"] < 0.02  # exclusive
+    request = {"client": 10.0, "prefill_s": 5.0, "stages": {"vision": 1.0, "tracing": 0.5, "decode": 4.0,
+                                                            "figures": 1.0, "handler": 2.5},
+               "runs": [{"label": "hap", "prefill_s": 1.0, "scoring_s": 0.2},
+                        {"label": "hap traced replay", "prefill_s": 1.0, "scoring_s": 0.6}]}
+    rows = app_speed.stage_rows({"requests": [request, {**request, "client": 12.0, "prefill_s": 6.0}]})
+    assert rows["prefill hap traced replay"] == (1.0, pytest.approx((0.2 + 1 / 6) / 2)) and rows["present"] is None
+    assert rows["other"][0] == pytest.approx(2.5 - (2.0 - 0.5)) and rows["scoring"][0] == pytest.approx(0.8)
+    payload = (pytest.approx(2.0), pytest.approx((1.0 / 5 + 3.0 / 6) / 2))  # the client's wait less the handler's
+    assert rows["payload"] == payload
+    table = app_speed.stages_markdown({"base": {"requests": [request]}}, "cmd")
+    assert "| total: the client's wait for `/analyze` | 10.000 (2.000) |" in table and "| - |" in table

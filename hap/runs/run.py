@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -14,6 +15,7 @@ from ..config import HAPConfig
 from ..options import ProcessorOptions
 from ..patch import adapter_for, apply, batch, hooks, layout, remove, resizes_image, visual_tokens
 from ..patch.decoder import decoder_shape
+from ..patch.prefix import sharing_layers
 from ..patch.processors import processor_options
 from ..planning.budget import plan
 from ..planning.flops import Schedule
@@ -267,12 +269,15 @@ def finish(model, processor, p: Prepared, config: HAPConfig, patch, answer: torc
 def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPConfig, bool]],
                  max_new_tokens: int = 32, limits: InputLimits = DEFAULT_LIMITS,
                  history: Sequence[tuple[str, str]] = (),
-                 options: ProcessorOptions | dict | None = None) -> list[Result]:
+                 options: ProcessorOptions | dict | None = None, replay: int | None = None) -> list[Result]:
     """`run` of each `(config, trace)` of `runs` on one image and prompt (`options`: see `run`), prepared once and,
     where the model allows
     (`hap.patch.batch.refusal`), their answers decoded as one batch after each run's own prefill: the same answers
     as `run` one by one. Each result's timings give its own prefill and the batch's decode (`decode_batch`: runs
-    decoded together; 1 where each decoded alone)."""
+    decoded together; 1 where each decoded alone).
+
+    `replay`: the index of a run whose prefill is replayed traced right after it (`traced_replay`): its result, the
+    maps and the answer of that run, is appended after the others'; the run itself is timed as it runs alone."""
     for config, _ in runs:
         config.validate()
     _check_new_tokens(max_new_tokens)
@@ -280,7 +285,7 @@ def run_together(model, processor, image, prompt: str, runs: Sequence[tuple[HAPC
         with processor_options(model, processor, options):
             p = prepare(model, processor, image, prompt, max_new_tokens, limits, history)
             return _together(model, processor, [(for_config(model, processor, p, config), config, trace)
-                                                for config, trace in runs], max_new_tokens)
+                                                for config, trace in runs], max_new_tokens, replay)
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _out_of_memory(model, err) from err
 
@@ -341,20 +346,24 @@ class Together:
     tokens: torch.Tensor  # long [B, n] each run's generated tokens, its first one included (up to max_new_tokens)
     logits: tuple  # the continued steps' logits [B, vocab] each, where the decode was asked for them
     decode_s: float  # the batched continuation's seconds
+    replayed: tuple | None = None  # the traced replay's (`batch.Prefilled`, seconds), where one was asked for
 
 
 def prefill_then_decode(model, jobs: Sequence[tuple[Prepared, HAPConfig, bool]], max_new_tokens: int,
                         prefill_kwargs: dict | None = None, on_prefill: Callable[[int], None] | None = None,
-                        **decode_kwargs) -> Together:
+                        replay: int | None = None, **decode_kwargs) -> Together:
     """Prefill each `(prepared input, config, trace)` job alone (`prefill`, with `prefill_kwargs`; `on_prefill(i)`
-    called before job i's), then continue the answers as one batch (`batch.decode`, with `decode_kwargs`) up to
-    `max_new_tokens` in all, unless every answer ended at its first token or only one token is asked for. The model
-    must allow a batch (`batch.refusal`)."""
-    runs, outputs, seconds = [], [], []
+    called before job i's; job `replay`'s prefill replayed traced right after it, `traced_replay`), then continue the
+    answers as one batch (`batch.decode`, with `decode_kwargs`) up to `max_new_tokens` in all, unless every answer
+    ended at its first token or only one token is asked for. The model must allow a batch (`batch.refusal`)."""
+    runs, outputs, seconds, replayed = [], [], [], None
     for i, (p, config, trace) in enumerate(jobs):
         if on_prefill is not None:
             on_prefill(i)
-        done, out, generate_s = prefill(model, p, config, trace, **(prefill_kwargs or {}))
+        if i == replay:
+            (done, out, generate_s), replayed = traced_replay(model, p, config, **(prefill_kwargs or {}))
+        else:
+            done, out, generate_s = prefill(model, p, config, trace, **(prefill_kwargs or {}))
         runs.append(done)
         outputs.append(out)
         seconds.append(generate_s)
@@ -364,22 +373,47 @@ def prefill_then_decode(model, jobs: Sequence[tuple[Prepared, HAPConfig, bool]],
         with torch.inference_mode():
             out = batch.decode(model, runs, max_new_tokens - 1, return_dict_in_generate=True, **decode_kwargs)
         tokens, logits = out.sequences[:, max(done.prompt_len for done in runs):], out.logits or ()
-    return Together(runs, outputs, seconds, tokens, logits, time.perf_counter() - t0)
+    return Together(runs, outputs, seconds, tokens, logits, time.perf_counter() - t0, replayed)
 
 
-def _together(model, processor, jobs: list[tuple[Prepared, HAPConfig, bool]], max_new_tokens: int) -> list[Result]:
+def traced_replay(model, p: Prepared, config: HAPConfig, **kwargs) -> tuple[tuple, tuple]:
+    """(`prefill`'s answer for `config` untraced, (the `batch.Prefilled` of the same prefill replayed traced, its
+    seconds)): the run timed as it runs alone, then again with the maps recorded for the figures, every decoder layer's
+    projections and feed-forward blocks read from the first prefill where their input is the same
+    (`hap.patch.prefix.sharing_layers`: the same numbers; the attention, the capture and the tracing run again). The
+    replay is not decoded: its answer is the run's."""
+    with sharing_layers(model):
+        first = prefill(model, p, config, False, **kwargs)
+        replayed, _, seconds = prefill(model, p, config, True, **kwargs)
+    return first, (replayed, seconds)
+
+
+def _together(model, processor, jobs: list[tuple[Prepared, HAPConfig, bool]], max_new_tokens: int,
+              replay: int | None = None) -> list[Result]:
     """The results of `(prepared input, config, trace)` jobs: each prefilled alone, the answers decoded as one batch
-    where the model allows, else each alone."""
+    where the model allows, else each alone; with `replay`, that job's traced replay appended (`run_together`)."""
     if len(jobs) < 2 or max_new_tokens < 2 or batch.refusal(model) is not None:
-        return [alone(model, processor, p, config, trace, max_new_tokens) for p, config, trace in jobs]
-    done = prefill_then_decode(model, jobs, max_new_tokens)
-    ends, results = set(eos_ids(model)), []
+        results, traced = [], []
+        for i, (p, config, trace) in enumerate(jobs):
+            with sharing_layers(model) if i == replay else nullcontext():  # decode steps are never shared
+                results.append(alone(model, processor, p, config, trace, max_new_tokens))
+                if i == replay:
+                    traced.append(replace(alone(model, processor, p, config, True, 1), answer=results[i].answer))
+        return results + traced
+    done = prefill_then_decode(model, jobs, max_new_tokens, replay=replay)
+    ends, results, answers = set(eos_ids(model)), [], []
     for i, ((p, config, _), run, seconds) in enumerate(zip(jobs, done.runs, done.seconds)):
         tokens = done.tokens[i].tolist()
         stop = next((j + 1 for j, t in enumerate(tokens) if t in ends), len(tokens))  # where this run's answer ended
+        answers.append(done.tokens[i, :stop])
         timings = {"prefill_s": run.patch.prefill_seconds, "generate_s": seconds + done.decode_s,
                    "decode_s": seconds - run.patch.prefill_seconds + done.decode_s, "decode_batch": len(jobs)}
-        results.append(finish(model, processor, p, config, run.patch, done.tokens[i, :stop], timings))
+        results.append(finish(model, processor, p, config, run.patch, answers[i], timings))
+    if done.replayed is not None:
+        (run, seconds), (p, config, _) = done.replayed, jobs[replay]
+        timings = {"prefill_s": run.patch.prefill_seconds, "generate_s": seconds,
+                   "decode_s": seconds - run.patch.prefill_seconds, "decode_batch": 0}
+        results.append(finish(model, processor, p, config, run.patch, answers[replay], timings))
     return results
 
 

@@ -45,25 +45,48 @@ tokens it stands for (*proportional attention*). Set `rows=prompt`, `score_layer
 
 
 def latency(result: hap.Result) -> float:
-    """Seconds from the image and prompt to the last generated token."""
-    return result.timings["prepare_s"] + result.timings["generate_s"]
+    """Seconds from the image and prompt to the last generated token: the image's encoding where it was shared between
+    runs (`vision_s`, counted in each), then the run's own generate call."""
+    t = result.timings
+    return t["prepare_s"] + t.get("vision_s", 0.0) + t["generate_s"]
 
 
-def answer_card(label: str, result: hap.Result, traced: bool = False) -> str:
-    """Markdown: the answer with its retained tokens, FLOPs ratio and latency; `traced`: that latency is of the
-    traced run the figures come from (capture included), else of an untraced run."""
+LOOP = 3  # a group of one to three words said this many times in a row, to the end, reads as a loop
+
+
+def shown_answer(text: str) -> str:
+    """`text` as the answer cards show it: where it ends in one to three words said again and again to its end (a
+    loop run on to the token limit, e.g. "blue purple purple purple ..." under planted heads), cut after their first
+    time and marked with how many more times they came; any other text as it is."""
+    words = text.split()
+    for start in range(len(words)):
+        tail = words[start:]
+        for period in (1, 2, 3):
+            if len(tail) >= LOOP * period and all(w == tail[j % period] for j, w in enumerate(tail)):
+                loop = " ".join(tail[:period])
+                more = len(tail) // period - 1
+                return f'{" ".join(words[:start + period])} … ("{loop}" {more} more times, to the end)'
+    return text
+
+
+def answer_card(label: str, result: hap.Result, tracing: float | None = None) -> str:
+    """Markdown: the answer (`shown_answer`) with its retained tokens (layer average), FLOPs ratio and latency, and in
+    words what the latency includes: every card's run is untraced (what it costs without the app's figures), the
+    shared vision pass counted in each. `tracing`: the seconds of the traced replay the figures come from (the pruned
+    card), stated apart, not in the latency."""
     t = result.timings
     title = f"{LABELS.get(label, label)}" + (f" ({result.method})" if label == "pruned" else "")
-    run = ("traced run (attention capture included; the figures come from this run)" if traced else "untraced run"
-           + ("; the figures come from a separate traced run" if label == "pruned" else ""))
     together = t.get("decode_batch", 1)
-    shared = f", shared by the {together} answers decoded as one batch" if together > 1 else ""
+    shared = f" ({together} answers, one batch)" if together > 1 else ""
+    vision = f"image {t['vision_s']:.2f} s (one vision pass, in each card) + " if "vision_s" in t else ""
+    figures = "" if tracing is None else f" · the figures' traced run {tracing:.2f} s more"
     return (
         f"#### {title}\n"
-        f"**{result.answer or '(empty answer)'}**\n\n"
-        f"{result.retained_tokens:.1f} of {result.num_visual} visual tokens ({result.retain:.1%}, layer average) · "
-        f"prefill FLOPs {result.flops_ratio:.1%} · latency {latency(result):.2f} s, {run} "
-        f"(prefill {t['prefill_s']:.2f} s, scoring {t['scoring_s']:.3f} s, decode {t['decode_s']:.2f} s{shared})"
+        f"**{shown_answer(result.answer) or '(empty answer)'}**\n\n"
+        f"{result.retained_tokens:.1f} of {result.num_visual} visual tokens ({result.retain:.1%}) · "
+        f"prefill FLOPs {result.flops_ratio:.1%} · latency {latency(result):.2f} s without the app's figures: {vision}"
+        f"prefill {t['prefill_s']:.2f} s (scoring {t['scoring_s']:.3f} s) + decode {t['decode_s']:.2f} s"
+        f"{shared}{figures}"
     )
 
 
@@ -122,7 +145,9 @@ def explanation(comparison: Comparison) -> str:
 
 def summary(comparison: Comparison, timed: dict[str, hap.Result], model: str) -> dict:
     """JSON for API callers: the chosen method's traced result without its token maps, plus the three answers
-    with the latencies of the runs they were timed on (`timed`, by label; "traced": the traced run itself)."""
+    with the latencies of the runs they were timed on (`timed`, by label; "traced": the traced run itself, never where
+    the method was timed untraced); "timings" are those of the pruned card's run, "tracing_s" the seconds of the traced
+    run the figures come from."""
     data = replace(comparison.pruned, maps=None).to_json()
     del data["maps"]
     data["model"] = model
@@ -131,6 +156,9 @@ def summary(comparison: Comparison, timed: dict[str, hap.Result], model: str) ->
                 "flops_ratio": r.flops_ratio, "latency_s": latency(r), "traced": r is comparison.pruned}
         for label, r in timed.items()
     }
+    if "pruned" in timed:  # the timings of the run the pruned card reports; the traced one's seconds apart
+        data["timings"] = dict(timed["pruned"].timings)
+    data["tracing_s"] = comparison.pruned.timings["generate_s"]
     return data
 
 
