@@ -242,9 +242,12 @@ class Setup:
 
     def command(self, cell: Cell) -> list[str]:
         """The cell's command line (the timings file is added when it runs)."""
-        if self.data_parallel:
+        if self.data_parallel and self.device.startswith("cuda"):
             launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(self.processes),
                       *self.accelerate_args, "-m", "hap.lmms_eval"]
+        elif self.data_parallel:  # CPU processes: accelerate's launcher starts one without MPI; torchrun's gloo group
+            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                      str(self.processes), *self.accelerate_args, "-m", "hap.lmms_eval"]
         else:
             launch = [sys.executable, "-m", "hap.lmms_eval"]
         return [*launch, "--model", MODEL, "--force_simple", "--model_args", self.model_args(cell),
@@ -293,7 +296,7 @@ def environment(setup: Setup, slot: int) -> dict[str, str]:
     """The environment of a cell run in `slot`: this one's (the hub online or not, as the user set it), the checkout
     importable, one GPU per slot (cells in parallel on cuda) or `--threads` CPU threads."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    if setup.data_parallel:
+    if setup.data_parallel and setup.device.startswith("cuda"):
         return env
     if setup.device.startswith("cuda"):
         import torch

@@ -40,8 +40,9 @@ def test_smoke_runs_every_stage_and_writes_the_binding_keys(tmp_path):
         assert analyze["seconds"] > analyze["causal_seconds"] > 0 and analyze["causal_mode"] == "attribution"
         assert set(analyze["latency_s"]) == {"unpruned", "pruned", "uniform"} and analyze["head_utility_seconds"] > 0
         assert causal["gradients_s"] > 0 and causal["prefill_s"] > 0
-        refused = {"cdpruner"} | ({"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune",  # default CLIP:
-                                   "vispruner"} if shape["family"] == "qwen" else set())  # CLIP-L/336 towers only
+        refused = {"cdpruner", "hawk"} | ({"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune", "vispruner",
+                                           "scope", "holov", "prunesid", "hiprune"}  # default CLIP: CLIP-L/336 only;
+                                          if shape["family"] == "qwen" else set())  # hawk: no static head importance
         assert sweep["budgets"] >= 6 and sweep["methods"] == len(set(pruning()) - refused)
         if shape["family"] != "llava":
             assert "paper_table" not in shape  # the lmms-eval plugin wraps llava_hf

@@ -95,6 +95,35 @@ def test_two_processes_give_the_table_of_one(one, tmp_path):
     assert [{k: r[k] for k in SAME} for r in table(tmp_path)] == [{k: r[k] for k in SAME} for r in table(one)]
 
 
+def by_doc(path: Path) -> dict[int, tuple]:
+    """doc_id -> (answer, score) of a cell's lmms-eval samples file (the ranks of a data-parallel run write theirs
+    gathered, rank by rank)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["doc_id"]: (r["filtered_resps"], r["exact_match"]) for r in rows}
+
+
+@pytest.mark.slow
+def test_data_parallel_on_two_cpu_processes_gives_the_table_of_one(one, tmp_path):
+    """`--data-parallel --processes 2` on a CPU: each cell runs as two processes of one gloo group (torchrun), each
+    answering its share of the questions, gathered by lmms-eval: the same table, every question answered once with
+    the one-process answer."""
+    assert paper_table.main([*ARGS, "--out", str(tmp_path), "--data-parallel", "--processes", "2",
+                             "--threads", "1"]) == 0
+    rows, ones = table(tmp_path), table(one)
+    exact = [k for k in SAME if k != "flops_ratio"]  # the mean over the ranks' timing files: summed in another order
+    assert [{k: r[k] for k in exact} for r in rows] == [{k: r[k] for k in exact} for r in ones]
+    assert [float(r["flops_ratio"] or 0) for r in rows] == pytest.approx([float(o["flops_ratio"] or 0) for o in ones])
+    for r, o in zip(rows[:4], ones[:4]):
+        assert by_doc(tmp_path / r["samples"]) == by_doc(one / o["samples"])
+    for cell in CELLS:
+        log = (tmp_path / "cells" / cell / "log.txt").read_text()
+        assert "Running on rank 0" in log and "Running on rank 1" in log  # two processes, one table
+        assert sorted(p.name for p in (tmp_path / "cells" / cell).glob("timings*")) == [
+            "timings.rank0.jsonl", "timings.rank1.jsonl"]
+        assert "torch.distributed.run --standalone --nproc_per_node 2" in json.loads(
+            (tmp_path / "cells" / cell / "cell.json").read_text())["command"]
+
+
 def test_dry_run_lists_cells_commands_refusals_and_an_estimate(tmp_path, capsys):
     assert paper_table.main([*ARGS, "--out", str(tmp_path), "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -38,7 +38,7 @@ from app.layout import SWEEP_KNOBS
 from app.settings import knob_defaults
 from app.uploads import REFUSED
 from hap.runs.inputs import InputLimits
-from hap.knobs import KNOBS
+from hap.knobs import KNOBS, METHODS
 from hap.options import OPTIONS
 
 SCENE = ROOT / "assets" / "examples" / "scene_600000.png"
@@ -496,7 +496,7 @@ OUT_OF_RANGE = [  # (field, value): every numeric knob below, above, negative, o
 ]
 BAD_SETTINGS = [  # (field, value, message): the range of each knob, then the choices and what this model allows
     *((n, v, re.escape(f"{n}={v!r} must be {ALLOWED[n]}")) for n, v in OUT_OF_RANGE),
-    ("method", "evil", r"method='evil' is not allowed; choose one of hap, uniform, fastv, pdrop, pdrop_ours, random, visionzip, sparsevlm, autoprune, divprune, dart, vispruner, cdpruner, downsample, none"),
+    ("method", "evil", r"method='evil' is not allowed; choose one of " + ", ".join(METHODS)),
     ("rows", "middle", r"rows='middle' is not allowed; choose one of prompt, last"),
     ("groups", 9, r"groups=9 must be <= 6: layers \[0, 6\) cannot be split into more groups"),  # not for this model
     ("first_layers", 9, r"first_layers=9 must be < the decoder's 6 layers"),

@@ -38,10 +38,12 @@ def test_methods_a_model_refuses_are_named_and_leave_the_floor():
     leaves them out with the adapter's reason, and its smallest budget is that of the methods it runs."""
     qwen, _ = CASES["qwen2-vl"]()
     assert set(refused(qwen, hap.HAPConfig())) == {"visionzip", "pdrop", "sparsevlm", "autoprune", "divprune",
-                                                   "vispruner", "cdpruner"}
+                                                   "vispruner", "cdpruner", "scope", "holov", "prunesid", "hiprune",
+                                                   "hawk"}  # hawk: these models carry no static head importance file
     assert not hasattr(qwen, "_hap")
     assert "[CLS]" in refused(qwen, hap.HAPConfig())["visionzip"]
-    assert set(refused(tiny_llava()[0], hap.HAPConfig())) == {"cdpruner"}  # the default CLIP pairs with CLIP-L/336
+    assert "python -m analysis.head_importance" in refused(qwen, hap.HAPConfig())["hawk"]
+    assert set(refused(tiny_llava()[0], hap.HAPConfig())) == {"cdpruner", "hawk"}  # the default CLIP pairs with CLIP-L/336
     config, rest = hap.HAPConfig(first_layers=0), [m for m in grid_methods() if m != "visionzip"]
     assert smallest_retain(config, LLAVA, 576, rest) < smallest_retain(config, LLAVA, 576)  # VisionZip keeps 2
 
@@ -50,7 +52,7 @@ def test_official_schedules_leave_the_grid_and_are_out_of_reach_below_their_floo
     """SparseVLM and AutoPrune cut after layer 0 at the earliest: on 32 layers their floor is above 1/32, so the grid
     goes lower without them and the sweep marks their lower budgets out of reach (None)."""
     config = hap.HAPConfig(first_layers=0)
-    assert set(pruning()) - set(grid_methods()) == {"sparsevlm", "autoprune", "dart"}
+    assert set(pruning()) - set(grid_methods()) == {"sparsevlm", "autoprune", "dart", "prunesid"}  # PruneSID: 4
     assert smallest_retain(config, LLAVA, 576) < 1 / 32 < smallest_retain(config, LLAVA, 576, ["sparsevlm"])
     model, processor = tiny_llava(layers=4)
     out = sweep(model, processor, Image.new("RGB", (64, 48), "teal"), "what color ?", config, 2, DEFAULT_LIMITS)

@@ -18,7 +18,8 @@ from tiny_zoo import inputs
 from tiny_zoo_more import ZOO
 
 FAMILIES = ["internvl", "internvl-llama"]
-REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner"}  # the [CLS] cues: each tile encoded on its own, its
+REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner",
+           "scope", "holov", "prunesid", "hiprune"}  # the [CLS] cues: each tile encoded on its own, its
 #                                                                [CLS] dropped
 WIDE, WIDER = (100, 170), (120, 200)  # (height, width): both 2 x 1 tiles + thumbnail = 48 tokens
 

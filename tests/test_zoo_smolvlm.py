@@ -18,7 +18,8 @@ from tiny_zoo import inputs
 from tiny_zoo_more import ZOO
 
 FAMILIES = ["idefics3", "smolvlm"]
-REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner"}  # the [CLS] cues: SigLIP has no [CLS] token
+REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner",
+           "scope", "holov", "prunesid", "hiprune"}  # the [CLS] cues: SigLIP has no [CLS] token
 WIDE, WIDER, TALL = (100, 170), (120, 200), (300, 100)  # (height, width): 2 x 2, 2 x 2 and 2 x 1 crops + global
 
 

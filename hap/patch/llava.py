@@ -6,12 +6,16 @@ with CLS dropped, 729 for SigLIP-384 with strategy "full"), a square grid in row
 For `visionzip`, `autoprune`, `vispruner`, `cdpruner` (and HAP's first_cut="vision") the adapter also captures the [CLS]
 row of the vision tower's feature layer's attention, that layer's keys and its output features, which VisionZip
 merges and projects itself (a CLIP tower; SigLIP has no [CLS] token); for `cdpruner`, CLIP's projection of those
-patches (the `clip_model` knob's checkpoint).
+patches (the `clip_model` knob's checkpoint). A pruner that reads other tower layers (`Pruner.tower`: their [CLS] row
+or full attention map, their output) gets them with those cues (`capture_tower`): each recomputed once per image from
+the layer's own q and k while the tower runs SDPA, no eager attention.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 from functools import lru_cache, partial
 
 import numpy as np
@@ -24,7 +28,7 @@ from ..hub import ModelLoadError, load_clip as clip_loader
 from ..knobs import knob
 from ..layout import WHOLE, Box, Layout, seen_share
 from ..pruners import cls_user, pruner_for
-from ..pruners.cues import VisionCues
+from ..pruners.cues import TowerLayer, TowerRead, VisionCues
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
 
@@ -132,30 +136,88 @@ def load_clip(name: str, device: str):
     return clip_loader(name, device)
 
 
-@torch.no_grad()
-def capture_cls(patch: decoder.Patch, project, clip_embed, layer, args, kwargs, output) -> None:
-    """Forward hook on `cls_layer`: hand the prefill the layer's `cls_cues`: to the running prefill's state, or the
-    next one's (`generate` encodes the image before the first forward)."""
-    cues = cls_cues(project, clip_embed, layer, args, kwargs, output)
-    if patch.mode == "prefill":
-        patch.state.vision = cues
-    else:
-        patch.vision_cues = cues
+FEATURE = object()  # the key of the feature layer's cues among a tower forward's pending captures
+
+
+def read_layers(model, config: HAPConfig) -> list[tuple[TowerRead, torch.nn.Module]]:
+    """Each `Pruner.tower` read of `config`'s pruner with the vision-tower layer it reads; ValueError naming the
+    method and the model class where the tower has no such layer (checked before any work)."""
+    reads = pruner_for(config).tower
+    if not reads:
+        return []
+    layers = model.model.vision_tower.encoder.layers
+    feature = list(layers).index(cls_layer(model, config))
+    try:
+        return [(read, layers[read.index(len(layers), feature)]) for read in reads]
+    except ValueError as err:
+        raise ValueError(f"method={config.method!r} on {type(model).__name__}: {err}") from err
+
+
+def capture_tower(model, config: HAPConfig, clip_embed, deliver: Callable[[VisionCues], None]) -> list:
+    """Register the hooks that capture what `config`'s pruner reads of the vision tower, once per tower forward: the
+    feature layer's [CLS] cues (`cls_layer`, `cls_cues`) and each of its `Pruner.tower` reads (`tower_layer`), handed
+    together to `deliver` once the tower has run (`VisionCues.layers`). Returns the hooks' handles."""
+    tower, pending = model.model.vision_tower, {}
+    project = model.model.multi_modal_projector
+    reads = read_layers(model, config)
+
+    @torch.no_grad()
+    def on_feature(layer, args, kwargs, output):
+        pending[FEATURE] = cls_cues(project, clip_embed, layer, args, kwargs, output)
+
+    @torch.no_grad()
+    def on_read(read: TowerRead, layer, args, kwargs, output):
+        pending[read.layer] = tower_layer(read, layer, args, kwargs, output)
+
+    def on_tower(module, args, kwargs, output):
+        cues = pending.pop(FEATURE, None)
+        if cues is not None:
+            deliver(replace(cues, layers={read.layer: pending.pop(read.layer) for read, _ in reads}))
+        pending.clear()
+
+    handles = [cls_layer(model, config).register_forward_hook(on_feature, with_kwargs=True)]
+    for read, layer in reads:
+        handles.append(layer.register_forward_hook(partial(on_read, read), with_kwargs=True))
+    handles.append(tower.register_forward_hook(on_tower, with_kwargs=True))
+    return handles
+
+
+def attention_probs(layer, hidden: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """A CLIP encoder layer's attention probabilities recomputed from its input `hidden` [B, T, Dv] (layer_norm1, the
+    q and k projections, the layer's scale; the tower itself keeps SDPA): float32 [B, H, rows, T] for the first
+    `rows` query rows (1: the [CLS] row), every row for None."""
+    attn = layer.self_attn
+    x = layer.layer_norm1(hidden)
+    B, T, _ = x.shape
+    q = attn.q_proj(x if rows is None else x[:, :rows])
+    q = q.view(B, q.shape[1], -1, attn.head_dim).transpose(1, 2)  # [B, H, rows, hd]
+    k = attn.k_proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)  # [B, H, T, hd]
+    return (q.float() @ k.float().transpose(-1, -2) * attn.scale).softmax(-1)
+
+
+def tower_layer(read: TowerRead, layer, args, kwargs, output) -> TowerLayer:
+    """What `read` asks of `layer`'s forward (its hook's arguments): the [CLS] row [B, H, T] or the full map
+    [B, H, T, T] of its attention (`attention_probs`) and its output [B, T, Dv]."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    attention = None
+    if read.attention:
+        attention = attention_probs(layer, hidden, 1 if read.attention == "cls" else None)
+        attention = attention[:, :, 0] if read.attention == "cls" else attention
+    out = output[0] if isinstance(output, tuple) else output
+    return TowerLayer(attention, out if read.hidden else None)
 
 
 def cls_cues(project, clip_embed, layer, args, kwargs, output) -> VisionCues:
     """The `VisionCues` of `cls_layer`'s forward (its hook's arguments) over the B images the tower ran (LLaVA-NeXT:
-    the crops): the layer's [CLS] attention row recomputed from its input (layer_norm1, q/k projections; the tower
-    keeps SDPA) [B, N] summed over heads, keys [B, N, head_dim] averaged over heads, patches only; the layer's output
-    features [B, 1 + N, Dv]; `project`, the model's projector; the patches' CLIP image embeddings by `clip_embed`
-    where it is given, for CDPruner."""
+    the crops): the layer's [CLS] attention row recomputed from its input (`attention_probs`) [B, N] summed over
+    heads, keys [B, N, head_dim] averaged over heads, patches only; the layer's output features [B, 1 + N, Dv];
+    `project`, the model's projector; the patches' CLIP image embeddings by `clip_embed` where it is given, for
+    CDPruner."""
     hidden = args[0] if args else kwargs["hidden_states"]
     attn = layer.self_attn
-    x = layer.layer_norm1(hidden)
-    B, T, _ = x.shape
-    q = attn.q_proj(x[:, :1]).view(B, 1, -1, attn.head_dim).transpose(1, 2)  # [B, H, 1, hd]
-    k = attn.k_proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)  # [B, H, T, hd]
-    row = (q.float() @ k.float().transpose(-1, -2) * attn.scale).softmax(-1)[:, :, 0]  # [B, H, T]
+    row = attention_probs(layer, hidden, 1)[:, :, 0]  # [B, H, T]
+    B, T, _ = hidden.shape
+    k = attn.k_proj(layer.layer_norm1(hidden)).view(B, T, -1, attn.head_dim).transpose(1, 2)  # [B, H, T, hd]
     features = output[0] if isinstance(output, tuple) else output
     return VisionCues(row[:, :, 1:].sum(1), k[:, :, 1:].float().mean(1), features, project, row.shape[1],
                       None if clip_embed is None else clip_embed(features[:, 1:]))
@@ -163,16 +225,22 @@ def cls_cues(project, clip_embed, layer, args, kwargs, output) -> VisionCues:
 
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
-    """`decoder.apply_patch`, plus the [CLS] capture for the methods that read it (`visionzip`, `autoprune`,
-    `vispruner`, `cdpruner` with CLIP's projection of the patches)."""
+    """`decoder.apply_patch`, plus the tower capture for the methods that read it (`visionzip`, `autoprune`,
+    `vispruner`, `cdpruner` with CLIP's projection of the patches; any `Pruner.tower` reads, `capture_tower`)."""
     pruner = pruner_for(config)
     layer = cls_layer(model, config) if pruner.needs_cls else None
+    read_layers(model, config)  # refused before any work where the tower lacks a layer the pruner reads
     clip, clip_embed = (None, None)
     if pruner.clip:
         clip, clip_embed = clip_projection(model, config, str(next(model.parameters()).device))
     patch = decoder.apply_patch(model, config, trace, priority, tail, lead=lead)
     patch.clip = clip
     if layer is not None:
-        hook = partial(capture_cls, patch, model.model.multi_modal_projector, clip_embed)
-        patch.handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+        def deliver(cues: VisionCues) -> None:  # to the running prefill, or the next one (`generate` encodes first)
+            if patch.mode == "prefill":
+                patch.state.vision = cues
+            else:
+                patch.vision_cues = cues
+
+        patch.handles.extend(capture_tower(model, config, clip_embed, deliver))
     return patch

@@ -22,7 +22,7 @@ counts (images of one aspect class), a batch of unequal counts is refused before
 
 The decoder is the stock Llama / Mistral / Qwen2 stack (`hap.patch.decoder`); Mistral's sliding window is kept by
 the rebuilt masks. VisPruner and CDPruner select per crop, as their official LLaVA-NeXT code does: the tower runs each
-crop (the base view, each tile) as its own image, and its [CLS] cues per crop (`crop_cues`, CLIP towers only) are
+crop (the base view, each tile) as its own image, and its [CLS] cues per crop (`capture_tower`, CLIP towers only) are
 mapped to the visual tokens by `crop_places`: each crop's selection runs over all its patches before the unpadding,
 and the picks the unpadding cuts are not in the sequence. Refused: the other [CLS] cues (visionzip, autoprune,
 first_cut="vision"): they rank every visual token by one [CLS] row, and here the tokens come from several views.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import partial
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ from ..pruners import cls_user, pruner_for
 from ..pruners.cues import VisionCues
 from . import decoder
 from .decoder import attention_outputs, decoder_of, remove_patch
-from .llava import clip_projection, cls_cues, cls_layer
+from .llava import capture_tower, clip_projection, cls_layer, read_layers
 
 __all__ = ["apply_patch", "attention_outputs", "decoder_of", "layout", "remove_patch", "token_masks", "view_grids"]
 
@@ -250,14 +249,15 @@ def with_places(model, cues: VisionCues, kwargs: dict) -> VisionCues:
 def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor | None = None,
                 tail: int | None = None, lead: int = 0) -> decoder.Patch:
     """`decoder.apply_patch` with the newline tokens kept out of the pruner (but DivPrune's) and the two views' grids
-    (`view_grids`); the [CLS] cues per crop for VisPruner and CDPruner (`crop_cues`), refused for the other methods
-    that read [CLS] cues."""
+    (`view_grids`); the [CLS] cues per crop for the pruners that read them per crop (`Pruner.crops`), refused for the
+    other methods that read [CLS] cues."""
     pruner = pruner_for(config)
     if pruner.needs_cls and not pruner.crops:
         raise ValueError(f"{cls_user(config)} needs one [CLS] attention "
                          f"over the visual tokens: {type(model).__name__} packs a base view and a tile canvas, each "
                          "tile encoded on its own, plus newline tokens, so no single [CLS] row ranks them")
     layer = cls_layer(model, config) if pruner.needs_cls else None
+    read_layers(model, config)
     clip, clip_embed = (None, None)
     if pruner.clip:
         clip, clip_embed = clip_projection(model, config, str(next(model.parameters()).device))
@@ -266,7 +266,7 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
     def masks(ids, kwargs):
         visual, image = token_masks(model, ids, kwargs)
         if layer is not None and patch.vision_cues is not None and kwargs.get("pixel_values") is None:
-            # `generate` encoded the crops before the prefill (with pixels, the tower runs again in it: `crop_cues`)
+            # `generate` encoded the crops before the prefill (with pixels, the tower runs again in it: `deliver`)
             patch.vision_cues = with_places(model, patch.vision_cues, kwargs)
         return visual, image
 
@@ -274,18 +274,14 @@ def apply_patch(model, config: HAPConfig, trace: bool = False, priority: torch.T
                                 view_grids=lambda ids, kwargs: view_grids(model, ids, kwargs))
     patch.clip = clip
     if layer is not None:
-        hook = partial(crop_cues, patch, model, model.model.multi_modal_projector, clip_embed)
-        patch.handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+        def deliver(cues: VisionCues) -> None:
+            """The `VisionCues` of every crop, to the running prefill's state with their places (`with_places`, from
+            the prompt's sizes), or the next one's, placed when its prompt comes (`generate` encodes the crops before
+            the prefill)."""
+            if patch.mode == "prefill":
+                patch.state.vision = with_places(model, cues, patch.prompt)
+            else:
+                patch.vision_cues = cues
+
+        patch.handles.extend(capture_tower(model, config, clip_embed, deliver))
     return patch
-
-
-@torch.no_grad()
-def crop_cues(patch: decoder.Patch, model, project, clip_embed, layer, args, kwargs, output) -> None:
-    """Forward hook on the tower's feature layer (`hap.patch.llava.cls_layer`): the `VisionCues` of every crop, to the
-    running prefill's state with their places (`with_places`, from the prompt's sizes), or the next one's, placed when
-    its prompt comes (`generate` encodes the crops before the prefill)."""
-    cues = cls_cues(project, clip_embed, layer, args, kwargs, output)
-    if patch.mode == "prefill":
-        patch.state.vision = with_places(model, cues, patch.prompt)
-    else:
-        patch.vision_cues = cues

@@ -10,13 +10,15 @@ instance and the processor options in effect (`hap.patch.processors.processor_op
 change how the model packs the same pixels), so one cache never hands one image's, model's, dtype's or tiling's
 features to another; it keeps the `size` most recently used entries.
 
-A run whose method reads the vision tower itself (VisionZip, AutoPrune's [CLS] prior, HAP's first_cut="vision":
-the patch captures the tower's [CLS] attention while it runs) always runs the tower (`needs_tower`).
+A run whose method reads the vision tower itself (VisionZip, AutoPrune's [CLS] prior, HAP's first_cut="vision", any
+`Pruner.tower` read of other tower layers: the patch captures them while the tower runs) always runs the tower
+(`needs_tower`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,12 +34,15 @@ FEATURES = "get_image_features"  # the multimodal model's method that runs the v
 
 @dataclass
 class FeatureCache:
-    """The image features of the last `size` images (LRU), and how often they were found."""
+    """The image features of the last `size` images (LRU), how often they were found, and what computing them took."""
 
     size: int = 4
     entries: OrderedDict = field(default_factory=OrderedDict)
     hits: int = 0
     misses: int = 0
+    seconds: float = 0.0  # spent computing entries
+    last_seconds: float = 0.0  # what computing the entry asked for last took (when it was computed)
+    took: dict = field(default_factory=dict)  # key -> the seconds its entry took to compute
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
@@ -51,9 +56,13 @@ class FeatureCache:
             self.entries.move_to_end(key)
         else:
             self.misses += 1
+            t0 = time.perf_counter()
             self.entries[key] = detached(compute())
+            self.took[key] = time.perf_counter() - t0
+            self.seconds += self.took[key]
             while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
+                self.took.pop(self.entries.popitem(last=False)[0])
+        self.last_seconds = self.took[key]
         return detached(self.entries[key])
 
 

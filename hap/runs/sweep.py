@@ -49,14 +49,16 @@ from hap.runs.run import Prepared, eos_ids, for_config, generate, prefill_then_d
 
 POINTS = 6  # budgets from 1.0 down to the smallest, evenly spaced on a log scale
 ANSWER_WORDS = 3  # an answer is cut after this many words
+GRID_TOKENS = 2  # the most tokens a cut's rule may need to stay on the grid (VisionZip's [CLS] and a patch)
 DECODE_BYTES = 2 * 2**30  # the KV caches of one batch of the sweep's runs, each padded to the unpruned one (`batch_rows`)
 
 
 def own_floor(method: str) -> bool:
     """Whether `method`'s rule sets its own floor (the official schedules; DART's cut after layer 0 at the earliest,
-    4 pivots at least): off the grid of budgets."""
+    4 pivots at least; a rule that keeps more than GRID_TOKENS tokens at a cut, PruneSID's [CLS] and a group): off the
+    grid of budgets."""
     pruner = pruner_class(method)
-    return pruner.official or bool(pruner.min_full_layers)
+    return pruner.official or bool(pruner.min_full_layers) or pruner.min_tokens > GRID_TOKENS
 
 
 def grid_methods() -> list[str]:
