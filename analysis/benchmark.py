@@ -11,7 +11,8 @@ average more than the budget.
 
 Every knob of `hap.knobs` but the method and the budget is a flag, shared by every method of the run
 (the HAP+ ones shape `hap` only, docs/method.md §10). Besides `hap.METHODS`, `--methods` takes
-`hap_paper` (`hap.HAPConfig.paper()` on the run's schedule: first_layers, groups, decay) and `oracle`
+`hap_paper` (`hap.HAPConfig.paper()` on the run's schedule: first_layers, groups, decay), `hap_static` (the run's HAP
+with head_weight="static": the model's static head importance in place of PAQ) and `oracle`
 (analysis only: the uniform scores with the question's answering patches ranked first at every cut
 through `hap.patched(..., priority=...)`; a question with no answering patch gets plain uniform) and
 `oracle_causal` (the same with the tokens of highest causal token importance first, `hap.token_importance`: a
@@ -79,7 +80,8 @@ load_plugins()  # the pruners named in HAP_PRUNERS join `--methods` (and `all`)
 RETAINS = (1.0, 0.333, 0.222, 0.111, 0.056)  # 0.333 / 0.222 / 0.111: the papers' 192 / 128 / 64 of 576 tokens
 PAPER_TOKENS = {"0.333": 192, "0.222": 128, "0.111": 64}  # retain -> the equivalent count of LLaVA-1.5's 576 tokens
 METHODS = ("hap", "uniform", "fastv", "pdrop", "random")  # the default comparison
-CHOICES = (*pruning(), "hap_paper", "oracle", "oracle_causal", "all")  # all: every method of the registry (`pruning`)
+STATIC = "hap_static"  # HAP with the model's static head importance in place of PAQ (head_weight="static")
+CHOICES = (*pruning(), "hap_paper", STATIC, "oracle", "oracle_causal", "all")  # all: every method of the registry (`pruning`)
 SCENE_KINDS = {"simple": (MIN_OBJECTS, 4), "cluttered": (5, MAX_OBJECTS)}  # scenes by their objects: (fewest, most)
 KNOB_FLAGS = tuple(k.name for k in hap.KNOBS if k.name not in ("method", "retain", "flops_ratio"))  # every method's
 SCHEDULE = ("first_layers", "groups", "decay")  # the knobs `hap_paper` takes from the run
@@ -137,12 +139,15 @@ def norm_ratios(model, processor, batch) -> np.ndarray:
 def method_run(name: str, retain: float, base: dict, batch,
                tokens: torch.Tensor | None = None) -> tuple[hap.HAPConfig, torch.Tensor | None]:
     """(config, priority) of benchmark method `name`: a `hap.METHODS` entry, `hap_paper` (the paper's HAP on
-    the run's schedule), `oracle` (uniform scores, the question's answering patches first) or `oracle_causal`
-    (uniform scores, the highest causal token importance `tokens [batch, visual]` first)."""
+    the run's schedule), `hap_static` (the run's HAP with head_weight="static"), `oracle` (uniform scores, the
+    question's answering patches first) or `oracle_causal` (uniform scores, the highest causal token importance
+    `tokens [batch, visual]` first)."""
     if name == "oracle_causal":
         return hap.HAPConfig(method="uniform", retain=retain, **base), tokens
     if name == "hap_paper":
         return hap.HAPConfig.paper(retain=retain, **{k: base[k] for k in SCHEDULE}), None
+    if name == STATIC:
+        return hap.HAPConfig(**{**base, "head_weight": "static"}, retain=retain), None
     if name == "oracle":
         priority = torch.from_numpy(np.stack([q.target_mask for _, q in batch])).float()
         return hap.HAPConfig(method="uniform", retain=retain, **base), priority

@@ -1,5 +1,6 @@
 """The page's "Is PAQ right?" section: causal head and token importance (hap.causal) and head utility (hap.utility)
-beside PAQ, for every input.
+beside PAQ, for every input; then "Static or per-image head weights?": the model's static head importance (measured
+once, what HAWK weighs heads by), this image's PAQ weights and, where measured, its head utility, head by head.
 
 `section()` lays it out, `analyze(...)` runs it on the loaded model (the setting `causal`: auto, ablation,
 attribution or off) and `outputs(...)` gives its outputs by name (CAUSAL) and the `causal` and `head_utility` JSON
@@ -13,16 +14,21 @@ from dataclasses import dataclass
 
 import gradio as gr
 import numpy as np
+import torch
 from PIL import Image
 
 from hap import HAPConfig, causal, utility, views
 from hap.runs.inputs import InputLimits
 from hap.patch.decoder import decoder_shape
 from hap.runs.run import build_inputs
+from hap.scoring import importance
+from hap.scoring.fusion import scaled
 from hap.views import causal as causal_views
 
+from .settings import resolve
+
 CAUSAL = ("causal_text", "causal_heads", "causal_scatter", "causal_tokens", "utility_text", "utility_heads",
-          "utility_scatter", "utility_layers")
+          "utility_scatter", "utility_layers", "heads_text", "heads_weights")
 OFF = "**Is PAQ right?** Causal analysis is off (setting `causal`); set it to auto to see which heads and tokens " \
       "the answer depends on."
 INTRO = (
@@ -38,6 +44,22 @@ UTILITY_INTRO = (
     "merged), and its utility is the probability the pruned model still gives the unpruned answer token. The plain "
     "average and the PAQ weighting of the same layer's heads, cut the same way, are the reference lines."
 )
+
+HEADS_INTRO = (
+    "### Static or per-image head weights?\n"
+    "HAP weights each head by its PAQ on *this* image. HAWK (CVPR 2026) weights each head by its importance measured "
+    "once per model, by ablation over calibration items (`python -m analysis.head_importance`), the same for every "
+    "image; `method=hawk` and `head_weight=static` use it. Below, for the layers that scored this run's cuts, the "
+    "same heads under each: the static importance, this image's PAQ weight (softmax(PAQ / T) within the layer) and, "
+    "where measured above, this image's head utility."
+)
+STATIC_HELD_OUT = {  # results/static_heads/benchmark.json (checked by tests/test_static_heads.py)
+    "questions": 900, "seeds": "500000:500100", "command": "python -m analysis.benchmark --model assets/tiny-llava "
+    "--seeds 500000:500100 --per-scene 9 --methods hawk hap_static hap uniform --retain 0.111 0.056 --accuracy-only "
+    "--out results/static_heads",
+    "static": {"0.111": 0.856, "0.056": 0.848}, "paq": {"0.111": 0.853, "0.056": 0.839},
+    "hawk": {"0.111": 0.508, "0.056": 0.443}, "uniform": {"0.111": 0.761, "0.056": 0.577}, "unpruned": 0.857,
+}
 
 
 CPU_PREFILLS = 4.0  # what "auto" spends on a CPU, in unpruned prefills of the decoder (FLOPs estimate)
@@ -72,6 +94,10 @@ def section(default: str = "auto") -> tuple[gr.Radio, dict[str, gr.components.Co
         out["utility_scatter"] = gr.Plot(label="PAQ vs utility", elem_id="plot-utility_scatter")
     out["utility_layers"] = gr.Plot(label="Each head, the uniform average and the PAQ weighting at each cut",
                                     elem_id="plot-utility_layers")
+    gr.Markdown(HEADS_INTRO)
+    out["heads_text"] = gr.Markdown("(no run yet)", elem_id="heads-text")
+    out["heads_weights"] = gr.Plot(label="Static importance, PAQ weight and utility of the same heads",
+                                   elem_id="plot-heads_weights")
     return setting, out
 
 
@@ -120,19 +146,104 @@ def cpu_layers(model, layers: list[int], visual: int, text: int,
                   "Set `causal` to attribution to score them all.")
 
 
-def outputs(found: Found | None, data: views.ViewData) -> tuple[dict[str, object], dict[str, dict]]:
-    """(the section's outputs by name, its JSON entries: `causal` and `head_utility`, none when off)."""
+def outputs(found: Found | None, data: views.ViewData, model_name: str,
+            config: HAPConfig) -> tuple[dict[str, object], dict[str, dict]]:
+    """(the section's outputs by name, its JSON entries: `causal` and `head_utility` unless off, `head_weights`)."""
+    heads, heads_entry = heads_outputs(static_importance(model_name, config), found, data)
     if found is None:
-        return {**dict.fromkeys(CAUSAL), "causal_text": OFF, "utility_text": ""}, {}
+        return {**dict.fromkeys(CAUSAL), "causal_text": OFF, "utility_text": "", **heads}, heads_entry
     shown, report = causal_outputs(found.causal, data)
     if found.choice:
         shown["causal_text"] = f"_{found.choice}_\n\n" + shown["causal_text"]
         report["auto_choice"] = found.choice
     if found.utility is None:
-        return ({**shown, **dict.fromkeys(CAUSAL[5:]), "utility_text": f"**Head utility** not measured: {found.choice}"},
-                {"causal": report})
+        return ({**shown, **dict.fromkeys(CAUSAL[5:8]), "utility_text": f"**Head utility** not measured: {found.choice}",
+                 **heads}, {"causal": report, **heads_entry})
     entry = utility.to_json(found.utility)
-    return {**shown, **utility_outputs(found, entry, data)}, {"causal": report, "head_utility": entry}
+    return ({**shown, **utility_outputs(found, entry, data), **heads},
+            {"causal": report, "head_utility": entry, **heads_entry})
+
+
+def static_importance(model_name: str, config: HAPConfig) -> tuple[np.ndarray | None, str]:
+    """(the static head importance `[layers, heads]` of `config`'s `head_importance` file or the model folder's, the
+    file), or (None, why there is none)."""
+    path = config.head_importance or importance.model_file(resolve(model_name))
+    if path is None:
+        return None, importance.missing("the static weights", model_name)
+    try:
+        weights = importance.read(path).numpy()
+    except ValueError as err:
+        return None, str(err)
+    return weights, path if config.head_importance else f"{model_name}/{importance.FILE}"
+
+
+def scored_layers(data: views.ViewData) -> list[int]:
+    """The layers whose maps scored the run's cuts (every layer with PAQ where the run made none)."""
+    layers = sorted({layer for g in data.groups for layer in g.scored_by})
+    return layers or [i for i in range(data.shape[0]) if np.isfinite(data.stats[i, :, 0]).all()]
+
+
+def paq_weights(data: views.ViewData, layers: list[int]) -> np.ndarray:
+    """softmax(PAQ / T) over each of `layers`' heads on this image, `[len(layers), heads]`."""
+    paq = torch.from_numpy(np.nan_to_num(data.stats[layers, :, 0], nan=-np.inf)).double()
+    return scaled(paq, data.temperature).softmax(-1).numpy()
+
+
+def heads_outputs(static: tuple[np.ndarray | None, str], found: Found | None,
+                  data: views.ViewData) -> tuple[dict[str, object], dict[str, dict]]:
+    """(the "Static or per-image head weights?" outputs by name, the `head_weights` JSON entry: the scored layers,
+    static importance, PAQ weight, utility where measured, their Spearman correlations)."""
+    weights, source = static
+    layers = scored_layers(data)
+    if weights is None or not layers:
+        why = source if weights is None else "no layer scored a cut in this run"
+        return {"heads_text": f"**Static or per-image head weights?** Not shown: {why}.", "heads_weights": None}, {}
+    if weights.shape[0] != data.shape[0] or weights.shape[1] != data.shape[1]:
+        why = f"{source} holds {weights.shape[0]} x {weights.shape[1]} heads, this model {data.shape[0]} x {data.shape[1]}"
+        return {"heads_text": f"**Static or per-image head weights?** Not shown: {why}.", "heads_weights": None}, {}
+    rows = {"static importance": weights[layers], "PAQ weight (this image)": paq_weights(data, layers)}
+    useful = None if found is None or found.utility is None else np.asarray(found.utility.values, float)[layers]
+    if useful is not None and np.isfinite(useful).any():
+        rows["utility (this image)"] = useful
+    names = list(rows)
+    rho = {f"{a} ~ {b}": causal.paq_spearman(rows[a], rows[b]) for i, a in enumerate(names) for b in names[i + 1:]}
+    entry = {"layers": layers, "source": source, "static": rows[names[0]].tolist(), "paq_weight": rows[names[1]].tolist(),
+             "utility": None if len(names) < 3 else rows[names[2]].tolist(), "spearman": rho}
+    figure = causal_views.head_weights_plotly(layers, rows, "The same heads: static importance, PAQ weight, utility")
+    return {"heads_text": heads_text(layers, source, rho), "heads_weights": figure}, {"head_weights": entry}
+
+
+def heads_text(layers: list[int], source: str, rho: dict[str, float | None]) -> str:
+    """Markdown: the correlations in words, then the held-out comparison of the two weightings inside HAP."""
+    def said(value: float | None) -> str:
+        if value is None:
+            return "undefined (a constant side)"
+        if abs(value) <= 0.2:
+            return f"{value:+.2f}: no relation to speak of"
+        strength = "strongly" if abs(value) >= 0.5 else "loosely"
+        return f"{value:+.2f}: they {'agree' if value > 0 else 'disagree'} {strength}"
+
+    lines = [f"**Static or per-image head weights?** Layers {', '.join(map(str, layers))} (those that scored the "
+             f"cuts); static importance from `{source}`. Spearman rank correlations over these heads:"]
+    lines += [f"- {pair}: {said(value)}." for pair, value in rho.items()]
+    lines.append(held_out_line(STATIC_HELD_OUT))
+    return "\n".join(lines)
+
+
+def held_out_line(h: dict) -> str:
+    """The held-out comparison of static and PAQ weighting in HAP's pipeline, HAWK and uniform averaging, in words."""
+    cells = "; ".join(f"at {float(r):.1%} of the tokens static {h['static'][r]:.1%}, PAQ {h['paq'][r]:.1%}, HAWK "
+                      f"{h['hawk'][r]:.1%}, uniform {h['uniform'][r]:.1%}" for r in h["static"])
+    gaps = [100 * (h["paq"][r] - h["static"][r]) for r in h["static"]]
+    if all(abs(g) < 1 for g in gaps):
+        verdict = "per-image PAQ weighting and static weights are level within a point here"
+    else:
+        ahead = "PAQ" if sum(gaps) > 0 else "static weights"
+        verdict = f"{ahead} ahead by {', '.join(f'{abs(g):.1f}' for g in gaps)} points"
+    return (f"- **Held-out** ({h['questions']} questions, seeds {h['seeds']}, unpruned {h['unpruned']:.1%}), accuracy "
+            f"of HAP's pipeline with each weighting beside HAWK's rule and uniform averaging: {cells}. On the shipped "
+            f"model {verdict}; what only per-image weights can follow is a head that behaves differently on one "
+            f"image (the head lab's last lesson step). `{h['command']}`")
 
 
 def causal_outputs(found: causal.Causal, data: views.ViewData) -> tuple[dict[str, object], dict]:

@@ -8,7 +8,9 @@ that run did with its own numbers (`Numbers`, read from the run; the texts hold 
    carry a massive activation: what uniform head averaging keeps;
 3. the same plan: what the classifier (the paper's norm test) finds, how PAQ weighting treats the sink heads, what
    HAP keeps;
-4. dispersed heads planted instead.
+4. dispersed heads planted instead;
+5. static or adaptive: the sink plan again, HAP's heads weighted by the model's static head importance (measured once,
+   with nothing planted: `head_weight="static"`) instead of this image's PAQ.
 
 The scene was chosen on validation scenes (held-out seeds 400000-400029, their colour and shape questions;
 `python -m app.lesson` reruns the choice): on the first shipped scene uniform averaging and HAP both lose the object
@@ -17,7 +19,8 @@ the lesson's scene is the one where uniform averaging's answer changed under the
 assets/examples/lesson_400009.png (`analysis.scenes.save_scene`, its question in the metadata; not among the page's
 examples).
 
-One scene is one case, so each step also quotes the held-out figure for the same comparison (`HeldOut`): accuracy
+One scene is one case, so each step also quotes the held-out figure for the same comparison (`HeldOut`; the last
+step's `StaticHeldOut`: static against PAQ weighting and HAWK): accuracy
 at RETAIN of the paper's HAP, uniform averaging and HAP+ over 120 held-out questions with the same kind of plan, from
 a committed `analysis.heterogeneity` run (numbers quoted here, with the command, and checked against the committed
 JSON by tests/test_lesson.py: results/ does not ship to a Space); where the scene goes the other way, the text says so.
@@ -27,13 +30,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from hap import views
 from hap.knobs import KNOBS, knob
 from hap.lab.plan import Plan, share_plan
+from hap.scoring.fusion import fusion_weights
+from hap.views.report import shown_answer
 
 from .settings import EXAMPLES
 
@@ -47,7 +54,7 @@ SINKS = share_plan((0, 1), 8, 0.5, seed=0, sink_tokens=SINK_TOKENS)  # half the 
 DISPERSED = share_plan((0, 1), 8, 0.5, seed=0, kind="dispersed")
 ANSWERS = {"unpruned": "unpruned", "uniform": "uniform averaging", "pruned": "HAP (the paper's)"}
 INTRO = ("## Guided lesson: what sink heads do to pruning\n"
-         "Four steps on one scene asked its own question (its answering patches outlined on every map; chosen on "
+         "Five steps on one scene asked its own question (its answering patches outlined on every map; chosen on "
          "validation scenes, docs/app.md), at "
          f"a budget of {RETAIN:.1%} of the visual tokens, with the paper's HAP settings. Each button runs one step "
          "on the shipped model; the text under it is written from that run's numbers, then gives the held-out "
@@ -76,6 +83,8 @@ class Numbers:
     paq_answering: int
     uniform_share: float  # share of the uniform-average map on the sink tokens
     paq_share: float  # share of the PAQ-weighted map on them
+    planted_weight: float | None = None  # share of the first cut's head weights (as the run fused) on planted sink heads
+    planted_paq: float | None = None  # share of softmax(PAQ / T) over the same heads on them (None: no sink planted)
 
     @classmethod
     def of(cls, outputs: dict) -> Numbers:
@@ -96,12 +105,14 @@ class Numbers:
                    views.class_counts(data.head_class), plant and plant["classifier"], len(group.kept), data.shape[2],
                    group.layers[0], sorted(sinks), len(answering), len(uniform & sinks), len(uniform & answering),
                    len(paq & sinks), len(paq & answering), map_share(data.group_uniform[0], sorted(sinks)),
-                   map_share(data.group_maps[0], sorted(sinks)))
+                   map_share(data.group_maps[0], sorted(sinks)),
+                   *planted_shares(group, (plant or {}).get("sink", []), data.temperature))
 
     def answers_line(self) -> str:
-        """The answers as the answer cards show them (`hap.views.report.answer_card`), and the scene's."""
-        return "; ".join(f"{label}: **{answer or '(empty answer)'}**" for label, answer in self.answers.items()
-                         ) + f" (the scene's answer: **{self.truth}**)"
+        """The answers as the answer cards show them (`hap.views.report.shown_answer`: a loop cut and marked), and the
+        scene's."""
+        return "; ".join(f"{label}: **{shown_answer(answer) or '(empty answer)'}**"
+                         for label, answer in self.answers.items()) + f" (the scene's answer: **{self.truth}**)"
 
     def right(self, label: str) -> bool:
         """Whether the answer of `label` (of ANSWERS') starts with the scene's answer, as `validate` scores it."""
@@ -118,6 +129,19 @@ class Numbers:
     def keeps(self, sinks: int, answering: int) -> str:
         return (f"{sinks} of the {len(self.sink_tokens)} sink tokens and {answering} of the {self.answering} "
                 "answering patches")
+
+
+def planted_shares(group, planted: list, temperature: float) -> tuple[float | None, float | None]:
+    """(share of `group`'s head weights, share of softmax(PAQ / T) over its scoring heads) on the `planted` [[layer,
+    head], ...] heads among them; (None, None) where none of them scores the cut."""
+    mask = np.zeros(np.shape(group.weights), dtype=bool)
+    for layer, head in planted:
+        if layer in group.scored_by:
+            mask[group.scored_by.index(layer), head] = True
+    if not mask.any():
+        return None, None
+    paq = fusion_weights(torch.tensor(group.paq, dtype=torch.float32)[None], temperature)[0].numpy()
+    return float(np.asarray(group.weights)[mask].sum()), float(paq[mask].sum())
 
 
 def own_text(n: Numbers) -> str:
@@ -158,6 +182,16 @@ def dispersed_text(n: Numbers) -> str:
             f"spread {n.strength:.0%} of their visual attention evenly over the image. The classifier classed "
             f"{len(spread['found'])} of them dispersed; a flat map tells no patch from another, and PAQ weights such a "
             f"head down. At the first cut {n.first_cut_objects()}.")
+
+
+def static_text(n: Numbers) -> str:
+    return (f"**Step 5 · Static or adaptive?** The same sink plan, now with HAP's heads weighted by the model's "
+            f"static head importance (head_weight=static), measured once by ablation on validation scenes with "
+            f"nothing planted, as HAWK weighs heads, instead of this image's PAQ. The planted sink heads hold "
+            f"{n.planted_weight:.0%} of the static weights at the first cut (the calibration never saw them park "
+            f"their attention) against {n.planted_paq:.0%} of this image's PAQ weights. At the first cut the static "
+            f"weighting keeps {n.keeps(n.paq_sinks, n.paq_answering)}; uniform averaging "
+            f"{n.keeps(n.uniform_sinks, n.uniform_answering)}.")
 
 
 HELD_OUT_COMMAND = ("python -m analysis.heterogeneity --seeds 500000:500060 --per-scene 2 --kinds sink "
@@ -227,15 +261,68 @@ HELD_OUT = {  # by step kind; checked against the committed JSON by tests/test_l
 }
 
 
+STATIC_SOURCE = "results/static_heads/lab_paper/heterogeneity.json"
+STATIC_COMMAND = ("python -m analysis.heterogeneity --seeds 500000:500060 --per-scene 2 --kinds sink --sink-tokens 4 "
+                  "--retain 0.111 0.056 --methods hawk hap_static hap uniform --rows prompt --score-layers segment "
+                  "--merge none --diversity 0 --out results/static_heads/lab_paper")
+
+
+@dataclass(frozen=True)
+class StaticHeldOut:
+    """The held-out figure of the last step: accuracy at RETAIN over held-out questions with the sink plan, of HAP
+    with static head weights and with PAQ weights (the lesson's settings: the paper's HAP), HAWK and uniform averaging,
+    quoted from the committed run `source` that `command` reproduces (tests/test_lesson.py checks them)."""
+
+    static: float
+    paq: float
+    hawk: float
+    uniform: float
+    unpruned: float  # with the plan
+    share: float = 0.5
+    kind: str = "sink_4"
+    source: str = STATIC_SOURCE
+    command: str = STATIC_COMMAND
+    questions: int = 120
+    seeds: str = "500000:500060"
+    layers: tuple[int, ...] = (0, 1, 2, 3)  # the layers scoring the paper's HAP's cuts there: the plan's layers
+
+    def text(self, n: Numbers) -> str:
+        """The held-out figure, then the scene's static answer beside it."""
+        better = "above" if self.paq > self.static else "below" if self.paq < self.static else "level with"
+        plan = (f"{self.share:.0%} of the heads of the layers scoring the paper's HAP's cuts "
+                f"({', '.join(map(str, self.layers))}) planted as sink heads on 4 massive sink tokens per image")
+        line = (f"**Held-out:** over {self.questions} held-out questions (seeds {self.seeds}) with the same kind of "
+                f"plan ({plan}), at retain {RETAIN:.1%}, HAP with static head weights answers {self.static:.1%} right, with this image's "
+                f"PAQ {self.paq:.1%} ({better} static), uniform averaging {self.uniform:.1%}, HAWK {self.hawk:.1%} "
+                f"(HAWK reads layer 0's logits, which a plant does not change: it meets the planted heads as the stock "
+                f"ones, so its figure is not a test of them); unpruned with the plan {self.unpruned:.1%}.")
+        return f"{line} {self.verdict(n)} From {self.source}, written by `{self.command}`."
+
+    def verdict(self, n: Numbers) -> str:
+        """Whether the scene's static answer is right."""
+        return (f"On this scene HAP with static weights answers {'right' if n.right(ANSWERS['pruned']) else 'wrong'} "
+                f"(the card \"{ANSWERS['pruned']}\" above runs with head_weight=static).")
+
+
+class Quoted(Protocol):
+    """A step's held-out figure: its text on a run's numbers, and the scene's verdict alone."""
+
+    def text(self, n: Numbers) -> str: ...
+
+    def verdict(self, n: Numbers) -> str: ...
+
+
 @dataclass(frozen=True)
 class Step:
-    """One step of the lesson: its button, its plan, the views it shows (of `app.lab.LAB_VIEWS`) and its text."""
+    """One step of the lesson: its button, its plan, the views it shows (of `app.lab.LAB_VIEWS`), its text and the
+    knobs it sets beyond the paper's HAP settings."""
 
     button: str
     plan: Plan
     views: tuple[str, ...]
     text: Callable[[Numbers], str]
-    held_out: HeldOut
+    held_out: Quoted
+    knobs: dict = field(default_factory=dict)
 
     def say(self, numbers: Numbers) -> str:
         """The step's text on a run, the run's answers, then the held-out figure for the same comparison."""
@@ -249,6 +336,8 @@ STEPS = (
     Step("3 · The classifier, PAQ and HAP", SINKS, ("head_classes", "uniform_vs_paq", "kept_masks"), paq_text,
          HELD_OUT["sinks"]),
     Step("4 · Dispersed heads", DISPERSED, ("head_classes", "uniform_vs_paq"), dispersed_text, HELD_OUT["dispersed"]),
+    Step("5 · Static or adaptive?", SINKS, ("uniform_vs_paq", "kept_masks"), static_text,
+         StaticHeldOut(static=0.208, paq=0.225, hawk=0.458, uniform=0.250, unpruned=0.575), {"head_weight": "static"}),
 )
 
 
@@ -265,7 +354,7 @@ def request(model_name: str, step: Step) -> dict:
     from .settings import knob_defaults
 
     knobs = {**knob_defaults(model_name), **{k.name: k.paper for k in KNOBS if k.paper is not None},
-             "retain": RETAIN, "flops_ratio": None, "sink_detector": SINK_DETECTOR}
+             "retain": RETAIN, "flops_ratio": None, "sink_detector": SINK_DETECTOR, **step.knobs}
     from .uploads import file_data
 
     return dict(image=file_data(EXAMPLES / SCENE), prompt=scene()["text"], model_name=model_name, causal="off",

@@ -43,6 +43,7 @@ from hap.lab.plan import Plan
 from hap.options import OPTIONS, ProcessorOptions
 from hap.patch import batch
 from hap.patch.processors import option_defaults, processor_options
+from hap.pruners import pruner_for
 from hap.runs.run import free_memory, run
 from hap.runs.sweep import sweep as every_budget
 
@@ -51,7 +52,7 @@ from . import zerogpu
 from .edit import EditDiff, ImageInput, image_input, load
 from .lab import lab_configs, read_plan
 from .models import LOADED
-from .settings import Settings, check_clip, check_model
+from .settings import Settings, check_clip, check_importance, check_model
 
 LOG = logging.getLogger("hap.app")
 MAX_NEW_TOKENS = 32
@@ -110,6 +111,7 @@ def check_request(settings: Settings, image, prompt: str, model_name: str, knobs
     clean_conversation(prompt, turns, set(), limits)  # types, lengths, empty; hap.run cleans them (and says what)
     model_name, config = check_model(model_name, settings), check_settings(knobs)
     check_clip(config.clip_model, settings)
+    check_importance(config.head_importance, settings)
     picture = image_input(image, limits)
     plan = read_plan(plant)
     return Request(picture, load(picture.source, picture.name, limits), prompt, model_name, config, options, turns,
@@ -185,18 +187,22 @@ def gpu_compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: 
 
     With a `cache` (HAP_APP_SHARE=1) the image is encoded once for every run (`hap.runs.features`), the three answers are
     decoded as one batch after each run's own prefill (`hap.runs.compare`'s `together`; one by one with a plan planted)
-    and the method is timed on its traced run, whose latency then includes the attention capture (the card says
-    so); without one, every run encodes the image and decodes alone, and the method runs again untraced for its
-    latency.
+    and the method is timed untraced, as it runs without the app's figures, then replayed traced for them
+    (`hap.runs.run.traced_replay`); each of the three results carries the image's encoding as `vision_s`
+    (`shared_vision`: counted once in each latency); without one, every run encodes the image and decodes alone, and
+    the method runs again untraced for its latency.
 
     On ZeroGPU this runs in a forked worker, so the model is loaded before (in the main process,
     where it persists between calls) and read from LOADED here, not loaded inside.
     """
     with planted(plan), reusing_features(LOADED.model, cache):
+        spent = None if cache is None else cache.seconds
         comparison = compare(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS,
                              staged(progress, cache), limits, history, together=cache is not None)
-        timed = dict(comparison.items())
-        if cache is None:
+        timed = {**dict(comparison.items()), "pruned": comparison.timed}
+        if cache is not None:
+            shared_vision(timed, cache, cache.seconds - spent)
+        else:
             progress(0.8, desc=f"{config.method} again, untraced, for its latency")
             timed["pruned"] = run(LOADED.model, LOADED.processor, image, prompt, config, MAX_NEW_TOKENS, trace=False,
                                   limits=limits, history=history)
@@ -208,6 +214,22 @@ def gpu_compare(image: Image.Image, prompt: str, config: hap.HAPConfig, limits: 
                 lab[label] = run(LOADED.model, LOADED.processor, image, prompt, cfg, MAX_NEW_TOKENS, trace=False,
                                  limits=limits, history=history).answer
     return comparison, timed, lab
+
+
+def shared_vision(timed: dict[str, hap.Result], cache: FeatureCache, spent: float) -> None:
+    """Give each result of `timed` (by card) the image's encoding, `vision_s`, which `hap.views.report.latency` counts
+    once in each: the features' seconds when they were computed (`cache.last_seconds`; this request's `spent` seconds,
+    or an earlier request's), taken out of the run that computed them, if any: the first prefilled (`compare`: the
+    chosen method, then unpruned, then uniform) that reads them from the cache (a method that runs the tower itself,
+    `needs_cls`, does not)."""
+    prefilled = (timed["pruned"], timed["unpruned"], timed["uniform"])
+    computer = next((r for r in prefilled if not pruner_for(hap.HAPConfig(**r.config)).needs_cls), None) \
+        if spent else None
+    for result in timed.values():
+        result.timings["vision_s"] = cache.last_seconds
+        if result is computer:
+            result.timings["generate_s"] -= spent
+            result.timings["decode_s"] -= spent  # generate's seconds after the prefill held the encoding
 
 
 @gpu(lambda call: zerogpu.answers(runs=1, traced=1, new_tokens=MAX_NEW_TOKENS))

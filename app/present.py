@@ -60,8 +60,8 @@ def analysis_outputs(analysis: Analysis, shared: bool) -> dict[str, object]:
     report["processor_options"] = analysis.processor_options
     if data.truth is not None:
         report["ground_truth"] = truth_json(data.truth)
-    shown, entries = causal_section.outputs(analysis.causal, data)
-    report.update(entries)  # "causal" and "head_utility", unless off
+    shown, entries = causal_section.outputs(analysis.causal, data, request.model_name, config)
+    report.update(entries)  # "causal" and "head_utility" unless off, "head_weights"
     edit = analysis.edit
     if edit is not None:
         report["edit"] = edit.to_json()
@@ -69,7 +69,9 @@ def analysis_outputs(analysis: Analysis, shared: bool) -> dict[str, object]:
     if analysis.keeps is not None:
         report["keeps"] = analysis.keeps.to_json()
         figures["keeps"] = keeps_plotly(data, analysis.keeps, keeps_section.FIGURE_PX)
-    cards = {label: answer_card(label, r, traced=r is comparison.pruned) for label, r in analysis.timed.items()}
+    tracing = comparison.pruned.timings["generate_s"]  # the traced run the figures come from: not in a latency
+    cards = {label: answer_card(label, r, tracing if label == "pruned" else None)
+             for label, r in analysis.timed.items()}
     lab_note, planted_report = NO_PLAN, None
     if not plan.empty:
         planted_report = comparison.pruned.plant

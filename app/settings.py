@@ -194,6 +194,15 @@ def check_clip(name: str, settings: Settings) -> str:
     return name
 
 
+def check_importance(path: str | None, settings: Settings) -> str | None:
+    """`path` (the `head_importance` knob) if this server may read it: unset (the model folder's file), or any file
+    where local folders are allowed; else ValueError saying so (a path would read the server's files)."""
+    if path is not None and not settings.allow_local:
+        raise ValueError(f"head_importance={path!r}: this server reads only the model folder's own static head "
+                         "importance (leave head_importance empty)")
+    return path
+
+
 def decoder_layers(name: str) -> int:
     """Decoder depth from a local config.json or the known hub ids, without loading weights (UNKNOWN_DEPTH else)."""
     config = Path(resolve(name)) / "config.json"

@@ -17,7 +17,8 @@ The pipeline, stage by stage (imports flow down this list and never back: `tests
     settings     methods (the method registry, a leaf), knobs, config (HAPConfig), options (processor settings)
     planning/    flops (FLOPs arithmetic, groups, solve_schedule), budget (a method's schedule, asking its pruner)
     scoring/     capture (prompt-row attention recomputed from q, k), heads (sink / dispersed / optimal, PAQ),
-                 fusion (PAQ-weighted fusion, token scores, top-k); diversity (HAP+'s relevance x diversity)
+                 fusion (PAQ-weighted fusion, token scores, top-k), importance (the static head importance file);
+                 diversity (HAP+'s relevance x diversity)
     pruners/     base (the Pruner interface and the State it reads), one module per method, and what cuts share:
                  merge, recycle, cues (the vision tower's cues)
     patch/       execution inside the decoder: decoder (the hooks), state (the executor's state of one prefill),
@@ -27,11 +28,12 @@ The pipeline, stage by stage (imports flow down this list and never back: `tests
                  image), compare, keeps (what each method keeps), sweep (every method over the budgets)
     views/       a run's figures, the sweep's and the causal ones, report (a comparison's texts), ground_truth (a
                  synthetic scene's truth against a run); layout (where each token lies on the image) beside it
-    beside       causal, utility (which heads and tokens the answer depends on), lab/ (planted heads: a plug-in
-                 through patch.hooks, imported by nothing of the method), lmms_eval (the plugin), __main__ (the CLI)
+    beside       causal (which heads and tokens the answer depends on; a model's static head importance), utility,
+                 lab/ (planted heads: a plug-in through patch.hooks, imported by nothing of the method), lmms_eval
+                 (the plugin), __main__ (the CLI)
 """
 
-from .causal import head_importance, token_importance
+from .causal import head_importance, static_head_importance, token_importance
 from .config import HAPConfig
 from .hub import ModelLoadError
 from .knobs import KNOBS, METHODS, Knob, knob
@@ -75,6 +77,7 @@ __all__ = [
     "run_batch",
     "run_together",
     "solve_schedule",
+    "static_head_importance",
     "token_importance",
     "unpatch",
 ]

@@ -8,6 +8,10 @@ intervening on the stock (unpruned) model:
   exact, one forward per head, batched (the decoder's input is repeated, the vision tower runs once per batch).
 * `head_importance(..., mode="attribution")`: the first-order estimate d log p / d g of a gate g = 1 on each
   head's output (attribution patching): one forward and one backward, whatever the number of heads.
+* `static_head_importance`: the same drop, clipped at 0 and averaged over calibration items, each layer's row
+  normalised to sum 1: a model's static head importance (HAWK's offline head ablation, `hap.scoring.importance`);
+  the heads of one layer in a batch, the layers below it run once per item (their output is the same for every
+  head above them).
 * `token_importance`: `|(x_v - mean_u x_u) . d log p / d x_v|` for each visual embedding x_v entering the
   decoder: the first-order change of log p when the token is replaced by the average visual token (gradient x
   input against a mean baseline), chosen on validation scenes (docs/method.md §11, `analysis.token_methods`,
@@ -33,6 +37,7 @@ import torch
 from .patch import attention_outputs, decoder_of, repeat_decoder_kwargs, visual_tokens
 from .runs.inputs import DEFAULT_LIMITS, InputLimits, load_image
 from .runs.run import build_inputs
+from .scoring.importance import row_normalised
 
 MODES = ("ablation", "attribution")
 SETTINGS = ("auto", *MODES, "off")  # what a caller asks for; "auto" = `default_mode`
@@ -111,6 +116,83 @@ def head_importance(model, processor, image, prompt: str, mode: str = "ablation"
         return ablation(model, inputs)[2]
     check_mode(mode)
     return gradients(model, inputs)[2]
+
+
+def static_head_importance(model, processor, images: Sequence, prompts: Sequence[str],
+                           batch_size: int = ABLATION_BATCH, progress: Callable[[int, int], None] | None = None
+                           ) -> np.ndarray:
+    """A model's static head importance, `[layers, heads]` float64: for each calibration item (`images[i]`,
+    `prompts[i]`), a = the unpruned model's greedy next token and, per head (l, h), drop = max(0, log p(a) - log p(a)
+    with the head's output zeroed); the mean drop over the items, each layer's row divided by its sum (a row of zeros
+    stays zeros). Exact ablation: per item one stock forward, then per layer its heads in batches of `batch_size`
+    copies, the layers below it skipped (their output, the same for every head above them, is taken from the stock
+    forward). `progress(done, total)` is called after each item. ValueError on unequal or empty lists."""
+    if len(images) != len(prompts) or not images:
+        raise ValueError(f"static_head_importance needs as many prompts as images, at least one; got {len(images)} "
+                         f"images and {len(prompts)} prompts")
+    L, H = head_layout(model)
+    drops = torch.zeros(L, H, dtype=torch.float64)
+    for i, (image, prompt) in enumerate(zip(images, prompts)):
+        drops += item_drops(model, prepare(model, processor, image, prompt), batch_size).clamp_min(0)
+        if progress is not None:
+            progress(i + 1, len(images))
+    return row_normalised(drops / len(images)).numpy()
+
+
+@torch.no_grad()
+def item_drops(model, inputs: dict, batch_size: int = ABLATION_BATCH) -> torch.Tensor:
+    """`[layers, heads]` float64: log p(a) - log p(a with head (l, h) zeroed) for batch-1 `inputs`, a the stock
+    model's greedy next token; the layers below l skipped (`skipped_below`)."""
+    L, H = head_layout(model)
+    layers = decoder_of(model).layers
+    device = next(model.parameters()).device
+    entering: list[torch.Tensor] = []
+    handles = [layer.register_forward_pre_hook(partial(_keep_input, entering), with_kwargs=True) for layer in layers]
+    try:
+        stock = answer_log_probs(model, inputs, torch.ones(1, L, H, device=device))[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    answer = int(stock.argmax())
+    drops = torch.zeros(L, H, dtype=torch.float64)
+    for layer in range(L):
+        gates = ablation_gates(L, H)[1 + layer * H:1 + (layer + 1) * H].to(device)  # [H, L, H] each head of `layer` zeroed
+        with skipped_below(model, layer, entering[layer]):
+            logp = torch.cat([answer_log_probs(model, inputs, g) for g in gates.split(batch_size)])
+        drops[layer] = (stock[answer] - logp[:, answer]).double()
+    return drops
+
+
+def _keep_input(store: list, module, args, kwargs) -> None:
+    store.append((args[0] if args else kwargs["hidden_states"]).detach())
+
+
+@contextmanager
+def skipped_below(model, layer: int, hidden: torch.Tensor) -> Iterator[None]:
+    """Within the block, decoder layers below `layer` pass their input through untouched and layer `layer` takes
+    `hidden` [1, T, D] (repeated to the batch) as its input: the stock model's states entering it, so the layers
+    below run once, not once per ablated head above them. What the decoder adds between layers (Qwen3-VL's DeepStack)
+    is overwritten by `hidden` at `layer`, which holds it already."""
+    layers = decoder_of(model).layers
+
+    def enter(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        states = hidden.expand(x.shape[0], -1, -1).to(x)
+        return ((states, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": states})
+
+    for below in layers[:layer]:
+        below.forward = _pass_through
+    handle = layers[layer].register_forward_pre_hook(enter, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for below in layers[:layer]:
+            del below.forward
+
+
+def _pass_through(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return hidden_states
 
 
 def token_importance(model, processor, image, prompt: str, score: str = TOKEN_SCORE) -> torch.Tensor:

@@ -29,7 +29,7 @@ class HAPConfig:
     tau_disp: float = knob("tau_disp").default  # normalised entropy threshold of a dispersed head
     sink_rho: float = knob("sink_rho").default  # sink token: hidden-state norm > rho * median norm
     rows: str = knob("rows").default  # "prompt" (every text token after the image), "last" or "question"
-    head_weight: str = knob("head_weight").default  # "paq" (paper) or "paq_visual" (x visual share)
+    head_weight: str = knob("head_weight").default  # "paq" (paper), "paq_visual" (x visual share) or "static"
     sink_ranking: str = knob("sink_ranking").default  # "keep" (paper), "mask" or "mask_keep_one"
     sink_detector: str = knob("sink_detector").default  # "norm" (paper), "consensus" or "both"
     consensus_share: float = knob("consensus_share").default  # consensus sink: share of a head's visual attention
@@ -39,6 +39,7 @@ class HAPConfig:
     merge: str = knob("merge").default  # "none" (paper) or "proportional" (dropped tokens folded into kept ones)
     first_cut: str = knob("first_cut").default  # "attention" (paper) or "prerope"
     diversity: float = knob("diversity").default  # w: relevance + w log(residual), a conditional DPP; 0 = paper
+    head_importance: str | None = knob("head_importance").default  # static head importance file (None: the model's)
     clip_model: str = knob("clip_model").default  # cdpruner's CLIP checkpoint (hub id or local folder)
     seed: int = SEED.default  # seed of the `random` baseline
 

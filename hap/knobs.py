@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .methods import DEFAULT, METHODS  # the registry of methods (a leaf)
 
 ROWS = ("prompt", "last", "question")
-HEAD_WEIGHTS = ("paq", "paq_visual")
+HEAD_WEIGHTS = ("paq", "paq_visual", "static")
 SINK_RANKINGS = ("keep", "mask", "mask_keep_one")
 SINK_DETECTORS = ("norm", "consensus", "both")
 FIRST_CUTS = ("attention", "prerope", "vision")
@@ -79,6 +79,8 @@ class Knob:
         naming the knob and what is allowed. None passes where the knob is optional or has a rule."""
         if value is None and (self.optional or self.rule is not None):
             return None
+        if self.kind is str and self.optional and isinstance(value, str) and not value.strip():
+            return None  # an empty text box: not given
         if self.choices is not None:
             if value not in self.choices:
                 raise ValueError(f"{self.name}={value!r} is not allowed; choose {self.allowed}")
@@ -149,7 +151,8 @@ KNOBS: tuple[Knob, ...] = (
          "(the prompt rows minus the chat template's tail, e.g. ' ASSISTANT:')", choices=ROWS, paper="prompt"),
     Knob("head_weight", str, "paq",
          "head weights of the fusion: softmax(PAQ / T) (paq), or x each head's visual share (paq_visual: "
-         "w ~ mu exp(PAQ / T))", choices=HEAD_WEIGHTS, paper="paq"),
+         "w ~ mu exp(PAQ / T)), or each head's static importance, measured once per model (static: the "
+         "head_importance file)", choices=HEAD_WEIGHTS, paper="paq"),
     Knob("sink_ranking", str, "keep",
          "sink tokens in the ranking of a cut: kept as scored (keep), ranked last (mask), or ranked last but the "
          "best-scored one kept first as an anchor (mask_keep_one)", choices=SINK_RANKINGS, paper="keep"),
@@ -179,6 +182,10 @@ KNOBS: tuple[Knob, ...] = (
          "weight w of diversity at a cut: keep, one at a time, the token of largest relevance (rescaled to [0, 1]) + "
          "w log(its squared distance from the span of the kept tokens' unit hidden states), the greedy MAP of a "
          "conditional DPP; detected sinks kept after every other token (0: the relevance top-k)", low=0.0, paper=0.0),
+    Knob("head_importance", str, None,
+         "the static head importance file (JSON, {\"weights\": [[per head] per layer]}) read by hawk and "
+         "head_weight=static; unset: the model folder's head_importance.json (python -m analysis.head_importance "
+         "makes one)", optional=True),
     Knob("clip_model", str, "openai/clip-vit-large-patch14-336",
          "cdpruner: the CLIP checkpoint whose text tower and projections pair with the vision tower (a hub id, or a "
          "local folder holding a CLIPModel and its tokenizer)"),

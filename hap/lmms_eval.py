@@ -69,6 +69,8 @@ from .config import HAPConfig
 from .knobs import KNOBS, SEED, knob
 from .methods import load_plugins, pruner_class
 from .patch import apply as _apply_patch
+from .pruners import pruner_for
+from .runs.run import template_tail
 from .patch.decoder import decoder_shape, has_pixels, image_tokens
 from .planning.budget import plan
 
@@ -108,14 +110,19 @@ class _HAPMixin:
         if pruner.max_batch is not None and int(kwargs.get("batch_size") or 1) > pruner.max_batch:
             raise ValueError(f"method={self.hap_config.method} prunes {pruner.batch_limit()} at a time "
                              f"({pruner.batch_rule}); run --batch_size {pruner.max_batch}, not {kwargs['batch_size']}")
-        if kwargs.get("device_map", "") == "" and PartialState().num_processes == 1:
+        device = str(kwargs.get("device", "cuda"))
+        if kwargs.get("device_map", "") == "" and (PartialState().num_processes == 1 or not device.startswith("cuda")):
             # LlavaHf passes its default device_map="" to from_pretrained, which transformers 5 rejects;
-            # one process means one device: load there (data parallel keeps "", LlavaHf's DDP switch).
-            kwargs["device_map"] = str(kwargs.get("device", "cuda"))
+            # one process means one device: load there (data parallel on GPUs keeps "", LlavaHf's DDP switch; on
+            # CPU processes, `torchrun`'s gloo group, each loads its replica on the CPU and the evaluator gives it
+            # its rank and share of the requests from RANK / WORLD_SIZE).
+            kwargs["device_map"] = device
         super().__init__(**kwargs)
         model = self.model  # LlavaHf.model unwraps accelerate's DDP/FSDP wrapper: this process's replica
         check_budget(model, self.hap_config)
-        self.hap_patch = _apply_patch(model, self.hap_config)
+        question_rows = pruner_for(self.hap_config).rows == "question"  # the chat template's tail left out
+        self.hap_patch = _apply_patch(model, self.hap_config,
+                                      tail=template_tail(self._image_processor) if question_rows else None)
         self._hap_errors: list[BaseException] = []
         meter = None if timings is None else PrefillMeter(model, _rank_file(str(timings), PartialState()))
         _guard_generate(model, self._hap_errors, meter)
@@ -178,9 +185,11 @@ def _guard_generate(model, errors: list, meter: PrefillMeter | None = None) -> N
 
 
 def _rank_file(path: str, state: PartialState) -> Path:
-    """`path` itself in one process; `path` with `.rank<R>` before its suffix in process R of several."""
+    """`path` itself in one process; `path` with `.rank<R>` before its suffix in process R of several (accelerate's
+    processes, or torchrun's CPU processes, which accelerate's state may not count: RANK / WORLD_SIZE)."""
     p = Path(path)
-    return p if state.num_processes == 1 else p.with_name(f"{p.stem}.rank{state.process_index}{p.suffix}")
+    world, rank = max(state.num_processes, int(os.environ.get("WORLD_SIZE", 1))), int(os.environ.get("RANK", 0))
+    return p if world == 1 else p.with_name(f"{p.stem}.rank{state.process_index or rank}{p.suffix}")
 
 
 class PrefillMeter:

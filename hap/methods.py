@@ -25,7 +25,8 @@ NONE = "none"
 UNIFORM = "uniform"
 RANDOM = "random"
 BUILT_IN = (DEFAULT, UNIFORM, "fastv", "pdrop", "pdrop_ours", RANDOM, "visionzip", "sparsevlm", "autoprune",
-            "divprune", "dart", "vispruner", "cdpruner", "downsample", NONE)  # each a module of hap.pruners
+            "divprune", "dart", "vispruner", "hawk", "cdpruner", "scope", "holov", "prunesid", "hiprune", "downsample",
+            NONE)  # each a module of hap.pruners
 PLUGINS_ENV = "HAP_PRUNERS"  # comma-separated importable modules that register pruners (`load_plugins`)
 
 _registered: dict[str, type] = {}  # name -> a Pruner subclass registered from outside the package

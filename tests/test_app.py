@@ -18,6 +18,7 @@ from PIL import Image
 import hap
 from hap import views
 from hap.causal import spearman
+from hap.scoring import importance
 from hap.views.ground_truth import head_grounding, kept_recall, patch_mask, read_metadata, scene_truth
 from hap.knobs import KNOBS
 
@@ -92,15 +93,20 @@ def test_analyze_matches_direct_runs(client, model_name, loaded):
     pruned = runs["pruned"]
     for label, title in zip(runs, ["Unpruned", "Pruned (hap)", "Uniform averaging"]):
         r = runs[label]
-        timed_on = "traced run (attention capture included" if label == "pruned" else "untraced run"
-        assert out[label].startswith(f"#### {title}") and timed_on in out[label]  # HAP_APP_SHARE=1: timed traced
+        assert out[label].startswith(f"#### {title}") and " s without the app's figures: image " in out[label]
         assert card_facts(out[label]) == (r.answer, f"{r.retained_tokens:.1f} of {r.num_visual} visual tokens "
                                           f"({r.retain:.1%}", f"{r.flops_ratio:.1%}"), label
     data = out["summary"]
+    for label, run in data["runs"].items():  # each card: its run's latency, the one vision pass counted in each
+        assert f"latency {run['latency_s']:.2f} s" in out[label] and "(one vision pass, in each card)" in out[label]
+    t = data["timings"]  # the pruned card's run: the untraced one, decoded with the others (a replay is not decoded)
+    assert t["decode_batch"] == 3 and t["vision_s"] > 0
+    assert data["runs"]["pruned"]["latency_s"] == pytest.approx(t["prepare_s"] + t["vision_s"] + t["generate_s"])
+    assert out["pruned"].endswith(f" · the figures' traced run {data['tracing_s']:.2f} s more")
     assert [g["kept"] for g in data["groups"]] == [g.kept for g in pruned.groups]
     assert data["head_class"] == pruned.head_class and data["config"]["temperature"] == config.temperature
     assert {k: v["answer"] for k, v in data["runs"].items()} == {k: r.answer for k, r in runs.items()}
-    assert {k: v["traced"] for k, v in data["runs"].items()} == {"unpruned": False, "pruned": True, "uniform": False}
+    assert {k: v["traced"] for k, v in data["runs"].items()} == {"unpruned": False, "pruned": False, "uniform": False}
     assert data["shared"] is True
     counts = views.class_counts(pruned.head_class)
     captured = sum(1 for row in pruned.head_class if any(row))
@@ -323,5 +329,15 @@ def test_causal_keys_on_a_photo_and_off(client, model_name, loaded):
     library = hap.head_utility(model, processor, photo, "what color is the cup ?", rows=SETTINGS["rows"])
     np.testing.assert_allclose(values, library.numpy(), atol=1e-5)
     assert "Head utility" in out["utility_text"]
+    heads = report["head_weights"]  # the shipped model's static importance beside this image's PAQ weights, utility
+    static = importance.read(str(ROOT / model_name / importance.FILE)).numpy()
+    assert heads["layers"] == sorted({layer for g in report["groups"] for layer in g["scored_by"]})
+    np.testing.assert_allclose(heads["static"], static[heads["layers"]], atol=1e-6)
+    np.testing.assert_allclose(np.sum(heads["paq_weight"], 1), 1.0, atol=1e-6)
+    np.testing.assert_allclose(heads["utility"], values[heads["layers"]], atol=1e-6)
+    rho = heads["spearman"]["static importance ~ PAQ weight (this image)"]
+    assert rho == pytest.approx(paq_spearman(heads["static"], heads["paq_weight"]))
+    assert f"{rho:+.2f}" in out["heads_text"] and out["heads_weights"] is not None
     off = analyze(client, model_name, prompt="what color is the cup ?", image=photo, causal="off")
     assert "causal" not in off["summary"] and "head_utility" not in off["summary"] and "off" in off["causal_text"]
+    assert off["summary"]["head_weights"]["utility"] is None and off["heads_weights"] is not None  # no causal: 2 rows

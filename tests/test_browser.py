@@ -195,7 +195,7 @@ def test_the_tabs_at_1280_by_900(page_url, driver):
     load, the editor holds its image and the prompt its question, and the page is at most LOAD_HEIGHT tall. Each tab
     (`app.layout.TABS`) then opens on its main element (MAIN) with SHOWN px of it in view and its first screen is saved
     (test-artifacts/tab-<name>.png, committed as docs/tab-<name>.png): this image, check PAQ and the head lab on the
-    result on arrival, compare methods after its "Compare every method" (`keeps_grid`); then the guided lesson's four
+    result on arrival, compare methods after its "Compare every method" (`keeps_grid`); then the guided lesson's five
     steps from the head lab's tab (`lesson_steps`). The measures go to test-artifacts/arrival.json."""
     import json
 
@@ -255,7 +255,7 @@ def keeps_grid(driver, wait) -> None:
 
 
 def lesson_steps(driver, wait) -> None:
-    """Click each of the guided lesson's four steps (the head lab's tab shown): its text (with the scene's answer and
+    """Click each of the guided lesson's five steps (the head lab's tab shown): its text (with the scene's answer and
     the held-out figure) and only the views it uses appear; saves test-artifacts/lesson-<step>.png (step 3 is the
     README's docs/lesson.png)."""
     from selenium.webdriver.common.by import By
@@ -270,7 +270,7 @@ def lesson_steps(driver, wait) -> None:
         until_shown(driver, wait, "lesson-text", f"Step {index} ·")
         text = driver.find_element(By.ID, "lesson-text").text
         assert f"the scene's answer: {lesson.scene()['answer']}" in text
-        assert "Held-out: over 120 held-out questions" in text and f"{step.held_out.paper:.1%}" in text
+        assert "Held-out: over 120 held-out questions" in text and step.held_out.source in text
         for name in ("head_classes", "uniform_vs_paq", "kept_masks"):
             plot = f"#plot-lesson_{name} .js-plotly-plot .main-svg"
             if name in step.views:
@@ -465,8 +465,9 @@ def test_causal_section_matches_the_json(page_url, driver):
         show_tab(driver, wait, "check")
         until_shown(driver, wait, "causal-text", "Causal truth")
         until_shown(driver, wait, "utility-text", "Head utility")
+        until_shown(driver, wait, "heads-text", "Static or per-image head weights?")
         for plot in ("causal_heads", "causal_scatter", "causal_tokens", "utility_heads", "utility_scatter",
-                     "utility_layers"):
+                     "utility_layers", "heads_weights"):
             wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#plot-{plot} .js-plotly-plot .main-svg")))
         shown = causal_numbers(driver.find_element(By.ID, "causal-text").text)
         model = driver.find_element(By.CSS_SELECTOR, "input[aria-label^='Model (loaded']").get_attribute("value")
@@ -486,7 +487,7 @@ def test_causal_section_matches_the_json(page_url, driver):
         heading = driver.find_element(By.XPATH, "//h2[contains(., 'Is PAQ right?')]")
         useful = out["summary"]["head_utility"]["spearman"]  # the head-utility part: its Spearman as /analyze's
         assert ("undefined" if useful is None else f"{useful:.2f}") in driver.find_element(By.ID, "utility-text").text
-        bottom = driver.find_element(By.ID, "plot-utility_layers")
+        bottom = driver.find_element(By.ID, "plot-heads_weights")  # the section's end: static vs per-image weights
         top, end = (driver.execute_script("const r = arguments[0].getBoundingClientRect(); "
                                           "return [r.top + window.scrollY, r.bottom + window.scrollY]", e)
                     for e in (heading, bottom))

@@ -15,9 +15,9 @@ def test_recomputed_rows_equal_eager_attention(monkeypatch, kv_heads):
     captured = {}
     original = PruneState.record
 
-    def spy(self, layer, rows, hidden, lookahead=False):
+    def spy(self, layer, rows, hidden, lookahead=False, logits=None):
         captured[layer] = rows.clone()
-        return original(self, layer, rows, hidden, lookahead)
+        return original(self, layer, rows, hidden, lookahead, logits)
 
     monkeypatch.setattr(PruneState, "record", spy)
     with torch.no_grad():
@@ -50,10 +50,10 @@ def test_captured_rows_after_a_proportional_merge_equal_the_models_biased_attent
     captured = {}
     original = PruneState.record
 
-    def spy(self, layer, rows, hidden, lookahead=False):
+    def spy(self, layer, rows, hidden, lookahead=False, logits=None):
         if not lookahead:
             captured[layer] = rows.clone()
-        return original(self, layer, rows, hidden, lookahead)
+        return original(self, layer, rows, hidden, lookahead, logits)
 
     monkeypatch.setattr(PruneState, "record", spy)
     config = hap.HAPConfig(retain=0.4, first_layers=1, groups=2, merge="proportional", rows="prompt")

@@ -4,13 +4,13 @@ import math
 
 import pytest
 
-from hap import HAPConfig
+from hap import METHODS, HAPConfig
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"method": "fastest"}, r"method='fastest'.*hap, uniform, fastv, pdrop, pdrop_ours, random, visionzip, sparsevlm, autoprune, divprune, dart, vispruner, cdpruner, downsample, none"),
+        ({"method": "fastest"}, r"method='fastest'.*" + ", ".join(METHODS)),
         ({"retain": 0.0}, r"retain=0.0 must be a number in \(0, 1\]"),
         ({"retain": 1.5}, r"retain=1.5"),
         ({"retain": math.nan}, r"retain=nan"),

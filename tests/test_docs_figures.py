@@ -49,7 +49,7 @@ def test_the_pyramiddrop_comparison_in_the_method_notes_is_the_benchmarks():
 def test_the_execution_docs_name_the_methods_that_renumber_positions():
     renumbering = {m for m in METHODS if pruner_for(hap.HAPConfig(method=m)).renumber}
     assert renumbering == {"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune", "vispruner", "cdpruner",
-                           "downsample"}
+                           "scope", "holov", "prunesid", "hiprune", "downsample"}
     for name, text in (("docs/method.md §9", _section(METHOD, "## §9", "## §10")), ("decoder.py", decoder.__doc__)):
         sentences = [s for s in re.split(r"(?<=[.;])\s", " ".join(text.split())) if "renumber" in s]
         assert sentences, f"{name} does not say which methods renumber positions"

@@ -60,7 +60,7 @@ def test_every_method_of_the_registry_runs_or_is_refused_by_name(shipped):
         assert kept.present.sum() / layers <= kept.retained_tokens  # contextual tokens are on top of them
         assert 0.0 <= kept.overlap_with_hap <= 1.0 and 0.0 < kept.flops_ratio < 1.0
         if kept.cut_layer == 0 and kept.present.all(0).sum() == len(kept.kept):  # one cut before layer 0: the budget
-            assert kept.retained_tokens - len(kept.kept) == (1 if method == "visionzip" else 0)  # + 1 merged token
+            assert kept.retained_tokens - len(kept.kept) == (1 if method in ("visionzip", "prunesid") else 0)  # [CLS]
     assert found.methods[REFERENCE].overlap_with_hap == 1.0
     assert all(abs(found.methods[m].retained_tokens - RETAIN * visual) <= 1.0 for m in ("hap", "uniform", "fastv"))
     direct = hap.run(model, shipped[1], Image.open(SCENE), PROMPT, hap.HAPConfig(method="fastv", retain=RETAIN,

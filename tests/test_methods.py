@@ -73,20 +73,20 @@ def test_cut_scores_fuse_with_the_pruner_temperature():
     for method, T in (("hap", 0.1), ("uniform", math.inf)):
         pruner = pruner_for(HAPConfig(method=method))
         sink = torch.zeros(1, 10, dtype=torch.bool)
-        got = pruner.scores(_state(), Cut(0, attn=attn, weights=pruner.head_weights(paq, mu), sink=sink))
+        got = pruner.scores(_state(), Cut(0, attn=attn, weights=pruner.head_weights(paq, mu, [0, 1]), sink=sink))
         torch.testing.assert_close(got, token_scores(group_map(attn, paq, T), _state().row_valid))
 
 
 def test_visual_share_head_weights_multiply_by_mu():
     """head_weight="paq_visual": w ~ mu exp(PAQ / T) over every (layer, head) of the cut (docs/method.md §10)."""
     paq, mu = torch.tensor([[[0.9, 0.5, 0.5]]]), torch.tensor([[[0.002, 0.3, 0.1]]])
-    w = pruner_for(HAPConfig(head_weight="paq_visual", temperature=0.1)).head_weights(paq, mu)
+    w = pruner_for(HAPConfig(head_weight="paq_visual", temperature=0.1)).head_weights(paq, mu, [0])
     expected = mu * torch.exp(paq / 0.1)
     torch.testing.assert_close(w, expected / expected.sum())
     assert w[0, 0, 0] < w[0, 0, 1]  # a sharp head that barely looks at the image no longer wins
-    assert torch.equal(pruner_for(HAPConfig()).head_weights(paq, mu), fusion_weights(paq, 0.1))
+    assert torch.equal(pruner_for(HAPConfig()).head_weights(paq, mu, [0]), fusion_weights(paq, 0.1))
     uniform = pruner_for(HAPConfig(method="uniform", head_weight="paq_visual"))  # HAP's knob
-    assert torch.equal(uniform.head_weights(paq, mu), fusion_weights(paq, math.inf))
+    assert torch.equal(uniform.head_weights(paq, mu, [0]), fusion_weights(paq, math.inf))
 
 
 def test_rank_sinks():

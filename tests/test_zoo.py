@@ -2,6 +2,8 @@
 method runs or is refused by the model's name, batches, the layout of the visual tokens on the uploaded image (a
 planted bright square found where the drawn map says), the full pipeline and the CLI."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -14,17 +16,20 @@ from hap.knobs import METHODS
 from hap.layout import Layout
 from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from hap.runs.run import chat_prompt
+from hap.pruners import pruner_for
+from hap.runs.run import chat_prompt, template_tail
+from tiny_models import uniform_importance
 from tiny_zoo import SIZES, ZOO, inputs
 from tiny_zoo_more import ZOO as MORE
 from tiny_zoo_recent import gemma3, qwen3_vl
 
 QUESTION = "what color is the circle ?"
 FAMILIES = list(ZOO)
+TOWER = ("scope", "holov", "prunesid", "hiprune")  # the 2025-26 tower readers: [CLS] cues
 REFUSED = {  # family -> methods refused before any work, each message naming the model class
-    "llava-next": {"visionzip", "autoprune", "vispruner", "cdpruner"},  # no one [CLS] (downsample pools each view)
-    "llava-next-mistral": {"visionzip", "autoprune", "vispruner", "cdpruner"},
-    "llava-onevision": {"visionzip", "autoprune", "vispruner", "cdpruner"},
+    "llava-next": {"visionzip", "autoprune", "vispruner", "cdpruner", *TOWER},  # no one [CLS] (downsample pools each
+    "llava-next-mistral": {"visionzip", "autoprune", "vispruner", "cdpruner", *TOWER},  # view; the 1-layer tower's
+    "llava-onevision": {"visionzip", "autoprune", "vispruner", "cdpruner", *TOWER},  # feature layer -2 is no layer's
 }
 
 
@@ -66,17 +71,26 @@ def test_every_method_runs_or_is_refused_by_name(family, method):
     check_method(model, processor, SIZES[family][0], method, method in REFUSED[family])
 
 
+def method_config(model, method: str, retain: float) -> hap.HAPConfig:
+    """`method` at `retain`; a method that weights heads by a static head importance (hawk) gets a uniform one of
+    `model`'s shape (these models carry no file)."""
+    config = hap.HAPConfig(method=method, retain=retain)
+    if pruner_for(config).static_heads:
+        config = replace(config, head_importance=uniform_importance(model))
+    return config
+
+
 def check_method(model, processor, size: tuple[int, int], method: str, refused: bool) -> None:
     """`method` is refused by the model's class name before any work (`refused`), or runs a generate on an image of
-    `size` = (height, width) and leaves the last layer's cache shorter than the prompt."""
-    config = hap.HAPConfig(method=method, retain=0.3)
+    `size` = (height, width) and leaves the last layer's cache shorter than the prompt (`method_config`)."""
+    config = method_config(model, method, 0.3)
     why = refusal(model, config)
     if refused:
         assert why is not None and type(model).__name__ in why
         return
     assert why is None
     batch = inputs(processor, [QUESTION], [size])
-    with hap.patched(model, config) as patch:
+    with hap.patched(model, config, tail=template_tail(processor)) as patch:
         tokens, steps = greedy(model, batch, 3)
     assert torch.isfinite(steps).all() and tokens.shape[1] == batch["input_ids"].shape[1] + 3
     if method != "none":  # the last layer's cache really is shorter than the prompt

@@ -14,14 +14,16 @@ from hap.layout import Layout
 from hap.patch import decoder_of, layout, refusal, visual_tokens
 from hap.patch.gemma3 import crop_boxes
 from hap.patch.decoder import decoder_shape
-from hap.runs.run import chat_prompt
-from test_zoo import check_cli, check_planted_square, check_unpruned_is_stock, greedy, square_image
+from hap.runs.run import chat_prompt, template_tail
+from test_zoo import (check_cli, check_planted_square, check_unpruned_is_stock, greedy, method_config,
+                      square_image)
 from tiny_zoo import picture
 from tiny_zoo_recent import decode_loop_error, fanned_out_error, gemma3, recomputed_rows_error
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # squashed to 112 x 112: 16 tokens each
-REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner"}  # SigLIP has no [CLS] (downsample pools each block)
+REFUSED = {"visionzip", "autoprune", "vispruner", "cdpruner",
+           "scope", "holov", "prunesid", "hiprune"}  # SigLIP has no [CLS] (downsample pools each block)
 
 
 def inputs(processor, questions: list[str], sizes: list[tuple[int, int]], seeds: list[int] | None = None) -> dict:
@@ -65,14 +67,14 @@ def test_a_decode_loop_without_positions_equals_a_fresh_pruned_forward():
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_runs_or_is_refused_by_name(method):
     model, processor = gemma3()
-    config = hap.HAPConfig(method=method, retain=0.4)
+    config = method_config(model, method, 0.4)
     why = refusal(model, config)
     if method in REFUSED:
         assert why is not None and type(model).__name__ in why
         return
     assert why is None
     batch = inputs(processor, [QUESTION], [SIZES[0]])
-    with hap.patched(model, config) as patch:
+    with hap.patched(model, config, tail=template_tail(processor)) as patch:
         tokens, steps = greedy(model, batch, 3)
     assert torch.isfinite(steps).all() and tokens.shape[1] == batch["input_ids"].shape[1] + 3
     if method != "none":  # the last (full-attention) layer's cache really is shorter than the prompt

@@ -12,13 +12,16 @@ from hap.knobs import METHODS
 from hap.layout import Layout
 from hap.patch import decoder_of, refusal, visual_tokens
 from hap.patch.decoder import decoder_shape
-from test_zoo import check_cli, check_planted_square, check_unpruned_is_stock, greedy, square_image
+from hap.runs.run import template_tail
+from test_zoo import (check_cli, check_planted_square, check_unpruned_is_stock, greedy, method_config,
+                      square_image)
 from tiny_zoo import inputs
 from tiny_zoo_recent import decode_loop_error, fanned_out_error, qwen3_vl, recomputed_rows_error
 
 QUESTION = "what color is the circle ?"
 SIZES = ((100, 170), (170, 100))  # 3 x 5 and 5 x 3 merged tokens: different images, equal counts
-REFUSED = {"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune", "vispruner", "cdpruner"}  # no [CLS] token;
+REFUSED = {"pdrop", "visionzip", "sparsevlm", "autoprune", "divprune", "vispruner", "cdpruner", "scope", "holov",
+           "prunesid", "hiprune"}  # no [CLS] token;
 #   M-RoPE ids cannot be renumbered (downsample resizes the image instead: tests/test_downsample_resized.py)
 
 
@@ -72,7 +75,7 @@ def test_a_decode_loop_without_positions_equals_a_fresh_pruned_forward():
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_runs_or_is_refused_by_name(method):
     model, processor = qwen3_vl()
-    config = hap.HAPConfig(method=method, retain=0.3)
+    config = method_config(model, method, 0.3)
     why = refusal(model, config)
     if method in REFUSED:
         assert why is not None and type(model).__name__ in why
@@ -83,7 +86,7 @@ def test_every_method_runs_or_is_refused_by_name(method):
             pass
         return
     batch = inputs(processor, [QUESTION], [SIZES[0]])
-    with hap.patched(model, config) as patch:
+    with hap.patched(model, config, tail=template_tail(processor)) as patch:
         tokens, steps = greedy(model, batch, 3)
     assert torch.isfinite(steps).all() and tokens.shape[1] == batch["input_ids"].shape[1] + 3
     if method != "none":

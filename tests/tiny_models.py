@@ -6,6 +6,7 @@ left-padded batch, one noise image per question.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from hap.runs.run import chat_prompt
+from hap.scoring import importance
 from analysis.training.tiny_vlm import build_config, build_processor, build_qwen_processor
 
 Inputs = Callable[[list[str], list[int] | None], dict]
@@ -43,6 +45,15 @@ def _processor_inputs(processor) -> Inputs:
         )
 
     return make
+
+
+def uniform_importance(model) -> str:
+    """A static head importance file weighting every head of `model`'s decoder alike (a temporary file), for `hawk`
+    and head_weight="static" on models built here (they carry no `head_importance.json`)."""
+    tc = model.config.text_config
+    path = Path(tempfile.mkdtemp()) / importance.FILE
+    importance.write(path, importance.row_normalised(torch.ones(tc.num_hidden_layers, tc.num_attention_heads)))
+    return str(path)
 
 
 def tiny_llava(attn: str = "sdpa", layers: int = 4, kv_heads: int | None = 2, seed: int = 0):

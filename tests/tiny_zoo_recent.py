@@ -104,9 +104,9 @@ def recomputed_rows_error(monkeypatch, model, batch) -> float:
 
     captured, original = {}, PruneState.record
 
-    def spy(self, layer, rows, hidden, lookahead=False):
+    def spy(self, layer, rows, hidden, lookahead=False, logits=None):
         captured[layer] = rows.clone()
-        return original(self, layer, rows, hidden, lookahead)
+        return original(self, layer, rows, hidden, lookahead, logits)
 
     monkeypatch.setattr(PruneState, "record", spy)
     with torch.no_grad():

@@ -4,7 +4,7 @@ instance for a block, on every forward (prefill, decode, pruned or not, with or 
 Where it acts: the input of each planted layer's attention output projection (`o_proj`), which holds the query
 heads' outputs side by side. For a planted head the hook recomputes, from the layer's own q projection and the keys
 and values the layer attended over (its KV cache, or its input without one), the head's stock attention rows
-(`hap.scoring.capture.prompt_attention`: causal, padding and any merge bias, grouped-query heads expanded), plants them
+(`hap.scoring.capture.prompt_logits`: causal, padding and any merge bias, grouped-query heads expanded), plants them
 (`hap.lab.plan.plant_attention`) and writes the planted output `A' V'` for the rows after the image (the sink
 tokens' values zeroed for a planted sink). HAP's capture of the prompt rows at that layer (`decoder._record`)
 applies the same `plant_attention` through `hap.patch.hooks.ROWS`, so the pruner scores what the model runs, under
@@ -29,7 +29,7 @@ import torch
 
 from ..patch import adapter_for, hooks
 from ..patch.decoder import _cached_keys, _heads, _take, decoder_of, layer_windows
-from ..scoring.capture import prompt_attention
+from ..scoring.capture import prompt_attention, prompt_logits
 from .plan import (DEFAULT_SINK_COUNT, Plan, classifier_report, massive_activation, plant_attention, planted_values,
                    redundant_tokens)
 
@@ -164,8 +164,8 @@ class Planting:
         if not bool(rows.any()):
             return None
         valid = None if self.step_mask is None else _fit(self.step_mask, B).to(x.device).gather(1, origins).bool()
-        probs = prompt_attention(q, k, torch.arange(Tk - Tq, Tk, device=x.device), valid, attn.scaling,
-                                 self.bias(index, Tk))  # [B, H, Tq, Tk] float32
+        probs = prompt_attention(prompt_logits(q, k, torch.arange(Tk - Tq, Tk, device=x.device), valid, attn.scaling,
+                                               self.bias(index, Tk)))  # [B, H, Tq, Tk] float32
         sinks, dispersed = self.plan.at_layer(index)
         heads = sinks + dispersed
         planted = plant_attention(probs[:, heads], visual, sink, list(range(len(sinks))),

@@ -14,6 +14,7 @@ import torch
 from ..config import HAPConfig
 from ..layout import Layout
 from ..pruners import pruner_for
+from ..scoring import importance
 from . import gemma3, idefics3, internvl, llava, llava_next, qwen2_vl, qwen3_vl
 
 ADAPTERS = {
@@ -109,6 +110,7 @@ def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor 
     why = pruner_for(config).refuses(family_of(model))
     if why is not None:
         raise ValueError(f"method={config.method!r} does not run on {type(model).__name__}: {why}")
+    config = with_importance(model, config)
     if resizes_image(model, config):
         if not resized:
             raise ValueError(f"method={config.method!r} on {type(model).__name__} resizes the image before the "
@@ -117,6 +119,23 @@ def apply(model, config: HAPConfig, trace: bool = False, priority: torch.Tensor 
     patch = adapter.apply_patch(model, config, trace=trace, priority=priority, tail=tail, lead=lead)
     patch.ask(question)
     return patch
+
+
+def with_importance(model, config: HAPConfig) -> HAPConfig:
+    """`config` with its `head_importance` file found where its pruner weights heads statically (`static_heads`:
+    HAWK, head_weight="static"): the knob's file, else the model folder's (`hap.scoring.importance.FILE`).
+    ValueError naming the command that measures one where there is none, or where the file's shape is not this
+    model's [layers, heads]."""
+    if not pruner_for(config).static_heads:
+        return config
+    name = getattr(model, "name_or_path", "") or type(model).__name__
+    path = config.head_importance or importance.model_file(getattr(model, "name_or_path", None))
+    if path is None:
+        user = f"method={config.method!r}" + (" with head_weight='static'" if config.head_weight == "static" else "")
+        raise ValueError(importance.missing(user, name))
+    tc = model.config.text_config
+    importance.check_shape(importance.read(path), path, tc.num_hidden_layers, tc.num_attention_heads)
+    return replace(config, head_importance=path)
 
 
 def remove(model) -> None:
@@ -129,7 +148,7 @@ def refusal(model, config: HAPConfig) -> str | None:
     renumbered positions on M-RoPE, ...), or None when it does (a method that resizes the image: as `hap.run` runs
     it); the model is left unpatched."""
     try:
-        apply(model, config, resized=True)
+        apply(model, config, tail=0, resized=True)  # the template's tail of rows="question": a caller's input
     except ValueError as err:
         return str(err)
     remove(model)

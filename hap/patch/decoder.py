@@ -17,13 +17,15 @@ of one `Patch` object, one per step of a forward:
   RoPE (cos, sin), the position ids and rebuilds the mask for the shorter sequence, then hands those to
   every later layer, so each later layer writes a shorter KV cache. Kept tokens keep their original
   positions (no RoPE shift), except under a pruner that renumbers (`pdrop`, `visionzip`, `sparsevlm`,
-  `autoprune`, `divprune`, `vispruner`, `cdpruner`, `downsample`, as their official code does): positions 0..T'-1
+  `autoprune`, `divprune`, `vispruner`, `cdpruner`, `scope`, `holov`, `prunesid`, `hiprune`, `downsample`, as their
+  official code does): positions 0..T'-1
   after each cut. SparseVLM and AutoPrune also append their recycled tokens right after the kept visual ones;
   a pruner that reads the decoder's input (`Pruner.reads_input`: SparseVLM's raters) gets it before layer 0; a
   pruner that reads the layer before its cut (`Pruner.layer_states`: DART) gets that layer's keys and its output
   through the decoder's final norm.
 - `layer_decode`: layers after a cut get a mask sized to their own cache; under `pdrop`, `visionzip`, `sparsevlm`,
-  `autoprune`, `divprune`, `vispruner`, `cdpruner` and `downsample` also the step's positions lowered by the prompt
+  `autoprune`, `divprune`, `vispruner`, `cdpruner`, `scope`, `holov`, `prunesid`, `hiprune` and `downsample` also the
+  step's positions lowered by the prompt
   tokens dropped so far (each layer's position is its own cache length), so a generated token follows its group's
   renumbered prompt (elsewhere the unpruned positions).
 - `query_done`: a captured layer's prompt-row queries, taken from its own q projection (not recomputed).
@@ -48,7 +50,7 @@ from ..planning.flops import DecoderShape
 from ..pruners import pruner_for
 from ..pruners.cues import VisionCues
 from ..pruners.merge import add_key_bias
-from ..scoring.capture import prompt_attention
+from ..scoring.capture import prompt_attention, prompt_logits
 from .hooks import captured_rows
 from .state import PruneState
 
@@ -465,14 +467,14 @@ def _cached_keys(cache, index: int, what: str = "keys") -> torch.Tensor | None:
 def _record(st: PruneState, layer, index: int, q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor,
             rows: torch.Tensor, lookahead: bool = False, window: int | None = None) -> None:
     """The prompt rows' attention (queries `q` of the rows at positions `rows` [B, P], keys `k`; `window`: the
-    layer's sliding window) to the pruner."""
+    layer's sliding window) to the pruner, and their logits where it reads them (`Pruner.logits`)."""
     key_valid = st.key_valid()
     key_valid = None if key_valid is None else key_valid.to(q.device)
     bias = st.bias_at(index)
     bias = None if bias is None else bias.to(q.device)
-    attn = prompt_attention(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling, bias, window)
-    attn = captured_rows(layer, attn, st.visual_pos, st.kept_orig)  # as a plug-in changed them (the head lab)
-    st.record(index, attn, hidden, lookahead)
+    logits = prompt_logits(q, k, rows.to(q.device), key_valid, layer.self_attn.scaling, bias, window)
+    attn = captured_rows(layer, prompt_attention(logits), st.visual_pos, st.kept_orig)  # as a plug-in changed them
+    st.record(index, attn, hidden, lookahead, logits if st.pruner.logits else None)  # (the head lab)
 
 
 def _origin(origin: torch.Tensor | None, keep: torch.Tensor, length: int) -> torch.Tensor:

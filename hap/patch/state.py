@@ -69,8 +69,9 @@ class PruneState:
     cuts: list[CutTrace] = field(default_factory=list)
     segment_index: dict[int, torch.Tensor] = field(default_factory=dict)  # cut layer -> seq_index after it
     scoring_seconds: float = 0.0  # time in the capture (timed by the adapter) and in the cuts
-    # (layer, lookahead) -> (attn, head stats, sink tokens) of a captured layer, until the cut it scores
-    _maps: dict[tuple[int, bool], tuple[torch.Tensor, HeadStats, torch.Tensor]] = field(default_factory=dict)
+    # (layer, lookahead) -> (attn, head stats, sink tokens, logits or None) of a captured layer, until the cut it scores
+    _maps: dict[tuple[int, bool], tuple[torch.Tensor, HeadStats, torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=dict)
     _rows: dict[int, torch.Tensor] = field(default_factory=dict)  # sequence length -> row_positions
 
     @classmethod
@@ -204,16 +205,21 @@ class PruneState:
         return self.attention_mask.gather(1, self.seq_index).bool()
 
     # --- capture and cuts -------------------------------------------------------------------------
-    def record(self, layer: int, rows: torch.Tensor, hidden: torch.Tensor, lookahead: bool = False) -> None:
+    def record(self, layer: int, rows: torch.Tensor, hidden: torch.Tensor, lookahead: bool = False,
+               logits: torch.Tensor | None = None) -> None:
         """Store layer `layer`'s prompt rows.
 
         rows [batch, heads, P, T_cur] attention probabilities over every key; hidden [batch, T_cur, d]
-        the layer's input hidden states (for the sink detector). A lookahead capture (before the
-        layer's own cut) only scores that cut; the layer's trace comes from its capture after the cut.
+        the layer's input hidden states (for the sink detector); logits [batch, heads, P, T_cur] the rows' scaled
+        q.k before the softmax, for a pruner that reads them (`Pruner.logits`), else None. A lookahead capture
+        (before the layer's own cut) only scores that cut; the layer's trace comes from its capture after the cut.
         """
         device = self.visual_pos.device  # the layer may sit on another device (a model split over GPUs)
         vp = self.visual_pos.to(rows.device)
-        attn = rows.gather(3, vp[:, None, None, :].expand(*rows.shape[:3], -1)).to(device)  # [B, H, P, N_cur]
+        columns = vp[:, None, None, :].expand(*rows.shape[:3], -1)
+        attn = rows.gather(3, columns).to(device)  # [B, H, P, N_cur]
+        if logits is not None:
+            logits = logits.gather(3, columns).to(device)  # [B, H, P, N_cur]
         vis_hidden = hidden.expand(vp.shape[0], -1, -1).gather(1, vp.to(hidden.device)[..., None].expand(
             -1, -1, hidden.shape[-1]))  # a fanned-out prefill's layers before its first cut run at batch 1
         c = self.config
@@ -221,7 +227,7 @@ class PruneState:
                             c.consensus_quorum, c.consensus_tokens)
         stats = head_stats(attn, self.row_valid, sink)
         if lookahead or layer in self.scoring_layers:
-            self._maps[(layer, lookahead)] = (attn, stats, sink)
+            self._maps[(layer, lookahead)] = (attn, stats, sink, logits)
         if self.tracer is not None and not lookahead:
             self.tracer.layer(layer, attn, stats, sink, self.row_valid, self.kept_orig)
 
@@ -240,21 +246,23 @@ class PruneState:
         g = self.cut_index(layer)
         starts = [0] + self.schedule.cuts
         scored = self.pruner.scoring_layers((starts[g], layer))
-        attn = paq = weights = sink = None
+        attn = paq = weights = sink = logits = None
         map_keys = [(l, l == layer) for l in scored]
         if scored:
             maps = [self._maps[key] for key in map_keys]
             attn = torch.stack([m[0] for m in maps], 1)  # [B, Lg, H, P, N_cur]
             paq = torch.stack([m[1].paq for m in maps], 1)  # [B, Lg, H]
-            weights = self.pruner.head_weights(paq, torch.stack([m[1].visual_share for m in maps], 1))
+            weights = self.pruner.head_weights(paq, torch.stack([m[1].visual_share for m in maps], 1), scored)
             sink = torch.stack([m[2] for m in maps]).any(0)  # [B, N_cur] a sink in any scoring layer
+            if self.pruner.logits:
+                logits = torch.stack([m[3] for m in maps], 1)  # [B, Lg, H, P, N_cur]
             if self.tracer is not None:
-                self.tracer.cut(layer, attn, paq, self.row_valid, self.kept_orig)
+                self.tracer.cut(layer, attn, weights, self.row_valid, self.kept_orig)
         n_cur = self.visual_pos.shape[1]
         s = self.schedule
         budget = (s.planned or s.kept)[g]
         selection = self.pruner.select(self, Cut(g, budget, attn, weights, sink, visual_embeds, keys, normed,
-                                                 whole_embeds))
+                                                 whole_embeds, logits))
         chosen, scores = selection.chosen, selection.scores
         k = chosen.shape[1]
         B, T = self.seq_index.shape
@@ -350,10 +358,7 @@ class PruneState:
         cues = self.vision
         if cues is None or (cues.places is None and cues.cls_attention.shape != self.visual_pos.shape):
             raise ValueError("the vision tower's [CLS] attention of this prefill is missing: pass pixel_values")
-        device = self.visual_pos.device
-        return VisionCues(cues.cls_attention.to(device), cues.keys.to(device), cues.features.to(device), cues.project,
-                          cues.heads, None if cues.image_embeds is None else cues.image_embeds.to(device),
-                          None if cues.places is None else [p.to(device) for p in cues.places])
+        return cues.to(self.visual_pos.device)
 
     def decode_attention_mask(self, layer: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """2-D mask for a decode step in the group starting at cut `layer`.

@@ -20,6 +20,7 @@ needs captured, where it cuts, how it selects and how positions continue:
     dart       1 at K (>= 1)         - (layer K-1's keys: pivots; its final-normed output: least similar)  original
     vispruner  1 before layer 0      - (the tower's [CLS] attention, then duplicate removal)  -         renumbered
     cdpruner   1 before layer 0      - (DPP on the projected tokens x CLIP relevance to the raw question)  renumbered
+    hawk       1 before layer 0      question; layer 0's q.k before RoPE, L2-normalised per head  static (a file)  original
     downsample 1 before layer 0      - (each view's grid average-pooled, no scoring)  -                renumbered
                (Qwen2-VL family: the image resized before the processor, no cut)
     none       no cuts
@@ -39,6 +40,9 @@ The 2025 pruners (`divprune`, `dart`, `vispruner`, `cdpruner`, `downsample`) kee
 the same inputs (docs/method.md §7); their rules are pure tensor functions in their modules, the executor hands them
 the cues they name (`Pruner.embeds`, `cls_cues`, `clip`, `layer_states`), and a family a rule does not carry over to
 is refused before any work (`Pruner.refuses`, the adapters' [CLS] and M-RoPE refusals).
+`hawk` (CVPR 2026) reads layer 0's pre-RoPE logits (`Pruner.logits`) and a model's static head importance
+(`Pruner.static_heads`: the `head_importance` knob's file, else the model folder's, found by `hap.patch.apply`, which
+refuses without one and names the command that measures it; HAP's `head_weight="static"` reads the same file).
 
 HAP's own knobs beyond the paper (docs/method.md §10: `head_weight`, `sink_ranking`, `score_layers`, `merge`, `diversity`,
 `first_cut`) shape the `hap` pruner only; the baselines score as published (`rows` applies to `uniform` too).

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from ..scoring.fusion import fuse, fusion_weights, row_mean, select_top, token_scores
+from .cues import TowerRead
 
 if TYPE_CHECKING:
     from ..config import HAPConfig
@@ -73,6 +74,8 @@ class Cut:
     keys: torch.Tensor | None = None
     normed: torch.Tensor | None = None
     whole_embeds: torch.Tensor | None = None  # [batch, R, D] the image's tokens beyond the visual ones (`whole_tokens`)
+    logits: torch.Tensor | None = None  # [batch, layers, heads, P, visual] the scoring layers' q.k / sqrt(d) before
+    #                                     the softmax (`Pruner.logits`, else None)
 
 
 @dataclass
@@ -106,7 +109,10 @@ class Pruner:
     fixed_rows: ClassVar[str | None] = None  # the prompt rows it always scores with (None: the `rows` knob)
     # what it needs captured
     maps: ClassVar[bool] = True  # decoder attention maps of the scoring layers
+    logits: ClassVar[bool] = False  # those maps' logits before the softmax too (`Cut.logits`; HAWK)
     cls_cues: ClassVar[bool] = False  # the vision tower's [CLS] cues (`hap.pruners.visionzip.VisionCues`)
+    tower: ClassVar[tuple[TowerRead, ...]] = ()  # tower layers whose attention / hidden states it reads, captured
+    #                                             once per image from q and k (`VisionCues.layers`); implies cls_cues
     clip: ClassVar[bool] = False  # CLIP's projections of those cues and of the raw question (`clip_model`:
     #                             `VisionCues.image_embeds`, `State.question`; CDPruner)
     crops: ClassVar[bool] = False  # those cues per crop where the tower encodes the image's crops apart (LLaVA-NeXT's
@@ -146,8 +152,8 @@ class Pruner:
 
     @property
     def needs_cls(self) -> bool:
-        """Whether a cut uses the vision tower's [CLS] cues."""
-        return self.cls_cues
+        """Whether a cut uses the vision tower's [CLS] cues (the feature layer's, or other layers', `tower`)."""
+        return self.cls_cues or bool(self.tower)
 
     @classmethod
     def official_schedule(cls, budget: int, num_visual: int, num_layers: int) -> Schedule:
@@ -230,9 +236,14 @@ class Pruner:
         """Whether cut `cut_index` recycles its dropped tokens."""
         return self.recycle
 
-    def head_weights(self, paq: torch.Tensor, visual_share: torch.Tensor) -> torch.Tensor:
-        """The fusion weights of the scoring heads, `paq`, `visual_share` [batch, layers, heads] -> the same shape,
-        summing to 1 per sample: softmax(PAQ / T)."""
+    @property
+    def static_heads(self) -> bool:
+        """Whether it weights heads by the static head importance of the `head_importance` knob's file."""
+        return False
+
+    def head_weights(self, paq: torch.Tensor, visual_share: torch.Tensor, layers: list[int]) -> torch.Tensor:
+        """The fusion weights of the scoring heads of decoder layers `layers`, `paq`, `visual_share`
+        [batch, layers, heads] -> the same shape, summing to 1 per sample: softmax(PAQ / T)."""
         return fusion_weights(paq, self.temperature)
 
     def scores(self, state: State, cut: Cut) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..diversity import select as select_diverse
+from ..scoring import importance
 from ..scoring.fusion import fuse, fusion_weights, token_scores
 from .base import Pruner, Selection, rank_sinks
 
@@ -15,6 +16,8 @@ from .base import Pruner, Selection, rank_sinks
 @dataclass(frozen=True)
 class Hap(Pruner):
     visual_weights: bool = False  # head weights x visual share (head_weight="paq_visual")
+    static: bool = False  # head_weight="static": heads weighted by their static importance instead of PAQ
+    importance: str | None = None  # that importance's file (the `head_importance` knob, resolved by `hap.patch.apply`)
     sink_ranking: str = "keep"  # sink tokens at a cut: "keep", "mask" or "mask_keep_one"
     diversity: float = 0.0  # w of relevance + w log(residual) of a conditional DPP (`hap.diversity`); 0: top-k
 
@@ -25,7 +28,13 @@ class Hap(Pruner):
     def from_config(cls, config):
         return cls(config.groups, config.rows, config.score_layers == "segment", config.temperature,
                    merge=config.merge, first_cut=config.first_cut, visual_weights=config.head_weight == "paq_visual",
+                   static=config.head_weight == "static", importance=config.head_importance,
                    sink_ranking=config.sink_ranking, diversity=config.diversity)
+
+    @property
+    def static_heads(self) -> bool:
+        """head_weight="static" reads the static head importance file."""
+        return self.groups > 0 and self.static
 
     @property
     def embeds(self) -> bool:
@@ -43,8 +52,11 @@ class Hap(Pruner):
             return []
         return super().scoring_layers(segment)
 
-    def head_weights(self, paq, visual_share):
-        """softmax(PAQ / T), times the visual share under head_weight="paq_visual"."""
+    def head_weights(self, paq, visual_share, layers):
+        """softmax(PAQ / T), times the visual share under head_weight="paq_visual"; under head_weight="static" the
+        static importance of the scoring layers' heads instead (`hap.scoring.importance.layer_weights`)."""
+        if self.static:
+            return importance.layer_weights(importance.read(self.importance), layers, paq.shape[0]).to(paq.device)
         return fusion_weights(paq, self.temperature, visual_share if self.visual_weights else None)
 
     def scores(self, state, cut):

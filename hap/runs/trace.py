@@ -14,7 +14,7 @@ import torch
 
 from ..config import HAPConfig
 from ..planning.flops import FLOPS_CONVENTION, DecoderShape, Schedule
-from ..scoring.fusion import group_map, head_fusion, token_scores
+from ..scoring.fusion import fuse, head_fusion, token_scores
 from ..scoring.heads import HeadStats, classify, visual_distribution
 
 STATS = ("sink_share", "dispersion", "visual_share", "paq")
@@ -97,11 +97,13 @@ class Tracer:
         out.cut_maps = {l: tuple(moved(m) for m in maps) for l, maps in self.cut_maps.items()}
         return out
 
-    def cut(self, layer: int, attn: torch.Tensor, paq: torch.Tensor, row_valid: torch.Tensor,
+    def cut(self, layer: int, attn: torch.Tensor, weights: torch.Tensor, row_valid: torch.Tensor,
             kept: torch.Tensor) -> None:
-        """The group maps that scored the cut entering `layer`: attn [batch, layers, heads, P, N_cur],
-        paq [batch, layers, heads], kept long [batch, N_cur] original indices of the tokens before the cut."""
-        maps = (token_scores(group_map(attn, paq, t), row_valid) for t in (self.temperature, math.inf))
+        """The group maps that scored the cut entering `layer`: attn [batch, layers, heads, P, N_cur] fused with the
+        head weights the method used, `weights` [batch, layers, heads] (softmax(PAQ / T), or static ones), and with
+        uniform ones; kept long [batch, N_cur] original indices of the tokens before the cut."""
+        uniform = torch.full_like(weights, 1.0 / weights[0].numel())
+        maps = (token_scores(fuse(attn, w), row_valid) for w in (weights, uniform))
         self.cut_maps[layer] = tuple(on_grid(m, kept, self.num_visual) for m in maps)
 
 

@@ -73,13 +73,14 @@ def group_map_panels(data: ViewData) -> Panels:
 
 
 def comparison_panels(data: ViewData) -> Panels:
-    """The uniform head average of every group (first row), then the PAQ-weighted maps with their top-k overlap."""
+    """The uniform head average of every group (first row), then the maps the run fused with its own head weights
+    (PAQ, static; `ViewData.weighting`) with their top-k overlap."""
     uniform, weighted = [], []
     for g in data.groups:
         k, plain, paq = len(g.kept), data.group_uniform[g.index], data.group_maps[g.index]
         shared = len(top_k(plain, k) & top_k(paq, k))
         uniform += data.panels(f"group {g.index}: uniform average", plain)
-        weighted += data.panels(f"group {g.index}: PAQ-weighted\n{shared} of the top {k} shared", paq)
+        weighted += data.panels(f"group {g.index}: {data.weighting}\n{shared} of the top {k} shared", paq)
     return Panels(uniform + weighted, data.grid, cols=max(1, len(data.groups) * data.views_count()))
 
 

@@ -121,3 +121,28 @@ def token_panels(data: ViewData, tokens) -> Panels:
 
 def tokens_plotly(data: ViewData, tokens, title: str) -> go.Figure:
     return panels_plotly(token_panels(data, tokens), title)
+
+
+def head_weights_plotly(layers: list[int], rows: dict[str, np.ndarray], title: str) -> go.Figure:
+    """Per-head measures of the same heads side by side, one heat-row per measure and layer: `rows` maps a measure's
+    name ("static importance", "PAQ weight", "utility") to `[len(layers), heads]` values (NaN: not measured), each
+    drawn on its own colour scale from 0 to its largest value so the rows line up head by head."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    names = list(rows)
+    fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=names)
+    scales = ("Blues", "Oranges", "Greens")
+    for i, name in enumerate(names):
+        values = np.asarray(rows[name], dtype=float)
+        high = float(np.nanmax(values)) if np.isfinite(values).any() else 1.0
+        fig.add_trace(go.Heatmap(
+            z=values, x=list(range(values.shape[1])), y=[f"layer {layer}" for layer in layers],
+            colorscale=scales[i % len(scales)], zmin=0.0, zmax=high or 1.0, hoverongaps=False,
+            colorbar=dict(title=name.split()[0], len=1 / len(names), y=1 - (i + 0.5) / len(names)),
+            hovertemplate=f"%{{y}} head %{{x}}<br>{name} %{{z:.3f}}<extra></extra>",
+        ), row=i + 1, col=1)
+    fig.update_xaxes(title_text="head", dtick=tick(len(rows[names[0]][0])), row=len(names), col=1)
+    fig.update_layout(title=title, height=120 + 70 * len(names) * max(1, len(layers)),
+                      margin=dict(l=70, r=20, t=70, b=40))
+    return fig

@@ -122,6 +122,7 @@ class ViewData:
     layout: Layout | None = None  # where each visual token lies on the uploaded image (`hap.layout`); None or one
     #                               view over the whole image: `image` and `grid` say it all
     view_images: tuple[np.ndarray, ...] = ()  # [views] the uploaded image under each view of a tiled `layout`
+    weighting: str = "PAQ-weighted"  # how the run fused its heads (`head_weighting`): the maps `group_maps` hold
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -151,7 +152,7 @@ class ViewData:
             groups=result.groups, method=result.method, temperature=result.config["temperature"],
             merged=result.method == DEFAULT and result.config["merge"] != "none",
             visual_per_layer=list(result.visual_per_layer), curve=result.curve, layout=layout if tiled else None,
-            view_images=view_images,
+            view_images=view_images, weighting=head_weighting(result.config),
         )
         return data.at_layer(default_layer(result.groups, stats[..., 0]) if layer is None else layer)
 
@@ -202,14 +203,27 @@ class ViewData:
         return [(g.layers[0], f"group {g.index}: {len(g.kept)} of {self.shape[2]} tokens") for g in self.groups]
 
     def title_fields(self) -> dict[str, str]:
-        """What view titles may name: {method}, {temperature}, {layer}, {classes}, {grounding}, {curve}."""
+        """What view titles may name: {method}, {temperature}, {layer}, {classes}, {grounding}, {curve},
+        {weighting}."""
         counts = class_counts(self.head_class)
         c = self.curve
         curve = "" if c is None else (f"; AutoPrune MI_1 {c['mi1']:.3f} -> slope {c['slope']:.3f} "
                                       f"(budget {c['budget']}, S {c['first_keep']})")
         return dict(method=self.method, temperature=f"{self.temperature:g}", layer=str(self.layer),
                     classes=", ".join(f"{n} {c}" for c, n in counts.items()), grounding=grounding_caption(self.truth),
-                    curve=curve)
+                    curve=curve, weighting=self.weighting)
+
+
+def head_weighting(config: dict) -> str:
+    """How a run of `config` (`Result.config`) fused its heads, for the titles of its fused maps: by the static head
+    importance (HAWK, head_weight="static"), alike (T = inf: the head average), or by softmax(PAQ / T)."""
+    from ..config import HAPConfig
+    from ..pruners import pruner_for
+
+    pruner = pruner_for(HAPConfig(**config))
+    if pruner.static_heads:
+        return "static-weighted"
+    return "uniform (the method's)" if math.isinf(pruner.temperature) else "PAQ-weighted"
 
 
 def _array(values) -> np.ndarray:

@@ -66,7 +66,8 @@ VIEWS: tuple[View, ...] = (
     View("group_maps", "Per group, after layer fusion", "After layer fusion: the map that chose each group's tokens",
          group_map_panels, panels_plotly, panels_draw),
     View("uniform_vs_paq", "Uniform average vs PAQ weighting",
-         "Uniform head averaging (top) vs PAQ weighting (bottom)", comparison_panels, panels_plotly, panels_draw),
+         "Uniform head averaging (top) vs the run's own: {weighting} (bottom)", comparison_panels, panels_plotly,
+         panels_draw),
 )
 VIEW = {v.name: v for v in VIEWS}
 
