@@ -56,7 +56,7 @@ class Hap(Pruner):
         """softmax(PAQ / T), times the visual share under head_weight="paq_visual"; under head_weight="static" the
         static importance of the scoring layers' heads instead (`hap.scoring.importance.layer_weights`)."""
         if self.static:
-            return importance.layer_weights(importance.read(self.importance), layers, paq.shape[0]).to(paq.device)
+            return importance.static_weights(self.importance, layers, paq)
         return fusion_weights(paq, self.temperature, visual_share if self.visual_weights else None)
 
     def scores(self, state, cut):

@@ -52,7 +52,7 @@ class Hawk(Pruner):
 
     def head_weights(self, paq, visual_share, layers):
         """The static weights of the scoring layer's heads (layer 0's), as reported with the run."""
-        return importance.layer_weights(importance.read(self.importance), layers, paq.shape[0]).to(paq.device)
+        return importance.static_weights(self.importance, layers, paq)
 
     def scores(self, state, cut):
         """`hawk_scores` of layer 0's pre-RoPE logits with its static head weights."""

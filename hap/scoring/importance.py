@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 FILE = "head_importance.json"  # the file a model folder may carry
-COMMAND = "python -m analysis.head_importance --model {model} --scenes 400000:400032 --out {out}"
+COMMAND = "python -m analysis.head_importance --model {model} --scenes 400000:400050 --per-scene 2 --out {out}"
 
 
 def model_file(folder: str | None) -> str | None:
@@ -87,6 +87,12 @@ def layer_weights(weights: torch.Tensor, layers: list[int], batch: int) -> torch
     total = w.sum()
     w = w / total if total > 0 else torch.full_like(w, 1.0 / w.numel())
     return w.expand(batch, *w.shape)
+
+
+def static_weights(path: str | None, layers: list[int], paq: torch.Tensor) -> torch.Tensor:
+    """The static fusion weights of decoder layers `layers` from the file at `path`, shaped and placed as the cut's
+    `paq [batch, len(layers), heads]` (`layer_weights`): what a statically weighted pruner's `head_weights` returns."""
+    return layer_weights(read(path), layers, paq.shape[0]).to(paq.device)
 
 
 def write(path: str | Path, weights: torch.Tensor, **provenance) -> None:
