@@ -122,11 +122,12 @@ def test_hawk_scores_follow_the_released_rule_with_grouped_keys():
     q, k = torch.randn(1, H, P, d), torch.randn(1, KV, V, d)
     weights = torch.rand(H)
     logits = prompt_logits(q, k, torch.full((P,), V + 10), None, 1 / math.sqrt(d))  # every row sees every key
-    got = select_top(hawk_scores(logits, torch.ones(1, P, dtype=torch.bool), weights / weights.sum()), 7)
+    got = select_top(hawk_scores(logits, torch.ones(1, P, dtype=torch.bool), (weights / weights.sum())[None]), 7)
     assert got[0].tolist() == reference_hawk(q, k, weights, 7)
     padded = torch.cat([logits, torch.full((1, H, 2, V), float("-inf"))], 2)  # rows that do not count
     valid = torch.tensor([[True] * P + [False] * 2])
-    torch.testing.assert_close(hawk_scores(padded, valid, weights), hawk_scores(logits, valid[:, :P], weights))
+    torch.testing.assert_close(hawk_scores(padded, valid, weights[None]),
+                               hawk_scores(logits, valid[:, :P], weights[None]))
 
 
 def test_hawk_keeps_what_its_rule_keeps_on_the_model(tiny, tmp_path):

@@ -22,14 +22,14 @@ _EPS = 1e-12  # torch.nn.functional.normalize's floor on the norm, as the offici
 
 def hawk_scores(logits: torch.Tensor, row_valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """HAWK's token scores: `logits [batch, heads, P, visual]` the rows' q.k / sqrt(d) (pre-RoPE), `row_valid` bool
-    [batch, P] the question's rows, `weights [heads]` the heads' static weights -> `[batch, visual]`: per head the
-    mean over the valid rows, NaN / inf -> 0, L2-normalised over the visual tokens, summed with the weights."""
+    [batch, P] the question's rows, `weights [batch, heads]` the heads' static weights -> `[batch, visual]`: per head
+    the mean over the valid rows, NaN / inf -> 0, L2-normalised over the visual tokens, summed with the weights."""
     valid = row_valid[:, None, :, None].to(torch.float32)
     rows = logits.float().nan_to_num(0.0, posinf=0.0, neginf=0.0) * valid  # a masked key's -inf never reaches the mean
     mean = rows.sum(2) / valid.sum(2).clamp_min(1)  # [B, H, V]
     mean = mean.nan_to_num(0.0, posinf=0.0, neginf=0.0)
     unit = mean / mean.norm(dim=-1, keepdim=True).clamp_min(_EPS)
-    return (unit * weights.to(unit)[None, :, None]).sum(1)
+    return (unit * weights.to(unit)[:, :, None]).sum(1)
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,9 @@ class Hawk(Pruner):
         return importance.static_weights(self.importance, layers, paq)
 
     def scores(self, state, cut):
-        """`hawk_scores` of layer 0's pre-RoPE logits with its static head weights."""
-        weights = importance.read(self.importance)[0]  # layer 0's heads
-        return hawk_scores(cut.logits[:, 0], state.row_valid.to(cut.logits.device), weights)
+        """`hawk_scores` of layer 0's pre-RoPE logits with its static head weights (`cut.weights`, the ones reported
+        with the run)."""
+        return hawk_scores(cut.logits[:, 0], state.row_valid.to(cut.logits.device), cut.weights[:, 0])
 
 
 PRUNER = Hawk
